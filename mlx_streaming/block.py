@@ -1,0 +1,127 @@
+"""The streaming expert block that replaces mlx-lm's ``SwitchGLU`` /
+``SwitchMLP``.
+
+``StreamingExperts`` keeps the model's own expert module (``inner``: its
+activation, biases and ``gather_qmm``/``gather_mm`` arguments), whose
+projections now hold ``[slots, ...]`` pool arrays instead of
+``[num_experts, ...]`` weights. The router's expert ids are turned into slot
+ids and the inner module runs unchanged, so the numerics are mlx-lm's.
+
+How ids become slots is a residency strategy chosen at load:
+
+- ``Resident``: the pool holds every expert in the slot of its own index, so
+  the ids are the slots: no remap, no host sync.
+- ``Paged``: a partial pool. One host sync per call evaluates the router's
+  ids; misses are read into least-recently-used slots; the ids are remapped
+  to slots on the device with the layer's table.
+"""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .prefetch import NoPrefetch
+from .stats import Events
+from .store import ExpertStore
+
+
+class StreamingExperts(nn.Module):
+    """Drop-in for ``SwitchGLU``/``SwitchMLP``: same ``(x, indices)`` call,
+    same output, experts gathered from a slot pool."""
+
+    def __init__(self, inner: nn.Module, residency):
+        super().__init__()
+        self.inner = inner
+        self.residency = residency
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return self.residency(self.inner, x, indices)
+
+
+def _tokens(indices: mx.array) -> int:
+    return indices.size // indices.shape[-1]
+
+
+class Resident:
+    """Every expert resident with slot == expert id: mlx-lm's own call."""
+
+    def __init__(self, layer: int, events: Events):
+        self.layer = layer
+        self.events = events
+
+    def __call__(self, inner, x, indices):
+        self.events.on_call(self.layer, _tokens(indices))
+        self.events.on_lookup(self.layer, indices.size, 0)
+        return inner(x, indices)
+
+
+class Paged:
+    """A partial pool: sync once, fill misses, remap ids to slots on device.
+
+    Safety rule for writing slots in place: every output computed from the
+    pool is kept in ``pending`` until the next host sync, which evaluates it
+    together with the router's ids. So when ``ensure`` overwrites a slot, no
+    computation that reads the pool is pending or in flight.
+    """
+
+    def __init__(self, store: ExpertStore, events: Events, prefetch=None):
+        self.store = store
+        self.layer = store.layer
+        self.events = events
+        self.prefetch = prefetch or NoPrefetch()
+        self.pending = []
+
+    def __call__(self, inner, x, indices):
+        tokens = _tokens(indices)
+        predicted = self.prefetch.predict(x, tokens)
+        # The one host sync of this call: the ids, the prediction for the
+        # next layer, and every earlier reader of this pool.
+        mx.eval(indices, *self.pending, *predicted)
+        self.pending = []
+        self.events.on_sync(self.layer)
+        self.events.on_call(self.layer, tokens)
+        self.prefetch.issue(predicted)
+
+        ids = np.array(indices)
+        self.events.on_route(self.layer, ids)
+        hits = int(self.store.resident(ids).sum())
+        self.events.on_lookup(self.layer, hits, ids.size - hits)
+
+        experts = np.unique(ids)
+        if len(experts) <= self.store.pool.slots:
+            self.store.ensure(experts)
+            y = inner(x, self.store.pool.table[indices])
+            self.pending.append(y)
+        else:
+            y = self._chunked(inner, x, indices, ids, experts)
+        self.store.drop_staged()
+        return y
+
+    def _chunked(self, inner, x, indices, ids, experts):
+        """More distinct experts than slots: run the (token, expert) pairs in
+        groups of experts that fit, each group evaluated before the next one
+        overwrites slots. Every pair is computed exactly as in one call
+        because expert matmuls are independent per row."""
+        slots = self.store.pool.slots
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        token_of_pair = np.arange(flat.size) // k
+        x_rows = x.reshape(-1, x.shape[-1])
+        # Resident experts first: the first group then reads nothing.
+        resident = self.store.resident(experts)
+        order = np.concatenate([experts[resident], experts[~resident]])
+        outputs, pair_order = [], []
+        for c in range(math.ceil(len(order) / slots)):
+            group = order[c * slots : (c + 1) * slots]
+            self.store.ensure(group)
+            pairs = np.nonzero(np.isin(flat, group))[0]
+            slot_ids = self.store.pool.slot_of_expert[flat[pairs]]
+            y = inner(x_rows[mx.array(token_of_pair[pairs])], mx.array(slot_ids)[:, None])
+            mx.eval(y)
+            outputs.append(y[:, 0])
+            pair_order.append(pairs)
+        inverse = np.argsort(np.concatenate(pair_order))
+        y = mx.concatenate(outputs)[mx.array(inverse)]
+        return y.reshape(*indices.shape, y.shape[-1])

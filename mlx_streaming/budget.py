@@ -1,0 +1,83 @@
+"""Sizing the slot pools from a memory budget."""
+
+import os
+import subprocess
+
+from .config import StreamConfig
+from .errors import BudgetError
+from .format import Manifest
+
+GB = 1e9
+
+
+def free_memory_bytes() -> int:
+    """Memory that is free right now: not counting reclaimable page cache or
+    inactive pages, which the expert reads themselves would refill."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemFree:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return _macos_free_bytes()
+
+
+def _macos_free_bytes() -> int:
+    out = subprocess.run(["vm_stat"], capture_output=True, text=True, check=True).stdout
+    page = int(out.split("page size of ")[1].split()[0])
+    for line in out.splitlines():
+        if line.startswith("Pages free:"):
+            return int(line.split()[-1].rstrip(".")) * page
+    raise BudgetError("cannot read free memory; pass cache_gb / --cache-gb")
+
+
+def bytes_per_slot(manifest: Manifest) -> int:
+    """Bytes one slot costs summed over all layers (uniform slots)."""
+    return sum(l.expert_nbytes for l in manifest.layers)
+
+
+def min_slots(manifest: Manifest) -> int:
+    """Slots one call needs: a decode token's experts in every layer."""
+    return max(l.top_k for l in manifest.layers)
+
+
+def max_slots(manifest: Manifest) -> int:
+    return max(l.num_experts for l in manifest.layers)
+
+
+def plan_slots(manifest: Manifest, cfg: StreamConfig, spine_bytes: int) -> int:
+    """Slots per layer for this config.
+
+    Raises:
+        BudgetError: the budget holds fewer experts per layer than one call
+            needs; the message names the minimum.
+    """
+    need = min_slots(manifest)
+    per_slot = bytes_per_slot(manifest)
+    if cfg.slots_per_layer is not None:
+        slots = cfg.slots_per_layer
+        if slots < need:
+            raise BudgetError(
+                f"slots_per_layer={slots} is below the minimum of {need} "
+                "(the experts one token routes to); use at least that"
+            )
+        return min(slots, max_slots(manifest))
+
+    if cfg.cache_gb is not None:
+        budget = cfg.cache_gb * GB
+        source = f"cache budget {cfg.cache_gb:g} GB"
+    else:
+        free = free_memory_bytes()
+        budget = free - cfg.reserve_gb * GB - spine_bytes
+        source = (
+            f"free memory ({free / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve "
+            f"and {spine_bytes / GB:.2f} GB spine)"
+        )
+    slots = int(budget // per_slot)
+    if slots < need:
+        raise BudgetError(
+            f"{source} holds {max(slots, 0)} experts per layer, below the minimum of "
+            f"{need}: use --cache-gb {need * per_slot / GB:.3f} or more"
+        )
+    return min(slots, max_slots(manifest))

@@ -1,0 +1,51 @@
+"""The ``mlx_streaming`` command: one subcommand per module.
+
+    mlx_streaming convert  --model SRC --out DST [-q]
+    mlx_streaming generate --model DIR --prompt "..."
+    mlx_streaming demo
+    mlx_streaming bench {decode,cache,verify,prefill,io} ...
+    mlx_streaming verify   DIR
+"""
+
+import importlib
+import sys
+from typing import Callable, List, Optional
+
+from .errors import StreamingError
+
+COMMANDS = {
+    "convert": "mlx_streaming.convert",
+    "generate": "mlx_streaming.generate",
+    "demo": "mlx_streaming.demo",
+    "bench": "mlx_streaming.bench.__main__",
+    "verify": "mlx_streaming.verify",
+}
+
+
+def run_main(body: Callable[[], int]) -> int:
+    """Run a command body; a ``StreamingError`` becomes one line on stderr
+    and exit status 1, never a traceback."""
+    try:
+        return body() or 0
+    except StreamingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    module = importlib.import_module(COMMANDS[argv[0]])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Errors meant for the user: one line that says what went wrong and what to
+do next. The command-line entry points print them without a traceback."""
+
+
+class StreamingError(Exception):
+    """Base class of every error this package reports to the user."""
+
+
+class FormatError(StreamingError):
+    """A stream directory is missing, incomplete or of an unknown version."""
+
+
+class CorruptExpertError(FormatError):
+    """An expert record is truncated or fails its checksum."""
+
+    def __init__(self, layer: int, expert: int, what: str):
+        self.layer = layer
+        self.expert = expert
+        super().__init__(
+            f"layer {layer}, expert {expert}: {what}; re-convert the model "
+            "(`mlx_streaming verify DIR` lists every damaged record)"
+        )
+
+
+class ExpertReadError(StreamingError):
+    """Reading expert bytes from disk failed."""
+
+
+class BudgetError(StreamingError):
+    """The expert cache budget cannot hold what one call needs."""
+
+
+class ConversionError(StreamingError):
+    """A model cannot be converted to a stream directory."""

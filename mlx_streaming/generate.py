@@ -1,0 +1,134 @@
+"""Generate text from a stream directory, streaming experts from SSD.
+
+    python -m mlx_streaming.generate --model DIR --prompt "..." --max-tokens N
+        [--cache-gb X] [--temp T] [--stats-json FILE]
+
+Ends with prompt and decode tok/s, expert hit rate, GB read, read GB/s and
+peak memory; ``--stats-json`` writes them (and the per-layer counters).
+"""
+
+import argparse
+import json
+import sys
+
+import mlx.core as mx
+
+from .cli import run_main
+from .config import IO_CHOICES, PREFETCH_CHOICES, StreamConfig
+
+DEFAULT_PROMPT = "def "
+DEFAULT_MAX_TOKENS = 100
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx_streaming generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--cache-gb", type=float, default=None,
+                   help="expert cache for all layers in GB (default: from free memory)")
+    p.add_argument("--slots-per-layer", type=int, default=None,
+                   help="experts resident per layer (overrides --cache-gb)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--io", choices=IO_CHOICES, default="auto")
+    p.add_argument("--direct-io", action="store_true", help="uncached expert reads")
+    p.add_argument("--io-threads", type=int, default=None)
+    p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default="off")
+    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--stats-json", default=None, help="write the run's numbers here")
+    p.add_argument("--trace", default=None, help="write the routing of every MoE call here")
+    return p
+
+
+def config_from_args(args) -> StreamConfig:
+    options = dict(
+        cache_gb=args.cache_gb,
+        slots_per_layer=args.slots_per_layer,
+        io=args.io,
+        direct_io=args.direct_io,
+        prefetch=args.prefetch,
+        trace=args.trace,
+    )
+    if args.io_threads is not None:
+        options["io_threads"] = args.io_threads
+    return StreamConfig(**options)
+
+
+def format_prompt(tokenizer, prompt: str, ignore_template: bool):
+    if ignore_template or getattr(tokenizer, "chat_template", None) is None:
+        return prompt
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def summarize(response, report: dict) -> dict:
+    t = report["total"]
+    return {
+        "prompt_tokens": response.prompt_tokens,
+        "prompt_tps": response.prompt_tps,
+        "generation_tokens": response.generation_tokens,
+        "generation_tps": response.generation_tps,
+        "peak_memory_gb": response.peak_memory,
+        "hit_rate": t["hit_rate"],
+        "gb_read": t["bytes_read"] / 1e9,
+        "read_gb_per_s": t["read_gb_per_s"],
+        "io": report["io"],
+        "residency": report["residency"],
+        "slots_per_layer": report["slots_per_layer"],
+        "num_experts": report["num_experts"],
+        "cache_gb": report["cache_bytes"] / 1e9,
+        "syncs_per_token": t["syncs"] / max(1, t["tokens"] // max(1, report["moe_layers"])),
+        "prefetch": report["prefetch_decision"],
+    }
+
+
+def print_summary(s: dict) -> None:
+    hit = "n/a" if s["hit_rate"] is None else f"{s['hit_rate']:.1%}"
+    rate = "n/a" if s["read_gb_per_s"] is None else f"{s['read_gb_per_s']:.2f} GB/s"
+    print(
+        f"prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s | "
+        f"decode: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s\n"
+        f"experts: hit rate {hit}, {s['gb_read']:.3f} GB read, {rate} | "
+        f"{s['slots_per_layer']}/{s['num_experts']} slots per layer ({s['cache_gb']:.3f} GB) | "
+        f"peak memory {s['peak_memory_gb']:.3f} GB | io {s['io']}",
+        file=sys.stderr,
+    )
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+
+    def body():
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        from .loader import load
+        from .stats import stats
+
+        mx.random.seed(args.seed)
+        model, tokenizer = load(args.model, config=config_from_args(args))
+        prompt = format_prompt(tokenizer, args.prompt, args.ignore_chat_template)
+        sampler = make_sampler(args.temp, args.top_p)
+        response = None
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                        sampler=sampler):
+            print(response.text, end="", flush=True)
+        print()
+        if response is None:
+            return 0
+        report = stats(model)
+        summary = summarize(response, report)
+        print_summary(summary)
+        if args.stats_json:
+            with open(args.stats_json, "w") as f:
+                json.dump({"summary": summary, "stats": report}, f, indent=1)
+        model.streaming.close()
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

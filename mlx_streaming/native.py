@@ -1,0 +1,51 @@
+"""The optional C++ extension (``mlx_streaming._ext``, built from native/)."""
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from .errors import ExpertReadError
+
+
+def load_extension() -> Tuple[Optional[object], str]:
+    """The extension module, or None and the reason it cannot be used."""
+    try:
+        from . import _ext
+    except ImportError as e:
+        return None, f"not built ({e})"
+    if _ext.mlx_version != mx.__version__:
+        return None, (
+            f"built against mlx {_ext.mlx_version} but mlx {mx.__version__} is "
+            "installed; rebuild it with `pip install -e .`"
+        )
+    return _ext, "available"
+
+
+class NativeReader:
+    """Python face of the C++ reader: the same interface as ``PythonReader``."""
+
+    name = "native"
+
+    def __init__(self, ext, threads: int, direct: bool):
+        self.ext = ext
+        self.direct = direct
+        self.threads = threads
+        self._reader = ext.ExpertReader(threads, direct)
+
+    def open(self, path: str) -> int:
+        try:
+            return self._reader.open(str(path))
+        except self.ext.ReadError as e:
+            raise ExpertReadError(str(e)) from None
+
+    def read(self, file, offsets, segments, dst, checksum, stride):
+        try:
+            return self._reader.read(file, offsets, segments, dst, checksum, stride)
+        except self.ext.ReadError as e:
+            raise ExpertReadError(str(e)) from None
+
+    def staging(self, capacity: int, stride: int):
+        return self._reader.staging(capacity, stride)
+
+    def close(self) -> None:
+        self._reader.close()

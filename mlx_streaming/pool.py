@@ -1,0 +1,75 @@
+"""The resident slot pool of one MoE layer.
+
+A pool holds ``slots`` experts: for every tensor of an expert record one
+preallocated array ``[slots, ...]`` that the block's ``gather_qmm`` /
+``gather_mm`` reads with slot indices, and the expert-to-slot table that
+maps router output to those indices on the device.
+
+Expert bytes are read straight into the pool arrays through writable numpy
+views of their (evaluated, CPU / unified) memory: no per-token allocation and
+no copy of the pool. The price is the rule the store enforces before every
+write: no pending or in-flight computation may still read the slot.
+"""
+
+import numpy as np
+import mlx.core as mx
+
+from .format import LayerSpec, dtype_from_name
+
+
+class SlotPool:
+    """Slot arrays and residency tables of one layer."""
+
+    def __init__(self, spec: LayerSpec, slots: int):
+        self.spec = spec
+        self.slots = slots
+        raw = [mx.zeros((slots, s.nbytes), dtype=mx.uint8) for s in spec.segments]
+        mx.eval(raw)
+        # Typed views share the raw buffers; the model computes with these.
+        self.arrays = {
+            s.name: r.view(dtype_from_name(s.dtype)).reshape(slots, *s.shape)
+            for s, r in zip(spec.segments, raw)
+        }
+        mx.eval(list(self.arrays.values()))
+        self._raw = raw
+        self.views = [np.array(r, copy=False) for r in raw]
+        for v, s in zip(self.views, spec.segments):
+            # A broadcast or copied buffer would silently drop our writes.
+            assert v.flags.c_contiguous and v.flags.writeable
+            assert v.shape == (slots, s.nbytes)
+        # Destination address of every (slot, segment), for the readers.
+        self.addresses = np.stack(
+            [v.ctypes.data + np.arange(slots, dtype=np.int64) * s.nbytes
+             for v, s in zip(self.views, spec.segments)],
+            axis=1,
+        ).astype(np.int64)
+        self.segments = np.array(
+            [(s.offset, s.nbytes) for s in spec.segments], dtype=np.int64
+        )
+        self.expert_of_slot = np.full(slots, -1, dtype=np.int64)
+        self.slot_of_expert = np.full(spec.num_experts, -1, dtype=np.int32)
+        self.table = mx.array(self.slot_of_expert)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.spec.expert_nbytes
+
+    def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Record that ``experts`` now live in ``slots`` (evicting whatever
+        those slots held) and publish a new device table."""
+        self.evict(slots)
+        self.expert_of_slot[slots] = experts
+        self.slot_of_expert[experts] = slots
+        self.publish()
+
+    def evict(self, slots: np.ndarray) -> None:
+        """Forget the content of ``slots`` in the host tables; ``assign`` or
+        ``publish`` tells the device."""
+        old = self.expert_of_slot[slots]
+        self.slot_of_expert[old[old >= 0]] = -1
+        self.expert_of_slot[slots] = -1
+
+    def publish(self) -> None:
+        # A fresh array, never an in-place update: graphs already built keep
+        # the table they were built with.
+        self.table = mx.array(self.slot_of_expert)

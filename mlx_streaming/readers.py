@@ -1,0 +1,239 @@
+"""Expert readers: copy expert records from blob files into slot memory.
+
+Two implementations with one interface, chosen once at load:
+
+- ``NativeReader`` (``mlx_streaming._ext``): a persistent C++ thread pool,
+  GIL released, optional uncached reads, and prefetch issued from inside the
+  MLX graph by a completion callback.
+- ``PythonReader``: ``os.preadv`` on a thread pool (the GIL is released while
+  the kernel copies). The reference path; always available.
+
+A read job names records by file offset and, per record, the destination
+address of each segment (``SlotPool.addresses``). Both readers return the
+CRC-32 of the records they were asked to check.
+
+Prefetch reads land in a *staging* area of whole records, never in slots: a
+wrongly predicted expert costs a read but evicts nothing. ``take`` moves a
+staged record into its slot when the expert is really routed.
+"""
+
+import ctypes
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .errors import ExpertReadError
+
+# Direct (uncached) reads need buffers aligned to the device's logical block.
+DIRECT_ALIGNMENT = 4096
+# Below this many bytes a read job runs on the calling thread: handing it to
+# the pool costs more than it saves.
+INLINE_READ_BYTES = 1 << 20
+
+
+def buffer_at(address: int, nbytes: int):
+    """A writable buffer over ``nbytes`` of memory at ``address``."""
+    return (ctypes.c_ubyte * nbytes).from_address(address)
+
+
+def aligned_empty(nbytes: int, alignment: int = DIRECT_ALIGNMENT) -> np.ndarray:
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + nbytes]
+
+
+def direct_supported() -> bool:
+    return hasattr(os, "O_DIRECT")
+
+
+class PythonReader:
+    """``os.preadv`` straight into slot memory, records spread over threads."""
+
+    name = "python"
+
+    def __init__(self, threads: int, direct: bool = False):
+        if direct and not direct_supported():
+            raise ExpertReadError("uncached reads are not supported on this OS")
+        self.direct = direct
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-read")
+        self._files: List[Tuple[int, str]] = []
+        self._bounce = threading.local()
+
+    def open(self, path: str) -> int:
+        flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as e:
+            raise ExpertReadError(f"cannot open {path}: {e.strerror}") from None
+        self._files.append((fd, str(path)))
+        return len(self._files) - 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for fd, _ in self._files:
+            os.close(fd)
+        self._files.clear()
+
+    def read(
+        self,
+        file: int,
+        offsets: np.ndarray,
+        segments: np.ndarray,
+        dst: np.ndarray,
+        checksum: np.ndarray,
+        stride: int,
+    ) -> np.ndarray:
+        """Read records at ``offsets`` of ``file`` into ``dst``.
+
+        Args:
+            offsets: ``[n]`` record offsets in the file.
+            segments: ``[S, 2]`` (offset in record, nbytes) per segment.
+            dst: ``[n, S]`` destination address per record and segment.
+            checksum: ``[n]`` bool, compute the CRC-32 of these records.
+            stride: the record stride (the unit of a direct read).
+
+        Returns:
+            ``[n]`` uint32 CRC-32 per record (0 where not asked).
+        """
+        n = len(offsets)
+        crcs = np.zeros(n, dtype=np.uint32)
+        work = lambda i: self._read_record(
+            file, int(offsets[i]), segments, dst[i], bool(checksum[i]), stride
+        )
+        if n == 1 or n * stride < INLINE_READ_BYTES:
+            for i in range(n):
+                crcs[i] = work(i)
+        else:
+            for i, crc in enumerate(self._pool.map(work, range(n))):
+                crcs[i] = crc
+        return crcs
+
+    def _read_record(self, file, offset, segments, dst_row, want_crc, stride) -> int:
+        fd, path = self._files[file]
+        if self.direct:
+            record = self._bounce_buffer(stride)
+            self._pread(fd, path, record, offset)
+            parts = []
+            for (seg_off, nbytes), address in zip(segments, dst_row):
+                src = record[seg_off : seg_off + nbytes]
+                np.frombuffer(buffer_at(int(address), int(nbytes)), np.uint8)[:] = src
+                parts.append(src)
+        else:
+            parts = []
+            for (seg_off, nbytes), address in zip(segments, dst_row):
+                buf = buffer_at(int(address), int(nbytes))
+                self._pread(fd, path, buf, offset + int(seg_off))
+                parts.append(buf)
+        if not want_crc:
+            return 0
+        crc = 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        return crc
+
+    def _bounce_buffer(self, stride: int) -> np.ndarray:
+        buf = getattr(self._bounce, "buf", None)
+        if buf is None or len(buf) < stride:
+            buf = self._bounce.buf = aligned_empty(stride)
+        return buf[:stride]
+
+    @staticmethod
+    def _pread(fd: int, path: str, buf, offset: int) -> None:
+        want = memoryview(buf).nbytes
+        try:
+            got = os.preadv(fd, [buf], offset)
+        except OSError as e:
+            raise ExpertReadError(
+                f"read of {path} at offset {offset} failed: {e.strerror}"
+            ) from None
+        if got != want:
+            raise ExpertReadError(
+                f"short read of {path} at offset {offset}: {got} of {want} "
+                "bytes; the blob is truncated, re-convert the model"
+            )
+
+    def staging(self, capacity: int, stride: int) -> "PythonStaging":
+        return PythonStaging(self, capacity, stride)
+
+
+class PythonStaging:
+    """Prefetched whole records, keyed by (layer, expert), read in the
+    background on the reader's threads."""
+
+    def __init__(self, reader: PythonReader, capacity: int, stride: int):
+        self.reader = reader
+        self.stride = stride
+        self._buffers = [aligned_empty(stride) for _ in range(capacity)]
+        self._free = list(range(capacity))
+        self._entries: Dict[Tuple[int, int], Tuple[int, object]] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, layer: int, file: int, experts: np.ndarray, offsets: np.ndarray) -> int:
+        """Start background reads of the records of ``experts`` (skipping
+        those already staged). Returns the number of reads issued."""
+        issued = 0
+        for expert, offset in zip(experts.tolist(), offsets.tolist()):
+            key = (layer, expert)
+            with self._lock:
+                if key in self._entries or not self._free:
+                    continue
+                slot = self._free.pop()
+            buf = self._buffers[slot]
+            future = self.reader._pool.submit(self._read, file, buf, offset)
+            with self._lock:
+                self._entries[key] = (slot, future)
+            issued += 1
+        return issued
+
+    def _read(self, file: int, buf: np.ndarray, offset: int) -> None:
+        fd, path = self.reader._files[file]
+        PythonReader._pread(fd, path, buf, offset)
+
+    def take(
+        self, layer: int, expert: int, segments: np.ndarray, dst_row: np.ndarray, want_crc: bool
+    ) -> Optional[int]:
+        """Move a staged record into its slot; waits if the read is in flight.
+
+        Returns:
+            The record's CRC-32 (0 if not asked), or None when the expert was
+            not staged or its read failed (the caller then reads it itself).
+        """
+        with self._lock:
+            entry = self._entries.pop((layer, expert), None)
+        if entry is None:
+            return None
+        slot, future = entry
+        try:
+            future.result()
+        except Exception:
+            self._release(slot)
+            return None
+        buf = self._buffers[slot]
+        crc = 0
+        for (seg_off, nbytes), address in zip(segments, dst_row):
+            src = buf[seg_off : seg_off + nbytes]
+            np.frombuffer(buffer_at(int(address), int(nbytes)), np.uint8)[:] = src
+            if want_crc:
+                crc = zlib.crc32(src, crc)
+        self._release(slot)
+        return crc
+
+    def drop(self, layer: int) -> int:
+        """Discard the staged records of ``layer`` that were not taken.
+        Returns how many there were (wasted prefetch reads)."""
+        with self._lock:
+            keys = [k for k in self._entries if k[0] == layer]
+            entries = [self._entries.pop(k) for k in keys]
+        for slot, future in entries:
+            # A buffer is reusable only once its read has finished.
+            future.add_done_callback(lambda _, s=slot: self._release(s))
+        return len(entries)
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)

@@ -1,0 +1,205 @@
+"""Diagnostics as observers of the expert stores.
+
+The stores and blocks announce what happened (a lookup, a read, a host sync,
+a routing decision) through ``Events``; observers count it (``Stats``) or
+record it (``TraceWriter``). Nothing here sits in the arithmetic of a
+forward pass, and ``stats(model)`` reads the counters from outside.
+"""
+
+import json
+from dataclasses import dataclass, fields
+from typing import Dict, List
+
+import numpy as np
+
+
+class Observer:
+    """Base observer: every event is a no-op unless overridden."""
+
+    def on_call(self, layer: int, tokens: int) -> None: ...
+    def on_lookup(self, layer: int, hits: int, misses: int) -> None: ...
+    def on_read(self, layer: int, records: int, nbytes: int, seconds: float) -> None: ...
+    def on_stall(self, layer: int, seconds: float) -> None: ...
+    def on_sync(self, layer: int) -> None: ...
+    def on_route(self, layer: int, ids: np.ndarray) -> None: ...
+    def on_predict(self, layer: int, ids: np.ndarray) -> None: ...
+    def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
+
+
+class Events:
+    """Fans each event out to the observers."""
+
+    def __init__(self, observers: List[Observer]):
+        self.observers = list(observers)
+
+    def __getattr__(self, name):
+        if not name.startswith("on_"):
+            raise AttributeError(name)
+        handlers = [getattr(o, name) for o in self.observers]
+
+        def emit(*args, **kwargs):
+            for h in handlers:
+                h(*args, **kwargs)
+
+        # Cache the bound fan-out so later events skip __getattr__.
+        setattr(self, name, emit)
+        return emit
+
+
+@dataclass
+class LayerCounters:
+    calls: int = 0
+    tokens: int = 0
+    hits: int = 0
+    misses: int = 0
+    records_read: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    syncs: int = 0
+    prefetch_issued: int = 0
+    prefetch_useful: int = 0
+    prefetch_wasted: int = 0
+    routed: int = 0
+    predicted_routed: int = 0
+
+    def add(self, other: "LayerCounters") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        lookups = self.hits + self.misses
+        d["hit_rate"] = self.hits / lookups if lookups else None
+        d["read_gb_per_s"] = (
+            self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else None
+        )
+        # Recall: the share of routed experts that the previous layer's
+        # prediction named.
+        d["prefetch_recall"] = (
+            self.predicted_routed / self.routed if self.routed else None
+        )
+        return d
+
+
+class Stats(Observer):
+    """Counters per layer; ``report()`` adds the totals."""
+
+    def __init__(self, layers: List[int]):
+        self.layers = list(layers)
+        self.reset()
+
+    def reset(self) -> None:
+        self.counters: Dict[int, LayerCounters] = {l: LayerCounters() for l in self.layers}
+        self._predicted: Dict[int, np.ndarray] = {}
+
+    def on_call(self, layer, tokens):
+        c = self.counters[layer]
+        c.calls += 1
+        c.tokens += tokens
+
+    def on_lookup(self, layer, hits, misses):
+        c = self.counters[layer]
+        c.hits += hits
+        c.misses += misses
+
+    def on_read(self, layer, records, nbytes, seconds):
+        c = self.counters[layer]
+        c.records_read += records
+        c.bytes_read += nbytes
+        c.read_seconds += seconds
+
+    def on_stall(self, layer, seconds):
+        self.counters[layer].stall_seconds += seconds
+
+    def on_sync(self, layer):
+        self.counters[layer].syncs += 1
+
+    def on_predict(self, layer, ids):
+        self._predicted[layer] = np.unique(ids)
+
+    def on_route(self, layer, ids):
+        predicted = self._predicted.pop(layer, None)
+        if predicted is None:
+            return
+        routed = np.unique(ids)
+        c = self.counters[layer]
+        c.routed += len(routed)
+        c.predicted_routed += int(np.isin(routed, predicted).sum())
+
+    def on_prefetch(self, layer, issued=0, useful=0, wasted=0):
+        c = self.counters[layer]
+        c.prefetch_issued += issued
+        c.prefetch_useful += useful
+        c.prefetch_wasted += wasted
+
+    def report(self) -> dict:
+        total = LayerCounters()
+        for c in self.counters.values():
+            total.add(c)
+        return {
+            "total": total.to_dict(),
+            "layers": {l: c.to_dict() for l, c in self.counters.items()},
+        }
+
+
+class TraceWriter(Observer):
+    """Writes one JSON line per MoE call: the layer and the expert ids each
+    token was routed to (``mlx_streaming bench cache`` replays them)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "w")
+
+    def on_route(self, layer, ids):
+        ids = np.asarray(ids).reshape(-1, ids.shape[-1])
+        self._file.write(json.dumps({"layer": layer, "ids": ids.tolist()}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_trace(path: str):
+    """Yield ``(layer, ids[tokens, k])`` from a trace file."""
+    with open(path) as f:
+        for line in f:
+            d = json.loads(line)
+            yield d["layer"], np.array(d["ids"], dtype=np.int64)
+
+
+def runtime_of(model):
+    runtime = getattr(model, "streaming", None)
+    if runtime is None:
+        raise ValueError("this model was not loaded by mlx_streaming.load()")
+    return runtime
+
+
+def stats(model) -> dict:
+    """Counters of a streaming model: hits, misses, bytes read, read and
+    stall seconds, host syncs and prefetch telemetry, per layer and in
+    total, with the I/O path that ran.
+
+    Hits and misses count (token, expert) pairs: a pair is a hit when its
+    expert was resident when the call began. ``records_read`` counts reads.
+    """
+    runtime = runtime_of(model)
+    report = runtime.stats.report()
+    config = runtime.config
+    report.update(
+        io=runtime.reader.name,
+        io_reason=runtime.io_reason,
+        direct_io=config.direct_io,
+        io_threads=config.io_threads,
+        slots_per_layer=runtime.slots,
+        num_experts=max(l.num_experts for l in runtime.manifest.layers),
+        moe_layers=len(runtime.manifest.layers),
+        cache_bytes=runtime.cache_bytes,
+        residency="paged" if runtime.paged else "resident",
+        prefetch=config.prefetch,
+        prefetch_decision=runtime.prefetch_switch.decision if config.prefetch != "off" else "off",
+    )
+    return report
+
+
+def reset_stats(model) -> None:
+    runtime_of(model).stats.reset()

@@ -1,0 +1,132 @@
+"""The expert store of one MoE layer: brings experts into its slot pool.
+
+``ensure(experts)`` makes a set of experts resident: hits are touched, misses
+take the least valuable slots (never one of ``experts``) and are filled from
+the staging area when prefetch already read them, else from the blob.
+"""
+
+import time
+from typing import Optional
+
+import numpy as np
+
+from .errors import CorruptExpertError
+from .format import LayerSpec
+from .policy import LRU
+from .pool import SlotPool
+from .stats import Events
+
+
+class ExpertStore:
+    def __init__(
+        self,
+        spec: LayerSpec,
+        pool: SlotPool,
+        reader,
+        file: int,
+        events: Events,
+        verify: bool,
+        staging=None,
+    ):
+        self.spec = spec
+        self.layer = spec.layer
+        self.pool = pool
+        self.policy = LRU(pool.slots)
+        self.reader = reader
+        self.file = file
+        self.events = events
+        self.staging = staging
+        self.checksums = np.array(spec.checksums, dtype=np.uint32)
+        # Experts whose checksum still has to be checked on their next read.
+        self.unverified = np.full(spec.num_experts, verify, dtype=bool)
+
+    def resident(self, experts: np.ndarray) -> np.ndarray:
+        return self.pool.slot_of_expert[experts] >= 0
+
+    def ensure(self, experts: np.ndarray) -> None:
+        """Make the distinct ``experts`` resident.
+
+        The caller guarantees that no pending computation reads this pool
+        (the layer's host sync evaluated every earlier reader).
+        """
+        slots = self.pool.slot_of_expert[experts]
+        hit = slots >= 0
+        missing = experts[~hit]
+        self.policy.touch(slots[hit])
+        if len(missing):
+            victims = self.policy.victims(len(missing), protected=slots[hit])
+            self.load(missing, victims)
+
+    def load(self, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Read ``experts`` into ``slots`` and publish the new table."""
+        start = time.perf_counter()
+        # Until the bytes are in and checked, the slots hold nothing valid.
+        self.pool.evict(slots)
+        want_crc = self.unverified[experts]
+        try:
+            crcs = self._fill(experts, slots, want_crc)
+            self._check(experts, want_crc, crcs)
+        except BaseException:
+            self.pool.publish()
+            raise
+        self.pool.assign(experts, slots)
+        self.policy.touch(slots)
+        self.events.on_stall(self.layer, time.perf_counter() - start)
+
+    def preload(self) -> None:
+        """Read every expert into the slot of the same index (all resident)."""
+        experts = np.arange(self.spec.num_experts)
+        self.load(experts, experts)
+
+    def _fill(self, experts, slots, want_crc) -> np.ndarray:
+        crcs = np.zeros(len(experts), dtype=np.uint32)
+        from_disk = np.ones(len(experts), dtype=bool)
+        if self.staging is not None:
+            useful = self._take_staged(experts, slots, want_crc, crcs, from_disk)
+            self.events.on_prefetch(self.layer, useful=useful)
+        if from_disk.any():
+            crcs[from_disk] = self._read(
+                experts[from_disk], slots[from_disk], want_crc[from_disk]
+            )
+        return crcs
+
+    def _read(self, experts, slots, want_crc) -> np.ndarray:
+        start = time.perf_counter()
+        offsets = experts.astype(np.int64) * self.spec.stride
+        crcs = self.reader.read(
+            self.file,
+            offsets,
+            self.pool.segments,
+            self.pool.addresses[slots],
+            want_crc,
+            self.spec.stride,
+        )
+        nbytes = len(experts) * self.spec.expert_nbytes
+        self.events.on_read(self.layer, len(experts), nbytes, time.perf_counter() - start)
+        return crcs
+
+    def _take_staged(self, experts, slots, want_crc, crcs, from_disk) -> int:
+        useful = 0
+        for i, (e, s) in enumerate(zip(experts.tolist(), slots.tolist())):
+            crc = self.staging.take(
+                self.layer, e, self.pool.segments, self.pool.addresses[s], bool(want_crc[i])
+            )
+            if crc is not None:
+                crcs[i] = crc
+                from_disk[i] = False
+                useful += 1
+        return useful
+
+    def _check(self, experts, want_crc, crcs) -> None:
+        bad = want_crc & (crcs != self.checksums[experts])
+        if bad.any():
+            raise CorruptExpertError(
+                self.layer, int(experts[bad][0]), "checksum mismatch"
+            )
+        self.unverified[experts] = False
+
+    def drop_staged(self) -> None:
+        if self.staging is not None:
+            wasted = self.staging.drop(self.layer)
+            if wasted:
+                self.events.on_prefetch(self.layer, wasted=wasted)

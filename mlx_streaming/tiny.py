@@ -1,0 +1,216 @@
+"""Tiny MoE models of real mlx-lm architectures, built offline.
+
+Tests, the demo and the benchmarks need models without downloading weights:
+these helpers build them from mlx-lm's own model classes with small configs,
+train a small BPE tokenizer on text found on this machine (the Python
+standard library's sources), and save everything as an mlx-lm model
+directory.
+"""
+
+import copy
+import json
+import sysconfig
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+# Small configs, one per family; dims are multiples of 64 so 4-bit
+# quantization with group size 64 applies everywhere.
+_BASE = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+             tie_word_embeddings=False, max_position_embeddings=1024)
+
+FAMILIES: Dict[str, dict] = {
+    "qwen3_moe": dict(
+        _BASE, model_type="qwen3_moe", intermediate_size=256, num_experts=16,
+        num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=64, head_dim=32, norm_topk_prob=True,
+    ),
+    "mixtral": dict(
+        _BASE, model_type="mixtral", intermediate_size=64, num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "deepseek_v3": dict(
+        _BASE, model_type="deepseek_v3", intermediate_size=256,
+        moe_intermediate_size=64, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=16, routed_scaling_factor=2.5, kv_lora_rank=64,
+        q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=32,
+        n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+        num_hidden_layers=4,
+    ),
+    "gpt_oss": dict(
+        _BASE, model_type="gpt_oss", intermediate_size=64, num_local_experts=8,
+        num_experts_per_tok=2, head_dim=32, sliding_window=16,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "qwen3_next": dict(
+        _BASE, model_type="qwen3_next", intermediate_size=256,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=16,
+        num_experts_per_tok=4, decoder_sparse_step=1,
+        shared_expert_intermediate_size=64, mlp_only_layers=[],
+        moe_intermediate_size=64, partial_rotary_factor=0.5, head_dim=32,
+        full_attention_interval=2, num_hidden_layers=4,
+    ),
+    "kimi_k3": dict(
+        model_type="kimi_k3", vocab_size=512, hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=256,
+        rms_norm_eps=1e-5, max_position_embeddings=1024,
+        linear_attn_config=dict(num_heads=4, head_dim=32, short_conv_kernel_size=4,
+                                kda_layers=[1, 3]),
+        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+        v_head_dim=32, num_experts=16, num_experts_per_token=4,
+        num_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1,
+        num_expert_group=4, topk_group=2, routed_scaling_factor=2.0,
+        activation_situ_beta=2.0,
+    ),
+    "olmoe": dict(
+        _BASE, model_type="olmoe", intermediate_size=64, num_experts=16,
+        num_experts_per_tok=4, head_dim=32,
+    ),
+    "qwen2_moe": dict(
+        _BASE, model_type="qwen2_moe", intermediate_size=256, num_experts=16,
+        num_experts_per_tok=4, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+    ),
+    "glm4_moe": dict(
+        _BASE, model_type="glm4_moe", intermediate_size=256, moe_intermediate_size=64,
+        norm_topk_prob=True, n_group=1, head_dim=32, topk_group=1,
+        n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=1.0,
+        num_experts_per_tok=4, first_k_dense_replace=1, rope_scaling=None,
+        use_qk_norm=True, attention_bias=False, partial_rotary_factor=0.5,
+        num_hidden_layers=4,
+    ),
+}
+
+
+def tiny_config(family: str, vocab_size: int, **overrides) -> dict:
+    """The tiny config of an mlx-lm family, with ``overrides`` applied."""
+    config = copy.deepcopy(FAMILIES[family])
+    config["vocab_size"] = vocab_size
+    config.update(overrides)
+    return config
+
+
+def build_model(config: dict, seed: int = 0) -> nn.Module:
+    """An mlx-lm model of ``config`` with random weights, evaluated."""
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    _spread_router_bias(model)
+    mx.eval(model.parameters())
+    return model
+
+
+def _spread_router_bias(model: nn.Module) -> None:
+    # Routers whose selection bias starts at zero pick the same experts for
+    # every token; a spread makes random models route to all experts.
+    for _, m in model.named_modules():
+        if "e_score_correction_bias" in m:
+            b = m["e_score_correction_bias"]
+            m["e_score_correction_bias"] = mx.random.uniform(-0.5, 0.5, b.shape).astype(b.dtype)
+
+
+def save_mlx_model(model: nn.Module, config: dict, out: Path, tokenizer_dir: Optional[Path],
+                   quantize: bool = False, group_size: int = 64, bits: int = 4) -> Path:
+    """Save ``model`` as an mlx-lm model directory (optionally quantized with
+    mlx-lm's own quantizer) with the tokenizer of ``tokenizer_dir``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(config)
+    if quantize:
+        model, config = quantize_model(model, config, group_size, bits)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file():
+                (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def corpus_files(limit: Optional[int] = None) -> List[Path]:
+    """Text found on every machine with Python: the standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    return files[:limit] if limit else files
+
+
+def corpus_text(max_chars: int, files: Optional[List[Path]] = None) -> str:
+    parts, n = [], 0
+    for f in files or corpus_files():
+        t = f.read_text(errors="ignore")
+        parts.append(t)
+        n += len(t)
+        if n >= max_chars:
+            break
+    return "".join(parts)[:max_chars]
+
+
+def train_tokenizer(out: Path, vocab_size: int = 512, max_chars: int = 2_000_000) -> Path:
+    """Train a byte-level BPE tokenizer on local text and save it with
+    transformers' ``save_pretrained`` (what mlx-lm's loader reads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = corpus_text(max_chars)
+    chunks = (text[i : i + 10_000] for i in range(0, len(text), 10_000))
+    tok.train_from_iterator(chunks, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>")
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def token_batches(tokenizer_dir: Path, seq_len: int, batch: int, max_chars: int,
+                  seed: int = 0) -> Iterator[mx.array]:
+    """Endless random batches ``[batch, seq_len + 1]`` of tokenized local text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    ids = mx.array(tok.encode(corpus_text(max_chars)).ids, dtype=mx.int32)
+    key = mx.random.key(seed)
+    while True:
+        key, sub = mx.random.split(key)
+        starts = mx.random.randint(0, ids.size - seq_len - 1, (batch,), key=sub)
+        yield mx.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])
+
+
+def train(model: nn.Module, batches: Iterator[mx.array], steps: int, lr: float = 3e-3,
+          on_step=None) -> float:
+    """A few steps of next-token training; returns the last loss."""
+    import mlx.optimizers as optim
+
+    opt = optim.AdamW(learning_rate=lr)
+
+    def loss_fn(m, batch):
+        logits = m(batch[:, :-1])
+        return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
+
+    step = nn.value_and_grad(model, loss_fn)
+    loss = None
+    for i in range(steps):
+        loss, grads = step(model, next(batches))
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        if on_step is not None:
+            on_step(i, loss.item())
+    return loss.item()
+
+
+def write_json(path: Path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1))

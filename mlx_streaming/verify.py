@@ -1,0 +1,38 @@
+"""Check every expert record of a stream directory against its checksum.
+
+    python -m mlx_streaming.verify DIR
+"""
+
+import argparse
+import sys
+
+from .cli import run_main
+from .errors import FormatError
+from .format import read_manifest, verify
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mlx_streaming verify", description=__doc__)
+    p.add_argument("model", help="stream directory")
+    args = p.parse_args(argv)
+
+    def body():
+        from tqdm import tqdm
+
+        manifest = read_manifest(args.model)
+        total = sum(l.num_experts for l in manifest.layers)
+        with tqdm(total=total, unit="expert", file=sys.stderr) as bar:
+            bad = verify(args.model, progress=bar.update)
+        if bad:
+            listed = ", ".join(f"layer {l} expert {e}" for l, e in bad[:10])
+            more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+            raise FormatError(
+                f"{len(bad)} damaged expert records: {listed}{more}; re-convert the model"
+            )
+        print(f"{args.model}: all {total} expert records match their checksums")
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

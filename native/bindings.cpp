@@ -1,0 +1,150 @@
+// Python bindings of mlx_streaming._ext: only glue, the work is in the
+// other files.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/version.h"
+
+#include "crc32.h"
+#include "prefetch.h"
+#include "reader.h"
+#include "staging.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace mlx_streaming;
+
+namespace {
+
+template <typename T, int D>
+using CArray = nb::ndarray<const T, nb::ndim<D>, nb::c_contig, nb::device::cpu>;
+
+std::vector<Segment> to_segments(const CArray<int64_t, 2>& segs) {
+  if (segs.shape(1) != 2) {
+    throw std::invalid_argument("segments must be [S, 2] (offset, nbytes)");
+  }
+  std::vector<Segment> out(segs.shape(0));
+  for (size_t j = 0; j < out.size(); ++j) {
+    out[j] = {segs.data()[2 * j], segs.data()[2 * j + 1]};
+  }
+  return out;
+}
+
+nb::ndarray<nb::numpy, uint32_t, nb::ndim<1>> to_numpy(std::vector<uint32_t> v) {
+  auto* data = new std::vector<uint32_t>(std::move(v));
+  nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<uint32_t>*>(p); });
+  return nb::ndarray<nb::numpy, uint32_t, nb::ndim<1>>(data->data(), {data->size()}, owner);
+}
+
+// The Python face of a reader: owns the C++ reader through a shared_ptr so
+// staging areas and in-flight tasks keep it alive.
+struct PyReader {
+  std::shared_ptr<ExpertReader> reader;
+};
+
+} // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "mlx_streaming native expert I/O and prefetch";
+  nb::module_::import_("mlx.core");
+
+  m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+#ifdef _METAL_
+  m.attr("metal") = true;
+#else
+  m.attr("metal") = false;
+#endif
+
+  nb::exception<ReadError>(m, "ReadError");
+
+  nb::class_<PrefetchTarget>(m, "PrefetchTarget")
+      .def_ro("layer", &PrefetchTarget::layer)
+      .def_ro("file", &PrefetchTarget::file)
+      .def_ro("stride", &PrefetchTarget::stride);
+
+  nb::class_<Staging>(m, "Staging")
+      .def(
+          "stage",
+          [](Staging& s, int layer, int file, CArray<int64_t, 1> experts,
+             CArray<int64_t, 1> offsets) {
+            nb::gil_scoped_release release;
+            return s.stage(layer, file, experts.data(), offsets.data(), experts.shape(0));
+          },
+          "layer"_a, "file"_a, "experts"_a, "offsets"_a)
+      .def(
+          "take",
+          [](Staging& s, int layer, int64_t expert, CArray<int64_t, 2> segments,
+             CArray<int64_t, 1> dst_row, bool want_crc) {
+            auto segs = to_segments(segments);
+            nb::gil_scoped_release release;
+            return s.take(layer, expert, segs, dst_row.data(), want_crc);
+          },
+          "layer"_a, "expert"_a, "segments"_a, "dst_row"_a, "want_crc"_a)
+      .def("drop", &Staging::drop, "layer"_a)
+      .def("pop_issued", &Staging::pop_issued, "layer"_a)
+      .def(
+          "target",
+          [](Staging& s, int layer, int file, int64_t stride) {
+            return std::make_shared<PrefetchTarget>(
+                PrefetchTarget{s.shared_from_this(), layer, file, stride});
+          },
+          "layer"_a, "file"_a, "stride"_a);
+
+  nb::class_<PyReader>(m, "ExpertReader")
+      .def(
+          "__init__",
+          [](PyReader* self, int threads, bool direct) {
+            new (self) PyReader{std::make_shared<ExpertReader>(threads, direct)};
+          },
+          "threads"_a, "direct"_a)
+      .def_prop_ro("threads", [](PyReader& r) { return r.reader->threads(); })
+      .def_prop_ro("direct", [](PyReader& r) { return r.reader->direct(); })
+      .def("open", [](PyReader& r, const std::string& path) { return r.reader->open(path); })
+      .def("close", [](PyReader& r) { r.reader->close(); })
+      .def(
+          "read",
+          [](PyReader& r, int file, CArray<int64_t, 1> offsets, CArray<int64_t, 2> segments,
+             CArray<int64_t, 2> dst, CArray<bool, 1> checksum, int64_t stride) {
+            auto segs = to_segments(segments);
+            size_t n = offsets.shape(0);
+            if (dst.shape(0) != n || dst.shape(1) != segs.size() || checksum.shape(0) != n) {
+              throw std::invalid_argument("read: offsets, dst and checksum disagree in shape");
+            }
+            std::vector<uint32_t> crcs;
+            {
+              nb::gil_scoped_release release;
+              crcs = r.reader->read(file, offsets.data(), n, segs, dst.data(),
+                                    checksum.data(), stride);
+            }
+            return to_numpy(std::move(crcs));
+          },
+          "file"_a, "offsets"_a, "segments"_a, "dst"_a, "checksum"_a, "stride"_a)
+      .def(
+          "staging",
+          [](PyReader& r, int capacity, int64_t stride) {
+            return std::make_shared<Staging>(r.reader, capacity, stride);
+          },
+          "capacity"_a, "stride"_a);
+
+  m.def(
+      "prefetch_on_complete",
+      [](const mx::array& predicted, const mx::array& table,
+         std::shared_ptr<PrefetchTarget> target) {
+        return prefetch_on_complete(predicted, table, std::move(target));
+      },
+      "predicted"_a, "table"_a, "target"_a,
+      "Stage the predicted experts that are not resident, when the device "
+      "has computed the prediction. Returns an int32 scalar (reads issued).");
+
+  m.def(
+      "crc32",
+      [](nb::bytes data, uint32_t crc) {
+        return mlx_streaming::crc32(crc, reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
+      },
+      "data"_a, "crc"_a = 0, "CRC-32 with zlib's polynomial (for tests).");
+}

@@ -1,0 +1,91 @@
+"""Test helpers: build tiny models and run one exactness check over every
+family, the way mlx-lm's tests run ``model_test_runner``."""
+
+from pathlib import Path
+from typing import Dict, Tuple
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_streaming
+from mlx_streaming import tiny
+from mlx_streaming.convert import convert
+
+VOCAB = 512
+PROMPT = [1, 7, 42, 300, 5, 18, 99, 260, 3, 77, 150, 11, 480, 23, 64, 9] * 3
+DECODE_STEPS = 32
+
+
+class ModelFactory:
+    """Tiny models per (family, quantized), built once per session."""
+
+    def __init__(self, root: Path, tokenizer_dir: Path):
+        self.root = Path(root)
+        self.tokenizer_dir = tokenizer_dir
+        self._cache: Dict[Tuple[str, bool], Tuple[Path, Path]] = {}
+
+    def get(self, family: str, quantized: bool, **overrides) -> Tuple[Path, Path]:
+        key = (family, quantized, tuple(sorted(overrides.items())))
+        if key not in self._cache:
+            name = f"{family}-{'q4' if quantized else 'f32'}-{len(self._cache)}"
+            config = tiny.tiny_config(family, VOCAB, **overrides)
+            model = tiny.build_model(config)
+            src = tiny.save_mlx_model(model, config, self.root / name, self.tokenizer_dir,
+                                      quantize=quantized)
+            dst = convert(src, self.root / f"{name}-stream", progress=False)
+            self._cache[key] = (src, dst)
+        return self._cache[key]
+
+
+def pool_sizes(stream_dir: Path):
+    """One call's minimum, half the experts, and all experts."""
+    manifest = mlx_streaming.format.read_manifest(stream_dir)
+    spec = manifest.layers[0]
+    return [spec.top_k, spec.num_experts // 2, spec.num_experts]
+
+
+def logits_trace(model, steps: int = DECODE_STEPS):
+    """Prefill logits and the logits of ``steps`` greedy decode steps."""
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([PROMPT]), cache=cache)[:, -1]]
+    mx.eval(out[-1])
+    for _ in range(steps):
+        token = mx.argmax(out[-1], axis=-1, keepdims=True)
+        out.append(model(token, cache=cache)[:, -1])
+        mx.eval(out[-1])
+    return out
+
+
+def assert_same_logits(reference, streamed):
+    assert len(reference) == len(streamed)
+    for i, (r, s) in enumerate(zip(reference, streamed)):
+        assert mx.array_equal(r, s).item(), f"logits differ at step {i}"
+
+
+def greedy_text(model, tokenizer, max_tokens=16):
+    return mlx_lm.generate(model, tokenizer, prompt=PROMPT[:12], max_tokens=max_tokens)
+
+
+def check_matches_resident(src: Path, stream_dir: Path, **load_kwargs):
+    """The streamed model's prefill and decode logits are bit-identical to
+    mlx-lm's resident model, and greedy generation gives the same text."""
+    reference, ref_tok = mlx_lm.load(str(src))
+    model, tokenizer = mlx_streaming.load(stream_dir, **load_kwargs)
+    assert_same_logits(logits_trace(reference), logits_trace(model))
+    assert greedy_text(model, tokenizer) == greedy_text(reference, ref_tok)
+    model.streaming.close()
+    return model
+
+
+def record_bytes(stream_dir: Path, layer_spec, expert: int) -> bytes:
+    path = Path(stream_dir) / "experts" / layer_spec.file
+    with open(path, "rb") as f:
+        f.seek(expert * layer_spec.stride)
+        return f.read(layer_spec.stride)
+
+
+def pool_bytes(store, expert: int) -> bytes:
+    slot = int(store.pool.slot_of_expert[expert])
+    return b"".join(np.asarray(v[slot]).tobytes() for v in store.pool.views)

@@ -1,0 +1,27 @@
+"""Exactness: every family, 4-bit and float32, at the minimum, half and full
+pool, gives logits bit-identical to mlx-lm running the same weights in
+memory, for prefill and 32 decode steps, and the same greedy text."""
+
+import pytest
+
+from helpers import check_matches_resident, pool_sizes
+
+FAMILIES = [
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "gpt_oss",
+    "qwen3_next",
+    "kimi_k3",
+    "olmoe",
+    "qwen2_moe",
+    "glm4_moe",
+]
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["q4", "f32"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_mlx_lm(models, family, quantized):
+    src, stream_dir = models.get(family, quantized)
+    for slots in pool_sizes(stream_dir):
+        check_matches_resident(src, stream_dir, slots_per_layer=slots)
