@@ -27,6 +27,7 @@ from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
 from .discover import find_expert_blocks, layer_index, num_experts, quantization_of
 from .errors import ConversionError
 from .format import (
+    CONVERT_STATE_NAME,
     FORMAT_VERSION,
     LayerSpec,
     Manifest,
@@ -41,7 +42,6 @@ from .format import (
     write_manifest,
 )
 
-STATE_NAME = ".convert-state.json"
 SPINE_SHARD_GB = 1
 TOP_K_KEYS = (
     "num_experts_per_tok",
@@ -52,7 +52,7 @@ TOP_K_KEYS = (
     "top_k",
 )
 TOKENIZER_PATTERNS = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.jsonl")
-SKIP_FILES = {"config.json", "model.safetensors.index.json", STATE_NAME}
+SKIP_FILES = {"config.json", "model.safetensors.index.json", CONVERT_STATE_NAME}
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -109,7 +109,7 @@ class _State:
     """Finished layers of an interrupted conversion (``DST/.convert-state.json``)."""
 
     def __init__(self, dst: Path, fingerprint: str):
-        self.path = dst / STATE_NAME
+        self.path = dst / CONVERT_STATE_NAME
         self.fingerprint = fingerprint
         self.layers: Dict[str, dict] = {}
         if self.path.exists():

@@ -29,6 +29,8 @@ DEMO_CONFIG = dict(
     intermediate_size=256,
 )
 DEMO_TRAIN_STEPS = 60
+DEMO_LEARNING_RATE = 1e-2
+DEMO_TEMPERATURE = 0.7
 DEMO_SEQ_LEN = 64
 DEMO_BATCH = 8
 DEMO_CORPUS_CHARS = 1_500_000
@@ -55,7 +57,7 @@ def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) 
 
     log(f"[demo] training a {DEMO_FAMILY} MoE ({config['num_experts']} experts, "
         f"top-{config['num_experts_per_tok']}) for {steps} steps")
-    tiny.train(model, batches, steps, on_step=report)
+    tiny.train(model, batches, steps, lr=DEMO_LEARNING_RATE, on_step=report)
     src = tiny.save_mlx_model(model, config, work / "mlx", tok, quantize=True)
     stream_dir = cache_dir / "stream"
     shutil.rmtree(stream_dir, ignore_errors=True)
@@ -66,11 +68,12 @@ def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) 
     return stream_dir
 
 
-def demo_model(cache_dir: Path = DEFAULT_CACHE_DIR, rebuild: bool = False, log=print) -> Path:
+def demo_model(cache_dir: Path = DEFAULT_CACHE_DIR, rebuild: bool = False,
+               steps: int = DEMO_TRAIN_STEPS, log=print) -> Path:
     """The cached demo stream directory, built on first use."""
     stream_dir = cache_dir / "stream"
     if rebuild or not manifest_path(stream_dir).exists():
-        return build_demo_model(cache_dir, log=log)
+        return build_demo_model(cache_dir, steps, log=log)
     return stream_dir
 
 
@@ -81,12 +84,16 @@ def main(argv=None) -> int:
     p.add_argument("--rebuild", action="store_true", help="rebuild the demo model")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=60)
+    p.add_argument("--temp", type=float, default=DEMO_TEMPERATURE,
+                   help="sampling temperature (a briefly trained model repeats itself greedily)")
+    p.add_argument("--train-steps", type=int, default=DEMO_TRAIN_STEPS,
+                   help="training steps when the model is built")
     args = p.parse_args(argv)
 
     def body():
         from . import generate
 
-        stream_dir = demo_model(args.cache_dir, args.rebuild,
+        stream_dir = demo_model(args.cache_dir, args.rebuild, args.train_steps,
                                 log=lambda m: print(m, file=sys.stderr))
         half = DEMO_CONFIG["num_experts"] // 2
         print(f"[demo] generating with {half} of {DEMO_CONFIG['num_experts']} experts "
@@ -94,6 +101,7 @@ def main(argv=None) -> int:
         return generate.main([
             "--model", str(stream_dir), "--prompt", args.prompt,
             "--max-tokens", str(args.max_tokens), "--slots-per-layer", str(half),
+            "--temp", str(args.temp),
         ])
 
     return run_main(body)

@@ -26,6 +26,8 @@ FORMAT_NAME = "mlx_streaming.experts"
 FORMAT_VERSION = 1
 EXPERTS_DIR = "experts"
 MANIFEST_NAME = "manifest.json"
+# Written while a conversion runs and removed when it completes.
+CONVERT_STATE_NAME = ".convert-state.json"
 # Records are padded to 16 KiB so that uncached (O_DIRECT / F_NOCACHE) reads
 # of a whole record are aligned on both Linux and macOS.
 RECORD_ALIGNMENT = 16 * 1024
@@ -222,6 +224,11 @@ def read_manifest(path) -> Manifest:
     """
     mpath = manifest_path(path)
     if not mpath.exists():
+        if (Path(path) / CONVERT_STATE_NAME).exists():
+            raise FormatError(
+                f"the conversion into {path} did not finish; run the same "
+                "`mlx_streaming convert` command again to complete it"
+            )
         if (Path(path) / "config.json").exists():
             raise FormatError(
                 f"{path} is not a converted stream directory (no {EXPERTS_DIR}/"

@@ -1,0 +1,121 @@
+"""Command lines: they run, report their numbers, and turn bad input into
+one line that says what to do, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlx_streaming.format import read_manifest
+
+
+def run(*args, check_ok=True):
+    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          timeout=600)
+    if check_ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def assert_one_line_error(proc, pattern):
+    import re
+
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines[-1].startswith("error: "), proc.stderr
+    assert re.search(pattern, lines[-1]), lines[-1]
+
+
+def test_generate_prints_numbers_and_writes_json(qwen, tmp_path):
+    _, stream_dir = qwen
+    out = tmp_path / "stats.json"
+    proc = run("mlx_streaming.generate", "--model", str(stream_dir), "--prompt", "def f(x):",
+               "--max-tokens", "12", "--slots-per-layer", "6", "--stats-json", str(out))
+    assert "decode: 12 tokens" in proc.stderr
+    assert "hit rate" in proc.stderr and "GB read" in proc.stderr and "peak memory" in proc.stderr
+    summary = json.loads(out.read_text())["summary"]
+    for key in ("prompt_tps", "generation_tps", "hit_rate", "gb_read", "read_gb_per_s",
+                "peak_memory_gb"):
+        assert key in summary
+    assert summary["generation_tokens"] == 12
+    assert summary["slots_per_layer"] == 6
+
+
+def test_console_script_dispatches(qwen):
+    proc = run("mlx_streaming", "verify", str(qwen[1]))
+    assert "match their checksums" in proc.stdout
+    proc = run("mlx_streaming", "frobnicate", check_ok=False)
+    assert proc.returncode == 2 and "unknown command" in proc.stderr
+
+
+def test_missing_model(tmp_path):
+    proc = run("mlx_streaming.generate", "--model", str(tmp_path / "nope"), check_ok=False)
+    assert_one_line_error(proc, "does not exist")
+
+
+def test_convert_non_moe_and_missing(tmp_path):
+    proc = run("mlx_streaming.convert", "--model", str(tmp_path / "nope"), "--out",
+               str(tmp_path / "o"), check_ok=False)
+    assert_one_line_error(proc, "not a local directory")
+
+
+def test_budget_too_small_names_the_minimum(qwen):
+    proc = run("mlx_streaming.generate", "--model", str(qwen[1]), "--cache-gb", "0.000001",
+               check_ok=False)
+    assert_one_line_error(proc, r"minimum of 4: use --cache-gb \d")
+
+
+def test_unknown_version(stream_copy):
+    from mlx_streaming.format import manifest_path
+
+    d = json.loads(manifest_path(stream_copy).read_text())
+    d["version"] = 7
+    manifest_path(stream_copy).write_text(json.dumps(d))
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, "format version 7")
+
+
+def test_corrupt_and_truncated_blobs(stream_copy):
+    spec = read_manifest(stream_copy).layers[0]
+    blob = stream_copy / "experts" / spec.file
+    data = bytearray(blob.read_bytes())
+    for e in range(spec.num_experts):
+        data[e * spec.stride + 5] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), "--slots-per-layer", "4",
+               "--max-tokens", "3", check_ok=False)
+    assert_one_line_error(proc, rf"layer {spec.layer}, expert \d+: checksum mismatch")
+    proc = run("mlx_streaming.verify", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, f"{spec.num_experts} damaged expert records")
+    blob.write_bytes(bytes(data[: spec.stride * 3]))
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, rf"layer {spec.layer}, expert 3: blob .* truncated")
+
+
+def test_read_error_is_one_line(stream_copy):
+    """The blob vanishes after loading (a disk pulled out, say)."""
+    script = f"""
+import mlx.core as mx, os, sys
+import mlx_streaming
+from mlx_streaming.cli import run_main
+from mlx_streaming.format import read_manifest
+model, _ = mlx_streaming.load({str(stream_copy)!r}, slots_per_layer=4)
+spec = read_manifest({str(stream_copy)!r}).layers[0]
+os.truncate(os.path.join({str(stream_copy)!r}, "experts", spec.file), 0)
+sys.exit(run_main(lambda: mx.eval(model(mx.array([[1, 2, 3]])))))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert_one_line_error(proc, "short read of .*layer000.blob at offset")
+
+
+def test_demo_builds_and_generates_offline(tmp_path):
+    proc = run("mlx_streaming.demo", "--cache-dir", str(tmp_path / "demo"), "--train-steps",
+               "2", "--max-tokens", "8")
+    assert "[demo] built in" in proc.stderr
+    assert "decode: 8 tokens" in proc.stderr
+    assert "8/16 slots per layer" in proc.stderr
+    # The second run reuses the cached model.
+    proc = run("mlx_streaming.demo", "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "4")
+    assert "[demo] built in" not in proc.stderr

@@ -1,0 +1,121 @@
+"""The converter: generic discovery, quantization, bounded memory and crash
+safety."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+
+import mlx_streaming
+from mlx_streaming import tiny
+from mlx_streaming.convert import convert
+from mlx_streaming.errors import ConversionError, FormatError
+from mlx_streaming.format import CONVERT_STATE_NAME, manifest_path, read_manifest
+from helpers import VOCAB, check_matches_resident
+
+
+def test_non_moe_model_is_refused(tmp_path, tokenizer_dir):
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=1,
+                  intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                  rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0)
+    src = tiny.save_mlx_model(tiny.build_model(config), config, tmp_path / "llama", tokenizer_dir)
+    with pytest.raises(ConversionError, match="not a MoE model"):
+        convert(src, tmp_path / "out", progress=False)
+    assert not manifest_path(tmp_path / "out").exists()
+
+
+def test_missing_source_is_refused(tmp_path):
+    with pytest.raises(ConversionError, match="has no config.json"):
+        convert(tmp_path, tmp_path / "out", progress=False)
+
+
+def test_quantize_while_converting_matches_mlx_lm(tmp_path, tokenizer_dir, models):
+    config = tiny.tiny_config("qwen3_moe", VOCAB)
+    model = tiny.build_model(config, seed=3)
+    float_src = tiny.save_mlx_model(model, config, tmp_path / "f32", tokenizer_dir)
+    # The reference: mlx-lm's own quantizer on the same weights.
+    quant_src = tiny.save_mlx_model(model, config, tmp_path / "q4", tokenizer_dir, quantize=True)
+    stream_dir = convert(float_src, tmp_path / "stream", quantize=True, progress=False)
+    assert read_manifest(stream_dir).layers[0].quantization["up_proj"]["bits"] == 4
+    check_matches_resident(quant_src, stream_dir, slots_per_layer=8)
+
+
+def test_already_quantized_with_q_is_refused(qwen, tmp_path):
+    with pytest.raises(ConversionError, match="already quantized"):
+        convert(qwen[0], tmp_path / "out", quantize=True, progress=False)
+
+
+def test_peak_memory_is_about_one_layer(tmp_path, tokenizer_dir):
+    config = tiny.tiny_config("qwen3_moe", VOCAB, num_hidden_layers=8, num_experts=32)
+    src = tiny.save_mlx_model(tiny.build_model(config), config, tmp_path / "src", tokenizer_dir)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    stream_dir = convert(src, tmp_path / "stream", progress=False)
+    peak = mx.get_peak_memory()
+    manifest = read_manifest(stream_dir)
+    layer = manifest.layers[0].expert_nbytes * manifest.layers[0].num_experts
+    spine = sum(f.stat().st_size for f in stream_dir.glob("model*.safetensors"))
+    assert manifest.expert_nbytes == 8 * layer
+    assert peak < 2 * layer + 2 * spine, (peak, layer, spine)
+
+
+def test_interrupted_conversion_never_loads_and_resumes(tmp_path, models):
+    src, _ = models.get("qwen3_moe", quantized=True)
+    dst = tmp_path / "stream"
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_first(spec):
+        raise Crash()
+
+    with pytest.raises(Crash):
+        convert(src, dst, on_layer=crash_after_first, progress=False)
+    assert (dst / CONVERT_STATE_NAME).exists()
+    with pytest.raises(FormatError, match="did not finish.*again"):
+        mlx_streaming.load(dst)
+    first = dst / "experts" / "layer000.blob"
+    mtime = first.stat().st_mtime_ns
+    # A half-written blob of another layer is redone, not trusted.
+    (dst / "experts" / "layer001.blob").write_bytes(b"partial")
+    convert(src, dst, progress=False)
+    assert first.stat().st_mtime_ns == mtime, "the finished layer was redone"
+    assert not (dst / CONVERT_STATE_NAME).exists()
+    check_matches_resident(src, dst, slots_per_layer=4)
+
+
+def test_killed_conversion_resumes(tmp_path, models):
+    """SIGKILL in the middle of a conversion (after its first layer)."""
+    src, _ = models.get("qwen3_moe", quantized=True)
+    dst = tmp_path / "stream"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from mlx_streaming.convert import convert
+        convert({str(src)!r}, {str(dst)!r}, progress=False,
+                on_layer=lambda spec: os.kill(os.getpid(), signal.SIGKILL))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert not manifest_path(dst).exists()
+    with pytest.raises(FormatError):
+        mlx_streaming.load(dst)
+    convert(src, dst, progress=False)
+    check_matches_resident(src, dst, slots_per_layer=4)
+
+
+def test_reconvert_is_a_no_op_and_other_models_need_force(tmp_path, models):
+    src, _ = models.get("qwen3_moe", quantized=True)
+    other, _ = models.get("mixtral", quantized=True)
+    dst = convert(src, tmp_path / "stream", progress=False)
+    mtime = manifest_path(dst).stat().st_mtime_ns
+    convert(src, dst, progress=False)
+    assert manifest_path(dst).stat().st_mtime_ns == mtime
+    with pytest.raises(ConversionError, match="--force"):
+        convert(other, dst, progress=False)
+    convert(other, dst, force=True, progress=False)
+    assert read_manifest(dst).layers[0].module.endswith("block_sparse_moe.switch_mlp")
+    check_matches_resident(other, dst, slots_per_layer=2)

@@ -1,0 +1,220 @@
+"""Expert readers and prefetch: the native extension and the Python path
+read the same bytes, fail clearly, and keep outputs bit-identical."""
+
+import os
+import time
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_streaming
+from mlx_streaming.errors import ExpertReadError
+from mlx_streaming.native import NativeReader, load_extension
+from mlx_streaming.readers import PythonReader, aligned_empty
+from helpers import PROMPT, check_matches_resident, pool_sizes
+
+EXT, WHY = load_extension()
+needs_native = pytest.mark.skipif(EXT is None, reason=f"native extension {WHY}")
+STRIDE = 16384
+
+
+def readers(direct=False):
+    out = [PythonReader(2, direct)]
+    if EXT is not None:
+        out.append(NativeReader(EXT, 2, direct))
+    return out
+
+
+def direct_io_works(path) -> bool:
+    """O_DIRECT is refused by some filesystems (tmpfs, overlay)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    try:
+        buf = aligned_empty(4096)
+        os.preadv(fd, [buf], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def blob(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 8 * STRIDE, dtype=np.uint8)
+    path = tmp_path / "layer000.blob"
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
+def test_extension_is_built_against_the_installed_mlx():
+    assert EXT is not None, f"native extension {WHY}: `pip install -e .` builds it"
+    assert EXT.mlx_version == mx.__version__.split(".dev")[0]
+    assert EXT.crc32(b"mlx streaming") == zlib.crc32(b"mlx streaming")
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_readers_read_the_same_bytes(blob, direct):
+    path, data = blob
+    if direct and not direct_io_works(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    segments = np.array([[0, 1000], [1024, 5000], [8192, 3000]], dtype=np.int64)
+    experts = np.array([6, 1, 3], dtype=np.int64)
+    results = []
+    for reader in readers(direct):
+        f = reader.open(str(path))
+        dst = [np.zeros((3, n), np.uint8) for n in segments[:, 1]]
+        addr = np.stack([d.ctypes.data + np.arange(3) * d.shape[1] for d in dst], 1).astype(np.int64)
+        crcs = reader.read(f, experts * STRIDE, segments, addr, np.array([True, False, True]), STRIDE)
+        results.append(([d.copy() for d in dst], crcs))
+        reader.close()
+        for i, e in enumerate(experts):
+            for (off, n), d in zip(segments, dst):
+                assert d[i].tobytes() == data[e * STRIDE + off : e * STRIDE + off + n].tobytes()
+        want = zlib.crc32(b"".join(
+            data[6 * STRIDE + o : 6 * STRIDE + o + n].tobytes() for o, n in segments))
+        assert crcs[0] == want and crcs[1] == 0
+    for other in results[1:]:
+        assert all((a == b).all() for a, b in zip(results[0][0], other[0]))
+        assert (results[0][1] == other[1]).all()
+
+
+def test_large_records_are_split_across_threads(tmp_path):
+    """A record larger than the native chunk (1 MiB) read by several threads."""
+    stride = 3 << 20
+    data = np.random.default_rng(1).integers(0, 256, 2 * stride, dtype=np.uint8)
+    path = tmp_path / "big.blob"
+    path.write_bytes(data.tobytes())
+    segments = np.array([[0, stride - 4096]], dtype=np.int64)
+    for reader in readers():
+        f = reader.open(str(path))
+        dst = np.zeros((2, stride - 4096), np.uint8)
+        addr = (dst.ctypes.data + np.arange(2) * dst.shape[1]).reshape(2, 1).astype(np.int64)
+        crcs = reader.read(f, np.array([stride, 0], np.int64), segments, addr,
+                           np.array([True, True]), stride)
+        assert (dst[0] == data[stride : 2 * stride - 4096]).all()
+        assert (dst[1] == data[: stride - 4096]).all()
+        assert crcs[1] == zlib.crc32(data[: stride - 4096].tobytes())
+        reader.close()
+
+
+def test_short_read_names_file_and_offset(blob):
+    path, _ = blob
+    for reader in readers():
+        f = reader.open(str(path))
+        dst = np.zeros(100, np.uint8)
+        with pytest.raises(ExpertReadError, match=f"short read of {path} at offset {8 * STRIDE}"):
+            reader.read(f, np.array([8 * STRIDE], np.int64), np.array([[0, 100]], np.int64),
+                        np.array([[dst.ctypes.data]], np.int64), np.array([False]), STRIDE)
+        reader.close()
+
+
+def test_missing_blob_is_a_clear_error(tmp_path):
+    for reader in readers():
+        with pytest.raises(ExpertReadError, match="cannot open .*missing.blob"):
+            reader.open(str(tmp_path / "missing.blob"))
+
+
+def test_staging_take_and_drop(blob):
+    path, data = blob
+    segments = np.array([[0, 64], [128, 32]], dtype=np.int64)
+    for reader in readers():
+        f = reader.open(str(path))
+        staging = reader.staging(3, STRIDE)
+        ids = np.array([2, 5, 7, 1], dtype=np.int64)
+        assert staging.stage(4, f, ids, ids * STRIDE) == 3  # capacity 3
+        assert staging.stage(4, f, ids[:1], ids[:1] * STRIDE) == 0  # already staged
+        dst = [np.zeros(64, np.uint8), np.zeros(32, np.uint8)]
+        row = np.array([d.ctypes.data for d in dst], np.int64)
+        crc = staging.take(4, 5, segments, row, True)
+        assert dst[0].tobytes() == data[5 * STRIDE : 5 * STRIDE + 64].tobytes()
+        assert crc == zlib.crc32(data[5 * STRIDE + 128 : 5 * STRIDE + 160].tobytes(),
+                                 zlib.crc32(dst[0].tobytes()))
+        assert staging.take(4, 1, segments, row, False) is None  # never staged
+        assert staging.drop(4) == 2
+        # Dropped buffers come back once their reads finish.
+        issued, deadline = 0, time.monotonic() + 5
+        while issued < 3 and time.monotonic() < deadline:
+            issued += staging.stage(5, f, ids[:3], ids[:3] * STRIDE)
+        assert issued == 3
+        assert staging.drop(5) == 3
+        reader.close()
+
+
+@needs_native
+def test_prefetch_primitive_stages_when_evaluated(blob):
+    path, _ = blob
+    reader = NativeReader(EXT, 2, False)
+    f = reader.open(str(path))
+    staging = reader.staging(8, STRIDE)
+    target = staging.target(3, f, STRIDE)
+    predicted = mx.array([[1, 4, 6, 4], [6, 2, 0, 1]], dtype=mx.int32)
+    table = mx.array([-1, -1, 0, -1, 1, -1, -1, -1], dtype=mx.int32)  # 2 and 4 resident
+    issued = EXT.prefetch_on_complete(predicted, table, target)
+    assert staging.pop_issued(3) == 0  # nothing happens before evaluation
+    mx.eval(issued)
+    assert issued.item() == 3  # experts 0, 1, 6
+    assert staging.pop_issued(3) == 3
+    assert staging.drop(3) == 3
+    reader.close()
+
+
+IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
+
+
+@pytest.mark.parametrize("prefetch", ["off", "next-layer"])
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_outputs_identical_with_prefetch_and_io(models, io, prefetch):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    for slots in pool_sizes(stream_dir):
+        model = check_matches_resident(src, stream_dir, slots_per_layer=slots, io=io,
+                                       prefetch=prefetch)
+        assert mlx_streaming.stats(model)["io"] == io
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "kimi_k3"])
+def test_prefetch_across_router_kinds(models, family):
+    """Sigmoid routers with a selection bias, routers with a bias term."""
+    src, stream_dir = models.get(family, quantized=True)
+    slots = pool_sizes(stream_dir)[0]
+    model = check_matches_resident(src, stream_dir, slots_per_layer=slots, prefetch="next-layer")
+    t = mlx_streaming.stats(model)["total"]
+    assert t["prefetch_issued"] > 0 and t["routed"] > 0
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_prefetch_adds_no_sync_and_reports_telemetry(models, io):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer")
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    mlx_streaming.reset_stats(model)
+    token = mx.array([[3]])
+    steps = 12
+    for _ in range(steps):
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+    mx.eval(token)
+    s = mlx_streaming.stats(model)
+    t = s["total"]
+    assert t["syncs"] == steps * s["moe_layers"], "one sync per MoE layer per token"
+    assert t["prefetch_issued"] > 0
+    assert t["prefetch_useful"] + t["prefetch_wasted"] <= t["prefetch_issued"]
+    assert 0.0 <= t["prefetch_recall"] <= 1.0
+    # The first MoE layer has no predecessor to predict it.
+    first = s["layers"][model.streaming.stores[0].layer]
+    assert first["prefetch_issued"] == 0 and first["routed"] == 0
+
+
+def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):
+    import mlx_streaming.loader as loader
+
+    monkeypatch.setattr(loader, "load_extension", lambda: (None, "not built (test)"))
+    with pytest.raises(mlx_streaming.StreamingError, match="io='python'"):
+        mlx_streaming.load(qwen[1], io="native")
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4)
+    assert mlx_streaming.stats(model)["io"] == "python"

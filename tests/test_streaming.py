@@ -1,0 +1,164 @@
+"""Slot pools at work: eviction, chunking, the write-safety rule, budgets,
+stats, and mlx-lm's generation APIs on a streaming model."""
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_streaming
+from mlx_streaming.errors import BudgetError
+from mlx_streaming.format import read_manifest
+from mlx_streaming.policy import LRU
+from helpers import PROMPT, logits_trace, assert_same_logits, pool_bytes, record_bytes
+
+
+def test_lru_never_evicts_protected_slots():
+    lru = LRU(6)
+    lru.touch(np.array([0, 1, 2, 3, 4, 5]))
+    lru.touch(np.array([0, 1]))
+    victims = lru.victims(2, protected=np.array([2, 3]))
+    assert sorted(victims.tolist()) == [4, 5]
+    assert 0 not in lru.victims(5, protected=np.array([0])).tolist()
+
+
+def test_slots_hold_the_experts_bytes(qwen):
+    src, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=6)
+    mx.eval(model(mx.array([PROMPT[:5]])))
+    store = model.streaming.stores[0]
+    spec = store.spec
+    for e in np.nonzero(store.pool.slot_of_expert >= 0)[0]:
+        rec = record_bytes(stream_dir, spec, int(e))
+        expected = b"".join(rec[s.offset : s.offset + s.nbytes] for s in spec.segments)
+        assert pool_bytes(store, int(e)) == expected
+
+
+def test_full_pool_is_resident_without_syncs(qwen):
+    _, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=1000)
+    logits_trace(model, steps=4)
+    s = mlx_streaming.stats(model)
+    assert s["residency"] == "resident"
+    assert s["total"]["syncs"] == 0
+    assert s["total"]["misses"] == 0 and s["total"]["bytes_read"] == 0
+
+
+def test_decode_syncs_once_per_moe_layer(qwen):
+    _, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    mlx_streaming.reset_stats(model)
+    token = mx.array([[5]])
+    for _ in range(10):
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+    mx.eval(token)
+    s = mlx_streaming.stats(model)
+    assert s["total"]["syncs"] == 10 * s["moe_layers"]
+    assert s["total"]["calls"] == 10 * s["moe_layers"]
+
+
+def test_prefill_beyond_the_pool_runs_in_chunks(qwen, tmp_path):
+    src, stream_dir = qwen
+    spec = read_manifest(stream_dir).layers[0]
+    trace = tmp_path / "trace.jsonl"
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=spec.top_k, trace=str(trace))
+    reference, _ = mlx_lm.load(str(src))
+    x = mx.array([PROMPT])
+    assert mx.array_equal(model(x), reference(x)).item()
+    model.streaming.close()
+    from mlx_streaming.stats import read_trace
+
+    distinct = [len(np.unique(ids)) for _, ids in read_trace(str(trace))]
+    assert max(distinct) > spec.top_k, "the prompt should need more experts than slots"
+    t = mlx_streaming.stats(model)["total"]
+    # Chunks are disjoint and resident experts go first: one read each.
+    assert t["records_read"] == sum(distinct)
+    assert t["bytes_read"] == t["records_read"] * spec.expert_nbytes
+
+
+def test_pending_readers_are_finished_before_slots_are_overwritten(qwen):
+    """The rule that makes in-place reads safe: a graph built on the pool
+    but not yet evaluated still sees the experts it was built with."""
+    src, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+    reference, _ = mlx_lm.load(str(src))
+    # One token: its experts fit the pool, so its last layer stays pending
+    # (a call with more experts than slots is evaluated chunk by chunk).
+    a, b = mx.array([PROMPT[:1]]), mx.array([PROMPT[20:26]])
+    lazy_a = model(a)  # built, not evaluated
+    out_b = model(b)  # evicts and overwrites slots that lazy_a reads
+    mx.eval(out_b)
+    assert mlx_streaming.stats(model)["total"]["records_read"] > 0
+    assert mx.array_equal(lazy_a, reference(a)).item()
+    assert mx.array_equal(out_b, reference(b)).item()
+
+
+def test_in_place_writes_reach_unevaluated_graphs():
+    """Why the rule exists: writing through the numpy view changes what a
+    pending computation reads, and mx.array(...) copies (so it would not)."""
+    pool = mx.zeros((2, 4), dtype=mx.float32)
+    mx.eval(pool)
+    view = np.array(pool, copy=False)
+    pending = pool * 2
+    copied = mx.array(np.array(pool))
+    view[1] = 1.0
+    assert pending[1].tolist() == [2.0] * 4
+    assert copied[1].tolist() == [0.0] * 4
+
+
+def test_budget_below_one_call_is_refused_with_the_minimum(qwen):
+    _, stream_dir = qwen
+    spec = read_manifest(stream_dir).layers[0]
+    with pytest.raises(BudgetError, match=f"minimum of {spec.top_k}"):
+        mlx_streaming.load(stream_dir, slots_per_layer=spec.top_k - 1)
+    with pytest.raises(BudgetError, match=r"use --cache-gb \d"):
+        mlx_streaming.load(stream_dir, cache_gb=1e-6)
+
+
+def test_cache_gb_sizes_the_pools(qwen):
+    _, stream_dir = qwen
+    manifest = read_manifest(stream_dir)
+    per_slot = sum(l.expert_nbytes for l in manifest.layers)
+    model, _ = mlx_streaming.load(stream_dir, cache_gb=7.5 * per_slot / 1e9)
+    s = mlx_streaming.stats(model)
+    assert s["slots_per_layer"] == 7
+    assert s["cache_bytes"] == 7 * per_slot
+
+
+def test_default_budget_comes_from_free_memory(qwen):
+    _, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir)
+    # Free memory dwarfs this model: everything is resident.
+    assert mlx_streaming.stats(model)["residency"] == "resident"
+
+
+def test_stream_generate_and_batch_generate(qwen):
+    src, stream_dir = qwen
+    reference, tok = mlx_lm.load(str(src))
+    model, stok = mlx_streaming.load(stream_dir, slots_per_layer=5)
+    prompt = PROMPT[:10]
+    ref_tokens = [r.token for r in mlx_lm.stream_generate(reference, tok, prompt, max_tokens=12)]
+    got = [r.token for r in mlx_lm.stream_generate(model, stok, prompt, max_tokens=12)]
+    assert got == ref_tokens
+    prompts = [PROMPT[:6], PROMPT[10:19], PROMPT[3:5]]
+    ref = mlx_lm.batch_generate(reference, tok, prompts, max_tokens=8).texts
+    out = mlx_lm.batch_generate(model, stok, prompts, max_tokens=8).texts
+    assert out == ref
+
+
+def test_trace_writes_one_line_per_call(qwen, tmp_path):
+    _, stream_dir = qwen
+    trace = tmp_path / "trace.jsonl"
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=1000, trace=str(trace))
+    logits_trace(model, steps=3)
+    model.streaming.close()
+    from mlx_streaming.stats import read_trace
+
+    lines = list(read_trace(str(trace)))
+    layers = len(model.streaming.stores)
+    assert len(lines) == 4 * layers
+    assert lines[0][1].shape == (len(PROMPT), 4)
+    assert lines[-1][1].shape == (1, 4)
