@@ -62,6 +62,7 @@ class LayerCounters:
     prefetch_wasted: int = 0
     routed: int = 0
     predicted_routed: int = 0
+    distinct_experts: int = 0
 
     def add(self, other: "LayerCounters") -> None:
         for f in fields(self):
@@ -78,6 +79,10 @@ class LayerCounters:
         # prediction named.
         d["prefetch_recall"] = (
             self.predicted_routed / self.routed if self.routed else None
+        )
+        # Distinct experts one call needs (known where calls sync).
+        d["experts_per_call"] = (
+            self.distinct_experts / self.syncs if self.syncs else None
         )
         return d
 
@@ -119,11 +124,12 @@ class Stats(Observer):
         self._predicted[layer] = np.unique(ids)
 
     def on_route(self, layer, ids):
+        routed = np.unique(ids)
+        c = self.counters[layer]
+        c.distinct_experts += len(routed)
         predicted = self._predicted.pop(layer, None)
         if predicted is None:
             return
-        routed = np.unique(ids)
-        c = self.counters[layer]
         c.routed += len(routed)
         c.predicted_routed += int(np.isin(routed, predicted).sum())
 

@@ -70,7 +70,7 @@ class ExpertStore:
             self.pool.publish()
             raise
         self.pool.assign(experts, slots)
-        self.policy.touch(slots)
+        self.policy.fill(slots)
         self.events.on_stall(self.layer, time.perf_counter() - start)
 
     def preload(self) -> None:

@@ -76,9 +76,10 @@ void PrefetchOnComplete::eval_gpu(const std::vector<mx::array>& inputs, mx::arra
   // the command buffer that computes them completes.
   out.set_data(mx::allocator::malloc(out.nbytes()));
   std::memset(out.data<int32_t>(), 0, sizeof(int32_t));
-  auto& d = mx::metal::device(stream().device);
-  auto* command_buffer = d.get_command_buffer(stream().index);
-  command_buffer->addCompletedHandler(
+  // The stream's queue runs in order: when the command buffer being encoded
+  // completes, the kernels that computed the prediction have completed too.
+  auto& encoder = mx::metal::get_command_encoder(stream());
+  encoder.get_command_buffer()->addCompletedHandler(
       [ids = inputs[0], table = inputs[1], target = target_](MTL::CommandBuffer*) {
         stage_predicted(*target, ids.data<int32_t>(), ids.size(),
                         table.data<int32_t>(), table.size());

@@ -1,0 +1,41 @@
+"""mlx_streaming bench: measuring instruments. Each subcommand measures its
+cases side by side in one run, prints a short table and writes JSON and a
+PNG plot into --out.
+
+    python -m mlx_streaming.bench decode  --model STREAM --mlx-model MLX [--memory-limit-gb G --cold]
+    python -m mlx_streaming.bench cache   --model STREAM [--tokens N]
+    python -m mlx_streaming.bench verify  --model STREAM [--mlx-model MLX]
+    python -m mlx_streaming.bench prefill --model STREAM [--mlx-model MLX]
+    python -m mlx_streaming.bench io      [--model STREAM]
+"""
+
+import argparse
+import importlib
+import sys
+
+from ..cli import run_main
+
+SUBCOMMANDS = ("decode", "cache", "verify", "prefill", "io")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx_streaming bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"mlx_streaming.bench.{name}")
+        sp = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0],
+                            description=module.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sp)
+        sp.set_defaults(module=module)
+    return p
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    return run_main(lambda: args.module.run(args) and 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

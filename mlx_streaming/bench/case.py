@@ -1,0 +1,146 @@
+"""One measurement, run in its own process by ``common.run_case``:
+
+    python -m mlx_streaming.bench.case '{"op": "decode", "kind": "streaming", ...}'
+
+Prints one JSON line with the numbers. ``kind`` is ``mlx-lm`` (the model
+loaded fully), ``mlx-lm-lazy`` (mlx-lm loading weights as they are first
+used: the naive way to run a model larger than memory) or ``streaming``.
+"""
+
+import json
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .common import peak_rss_bytes, prompt_tokens
+
+
+def _load(case):
+    if case["kind"] == "streaming":
+        from ..loader import load
+
+        return load(case["model"], **case.get("load", {}))
+    import mlx_lm
+
+    return mlx_lm.load(case["model"], lazy=case["kind"] == "mlx-lm-lazy")
+
+
+def _greedy(logits):
+    return mx.argmax(logits, axis=-1)
+
+
+def _streaming_totals(model):
+    from ..stats import stats
+
+    return stats(model) if hasattr(model, "streaming") else None
+
+
+def _reset(model):
+    if hasattr(model, "streaming"):
+        from ..stats import reset_stats
+
+        reset_stats(model)
+
+
+def decode(case, model, tokenizer) -> dict:
+    """Decode ``max_tokens`` greedily with mlx-lm's own ``generate_step``;
+    the decode rate excludes the prompt and the first token."""
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array(prompt_tokens(tokenizer, case.get("prompt_tokens", 32), case.get("seed", 0)))
+    warmup = case.get("warmup_tokens", 4)
+    steps = generate_step(prompt, model, max_tokens=case["max_tokens"] + warmup, sampler=_greedy)
+    start = time.perf_counter()
+    next(steps)
+    prefill_s = time.perf_counter() - start
+    # The first tokens pay one-time costs (allocations, first reads).
+    for _ in range(warmup - 1):
+        next(steps)
+    first = time.perf_counter()
+    _reset(model)
+    n = sum(1 for _ in steps)
+    end = time.perf_counter()
+    return dict(prefill_s=prefill_s, decode_tokens=n, decode_s=end - first,
+                decode_tps=n / (end - first), stats=_streaming_totals(model))
+
+
+def verify(case, model, tokenizer) -> dict:
+    """Multi-token verification: K draft tokens checked in one call, as MTP
+    and speculative decoding do, K = 1..max_k."""
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    text = prompt_tokens(tokenizer, 64 + case["repeats"] * case["max_k"] * 2, case.get("seed", 0))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([text[:64]]), cache=cache))
+    rows = []
+    pos = 64
+    for k in range(1, case["max_k"] + 1):
+        _reset(model)
+        times = []
+        for _ in range(case["repeats"]):
+            draft = mx.array([text[pos : pos + k]])
+            start = time.perf_counter()
+            mx.eval(model(draft, cache=cache))
+            times.append(time.perf_counter() - start)
+            trim_prompt_cache(cache, k)
+            pos += 1
+        s = _streaming_totals(model)
+        rows.append(dict(k=k, call_s=float(np.median(times)),
+                         bytes_read_per_call=(s["total"]["bytes_read"] / case["repeats"]) if s else None,
+                         stats=s))
+    return dict(rows=rows)
+
+
+def prefill(case, model, tokenizer) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rows = []
+    step = case.get("prefill_step", 2048)
+    for n in case["lengths"]:
+        prompt = prompt_tokens(tokenizer, n, case.get("seed", 0))
+        cache = make_prompt_cache(model)
+        _reset(model)
+        start = time.perf_counter()
+        for i in range(0, n, step):
+            mx.eval(model(mx.array([prompt[i : i + step]]), cache=cache))
+        seconds = time.perf_counter() - start
+        s = _streaming_totals(model)
+        rows.append(dict(tokens=n, seconds=seconds, prompt_tps=n / seconds,
+                         bytes_read_per_token=(s["total"]["bytes_read"] / n) if s else None))
+    return dict(rows=rows)
+
+
+def routing(case, model, tokenizer) -> dict:
+    """Teacher-forced decode of real text, one token per call: the routing
+    trace of a model reading text (``load`` must name a trace file)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = prompt_tokens(tokenizer, case["tokens"] + 1, case.get("seed", 0))
+    cache = make_prompt_cache(model)
+    for t in tokens:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    s = _streaming_totals(model)
+    model.streaming.close()
+    return dict(tokens=len(tokens), stats=s)
+
+
+OPS = {"decode": decode, "verify": verify, "prefill": prefill, "routing": routing}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    case = json.loads(argv[0])
+    start = time.perf_counter()
+    model, tokenizer = _load(case)
+    load_s = time.perf_counter() - start
+    result = OPS[case["op"]](case, model, tokenizer)
+    result.update(load_s=load_s, peak_rss_bytes=peak_rss_bytes(),
+                  mlx_peak_bytes=mx.get_peak_memory())
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""What the benchmarks share: results on disk, tables, plots, cases run in a
+subprocess under a memory limit with a cold page cache, the disk's own
+bandwidth, and the routing statistics every number is reported with."""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import StreamingError
+from ..stats import read_trace
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+class BenchError(StreamingError):
+    """A benchmark cannot run as asked (permissions, platform, input)."""
+
+
+def save_json(path: Path, obj) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=_jsonable))
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"cannot write {type(x).__name__} as JSON")
+
+
+def fmt(value, spec: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    return format(value, spec)
+
+
+def print_table(rows: List[dict], columns: Sequence[tuple], title: str = "") -> str:
+    """Print ``rows`` with ``columns`` = (key, header[, format spec])."""
+    cells = [[h for _, h, *_ in columns]]
+    for r in rows:
+        cells.append([fmt(r.get(c[0]), *(c[2:] or [".3g"])) for c in columns])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    text = (title + "\n" if title else "") + "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def figure():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("plots need matplotlib: pip install 'mlx_streaming[bench]'") from None
+    return plt
+
+
+def drop_page_cache() -> None:
+    """Empty the page cache so the next reads come from the disk."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        raise BenchError(
+            f"--cold needs to drop the page cache ({e.strerror}); run as root on Linux"
+        ) from None
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class MemoryLimit:
+    """A cgroup v1 memory limit that emulates a machine with less memory."""
+
+    def __init__(self, gb: float):
+        if not CGROUP_ROOT.exists():
+            raise BenchError("--memory-limit-gb needs cgroup v1's memory controller "
+                             f"at {CGROUP_ROOT}")
+        self.path = CGROUP_ROOT / f"mlx_streaming_bench_{os.getpid()}_{time.monotonic_ns()}"
+        try:
+            self.path.mkdir()
+            self._write("memory.limit_in_bytes", int(gb * 1e9))
+            if (self.path / "memory.memsw.limit_in_bytes").exists():
+                self._write("memory.memsw.limit_in_bytes", int(gb * 1e9))
+        except OSError as e:
+            raise BenchError(f"cannot create a memory cgroup ({e.strerror}); run as root") from None
+        self.gb = gb
+
+    def _write(self, name: str, value) -> None:
+        (self.path / name).write_text(f"{value}\n")
+
+    def enter(self) -> None:
+        """Move the calling process into the cgroup (called in the child)."""
+        self._write("cgroup.procs", os.getpid())
+
+    def max_usage(self) -> int:
+        return int((self.path / "memory.max_usage_in_bytes").read_text())
+
+    def oom_kills(self) -> int:
+        for line in (self.path / "memory.oom_control").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def close(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = False,
+             timeout: float = 3600) -> dict:
+    """Run one measurement (``mlx_streaming.bench.case``) in a fresh process,
+    optionally in a memory cgroup and after dropping the page cache."""
+    if cold:
+        drop_page_cache()
+    limit = MemoryLimit(memory_limit_gb) if memory_limit_gb else None
+    cmd = [sys.executable, "-m", "mlx_streaming.bench.case", json.dumps(case)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=limit.enter if limit else None)
+    except subprocess.TimeoutExpired:
+        return dict(case, status="timeout")
+    result = dict(case, wall_s=time.perf_counter() - start, returncode=proc.returncode)
+    if limit is not None:
+        result["cgroup_max_usage_bytes"] = limit.max_usage()
+        oom = limit.oom_kills() > 0
+        limit.close()
+    else:
+        oom = False
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode == 0 and lines:
+        result.update(json.loads(lines[-1]), status="ok")
+    elif oom or proc.returncode in (-9, 137):
+        result["status"] = "oom"
+    else:
+        result["status"] = "error"
+        result["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return result
+
+
+def disk_read_gbps(path: Path, block: int, limit_bytes: int = 1 << 30) -> float:
+    """Throughput of ``dd`` reading ``path`` with direct I/O, in GB/s."""
+    size = min(Path(path).stat().st_size, limit_bytes)
+    count = max(1, size // block)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", f"bs={block}", f"count={count}", "iflag=direct"],
+        capture_output=True, text=True,
+    )
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise BenchError(f"dd failed on {path}: {proc.stderr.strip()}")
+    return count * block / seconds / 1e9
+
+
+def routing_stats(trace_path: Path, top: int = 8) -> dict:
+    """Temporal reuse and traffic concentration of decode calls in a trace.
+
+    temporal_reuse: share of a token's experts the previous token also used.
+    top8_share: share of routing traffic that goes to a layer's ``top`` most
+    used experts.
+    """
+    calls: Dict[int, List[np.ndarray]] = {}
+    for layer, ids in read_trace(str(trace_path)):
+        if ids.shape[0] == 1:  # decode calls only
+            calls.setdefault(layer, []).append(ids[0])
+    layers = {}
+    for layer, seq in calls.items():
+        reuse = [len(np.intersect1d(a, b)) / len(b) for a, b in zip(seq, seq[1:])]
+        counts = np.bincount(np.concatenate(seq))
+        share = np.sort(counts)[::-1][:top].sum() / counts.sum()
+        layers[layer] = {"temporal_reuse": float(np.mean(reuse)) if reuse else None,
+                         "top8_share": float(share), "decode_calls": len(seq)}
+    values = [v for v in layers.values() if v["temporal_reuse"] is not None]
+    return {
+        "temporal_reuse": float(np.mean([v["temporal_reuse"] for v in values])) if values else None,
+        "top8_share": float(np.mean([v["top8_share"] for v in values])) if values else None,
+        "layers": layers,
+    }
+
+
+def prompt_tokens(tokenizer, n: int, seed: int = 0) -> List[int]:
+    """``n`` tokens of real text (the Python standard library) as a prompt."""
+    from ..tiny import corpus_text
+
+    text = corpus_text(max(4 * n, 20_000) * 4)
+    ids = tokenizer.encode(text)
+    start = (seed * 997) % max(1, len(ids) - n)
+    if len(ids) < n:
+        raise BenchError(f"not enough local text for a {n}-token prompt")
+    return ids[start : start + n]

@@ -1,0 +1,131 @@
+"""bench decode: decode tok/s and peak memory of
+
+  (a) mlx-lm with the model fully resident (no memory limit: the reference),
+  (b) mlx-lm loading the same model lazily under the memory limit (naive),
+  (c) mlx_streaming at several pool sizes under the memory limit,
+
+each in its own process, optionally in a cgroup memory limit and with the
+page cache dropped first. Each case is reported as a ratio to (a) and to the
+bound: per token max(compute time of (a), missed bytes / disk bandwidth)
+when I/O overlaps compute perfectly, and their sum when it does not.
+"""
+
+from pathlib import Path
+
+from ..format import blob_path, read_manifest
+from . import routing
+from .common import disk_read_gbps, drop_page_cache, print_table, run_case, save_json, figure
+
+COLUMNS = [
+    ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),
+    ("decode_tps", "tok/s", ".3g"), ("vs_resident", "x (a)", ".2f"),
+    ("hit_rate", "hit", ".0%"), ("gb_per_token", "GB/tok", ".3f"),
+    ("bound_overlap_tps", "bound", ".3g"), ("vs_bound", "x bound", ".2f"),
+    ("bound_serial_tps", "no-overlap", ".3g"), ("peak_gb", "peak GB", ".2f"),
+]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="stream directory")
+    p.add_argument("--mlx-model", help="the same model as an mlx-lm directory, for (a) and (b)")
+    p.add_argument("--pools", default="0.25,0.5",
+                   help="pool sizes as fractions of each layer's experts")
+    p.add_argument("--memory-limit-gb", type=float, default=None)
+    p.add_argument("--cold", action="store_true", help="drop the page cache before each case")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--io", default="auto")
+    p.add_argument("--prefetch", default="off")
+    p.add_argument("--routing-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
+
+
+def _summary(name, r, pool=None):
+    row = dict(case=name, pool=pool, status=r["status"], peak_gb=r.get("peak_rss_bytes", 0) / 1e9,
+               cgroup_peak_gb=r.get("cgroup_max_usage_bytes", 0) / 1e9 or None)
+    if r["status"] == "ok":
+        row["decode_tps"] = r["decode_tps"]
+        s = r.get("stats")
+        if s:
+            t = s["total"]
+            row["hit_rate"] = t["hit_rate"]
+            row["gb_per_token"] = t["bytes_read"] / r["decode_tokens"] / 1e9
+            row["syncs_per_token"] = t["syncs"] / r["decode_tokens"]
+            row["stall_share"] = t["stall_seconds"] / r["decode_s"]
+            row["cache_gb"] = s["cache_bytes"] / 1e9
+            row["io"] = s["io"]
+    return row
+
+
+def run(args) -> dict:
+    stream_dir = Path(args.model)
+    manifest = read_manifest(stream_dir)
+    num_experts = manifest.layers[0].num_experts
+    common = dict(op="decode", max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens)
+    rows, raw = [], {}
+
+    if args.mlx_model:
+        r = run_case(dict(common, kind="mlx-lm", model=args.mlx_model), cold=args.cold)
+        raw["resident"] = r
+        rows.append(_summary("(a) mlx-lm resident", r))
+        r = run_case(dict(common, kind="mlx-lm-lazy", model=args.mlx_model),
+                     memory_limit_gb=args.memory_limit_gb, cold=args.cold)
+        raw["naive"] = r
+        rows.append(_summary("(b) mlx-lm lazy", r))
+    for pool in [float(p) for p in args.pools.split(",")]:
+        slots = max(manifest.layers[0].top_k, round(pool * num_experts))
+        load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch)
+        r = run_case(dict(common, kind="streaming", model=str(stream_dir), load=load),
+                     memory_limit_gb=args.memory_limit_gb, cold=args.cold)
+        raw[f"streaming-{pool}"] = r
+        rows.append(_summary("(c) mlx_streaming", r, slots / num_experts))
+
+    if args.cold:
+        drop_page_cache()
+    blob = blob_path(stream_dir, manifest.layers[0])
+    disk_gbps = disk_read_gbps(blob, manifest.layers[0].stride)
+    resident_tps = rows[0].get("decode_tps") if args.mlx_model else None
+    for row in rows:
+        if resident_tps and row.get("decode_tps"):
+            row["vs_resident"] = row["decode_tps"] / resident_tps
+        if resident_tps and row.get("gb_per_token") is not None:
+            compute = 1 / resident_tps
+            io = row["gb_per_token"] / disk_gbps
+            row["bound_overlap_tps"] = 1 / max(compute, io)
+            row["bound_serial_tps"] = 1 / (compute + io)
+            row["vs_bound"] = row["decode_tps"] / row["bound_overlap_tps"]
+
+    stats = routing.measure(stream_dir, args.out, tokens=args.routing_tokens)
+    result = dict(rows=rows, disk_direct_read_gbps=disk_gbps, routing=stats,
+                  memory_limit_gb=args.memory_limit_gb, cold=args.cold,
+                  model_expert_gb=manifest.expert_nbytes / 1e9, cases=raw)
+    title = (f"bench decode: experts {manifest.expert_nbytes / 1e9:.2f} GB, memory limit "
+             f"{args.memory_limit_gb or 'none'} GB, {'cold' if args.cold else 'warm'} page cache, "
+             f"disk {disk_gbps:.2f} GB/s (dd, direct)\n{routing.describe(stats)}")
+    result["table"] = print_table(rows, COLUMNS, title)
+    save_json(args.out / "decode.json", result)
+    _plot(rows, args.out / "decode.png", title)
+    return result
+
+
+def _plot(rows, path, title):
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{r['case']}" + (f"\npool {r['pool']:.0%}" if r.get("pool") else "") for r in rows]
+    values = [r.get("decode_tps") or 0 for r in rows]
+    ax.bar(range(len(rows)), values, color="tab:blue", label="measured")
+    for i, r in enumerate(rows):
+        if r.get("bound_overlap_tps"):
+            ax.plot([i - 0.4, i + 0.4], [r["bound_overlap_tps"]] * 2, color="tab:green",
+                    label="bound (perfect overlap)" if i == len(rows) - 1 else None)
+            ax.plot([i - 0.4, i + 0.4], [r["bound_serial_tps"]] * 2, color="tab:red", ls="--",
+                    label="bound (no overlap)" if i == len(rows) - 1 else None)
+        if r["status"] != "ok":
+            ax.text(i, 0, r["status"], ha="center", va="bottom")
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title.splitlines()[0], fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,188 @@
+"""bench io: expert-read throughput and the decode value of prefetch.
+
+1. Throughput: for several expert (record) sizes, read a blob's records in
+   random order, ``--batch`` records per call (a layer's misses), with the
+   native and the Python reader, buffered and direct (uncached), cold (page
+   cache dropped) and warm; against ``dd`` with direct I/O on the same blob,
+   measured in the same run.
+2. With ``--model``: decode tok/s with prefetch off, on and auto, at each
+   pool size, page cache dropped before each case.
+"""
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..native import NativeReader, load_extension
+from ..readers import PythonReader, aligned_empty
+from .common import (
+    disk_read_gbps,
+    drop_page_cache,
+    figure,
+    print_table,
+    run_case,
+    save_json,
+)
+
+SIZES = {"256K": 256 << 10, "1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--dir", type=Path, default=Path("bench-results/io-blobs"),
+                   help="where the test blobs are written (an SSD, not tmpfs)")
+    p.add_argument("--sizes", default="256K,1M,4M,16M")
+    p.add_argument("--blob-gb", type=float, default=1.0)
+    p.add_argument("--batch", type=int, default=8, help="records per read call")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-cold", action="store_true", help="skip cold reads (needs root)")
+    p.add_argument("--model", help="stream directory for the prefetch decode runs")
+    p.add_argument("--pools", default="0.25,0.5")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--out", type=Path, default=Path("bench-results/io"))
+
+
+def make_blob(path: Path, nbytes: int) -> Path:
+    if path.exists() and path.stat().st_size == nbytes:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as f:
+        left = nbytes
+        while left:
+            n = min(left, 64 << 20)
+            f.write(rng.bytes(n))
+            left -= n
+    return path
+
+
+def read_throughput(reader, path: Path, stride: int, batch: int) -> float:
+    """GB/s reading every record of ``path`` once, in random order."""
+    count = path.stat().st_size // stride
+    order = np.random.default_rng(1).permutation(count)
+    f = reader.open(str(path))
+    dst = aligned_empty(batch * stride)
+    addresses = (dst.ctypes.data + np.arange(batch, dtype=np.int64) * stride).reshape(batch, 1)
+    segments = np.array([[0, stride]], dtype=np.int64)
+    start = time.perf_counter()
+    for i in range(0, count, batch):
+        ids = order[i : i + batch].astype(np.int64)
+        reader.read(f, ids * stride, segments, addresses[: len(ids)],
+                    np.zeros(len(ids), dtype=bool), stride)
+    seconds = time.perf_counter() - start
+    return count * stride / seconds / 1e9
+
+
+def _readers(threads):
+    ext, _ = load_extension()
+    out = []
+    for direct in (False, True):
+        if ext is not None:
+            out.append((f"native{' direct' if direct else ''}",
+                        lambda d=direct: NativeReader(ext, threads, d)))
+        out.append((f"python{' direct' if direct else ''}",
+                    lambda d=direct: PythonReader(threads, d)))
+    return out
+
+
+def throughput(args) -> list:
+    from ..config import default_io_threads
+
+    threads = args.threads or default_io_threads()
+    rows = []
+    for name in args.sizes.split(","):
+        stride = SIZES[name]
+        nbytes = int(args.blob_gb * 1e9) // stride * stride
+        path = make_blob(args.dir / f"bench-io-{name}.blob", nbytes)
+        row = dict(size=name, stride=stride, threads=threads)
+        if not args.no_cold:
+            drop_page_cache()
+            row["dd_direct"] = disk_read_gbps(path, stride, nbytes)
+        for label, make in _readers(threads):
+            if not args.no_cold:
+                drop_page_cache()
+                reader = make()
+                row[f"{label} cold"] = read_throughput(reader, path, stride, args.batch)
+                reader.close()
+            reader = make()
+            read_throughput(reader, path, stride, args.batch)  # fill the page cache
+            row[f"{label} warm"] = read_throughput(reader, path, stride, args.batch)
+            reader.close()
+        if "dd_direct" in row:
+            for key in [k for k in row if k.endswith("cold")]:
+                row[f"{key} / dd"] = row[key] / row["dd_direct"]
+        rows.append(row)
+    return rows
+
+
+def prefetch_decode(args) -> list:
+    from ..format import read_manifest
+
+    spec = read_manifest(args.model).layers[0]
+    rows = []
+    for pool in [float(p) for p in args.pools.split(",")]:
+        slots = max(spec.top_k, round(pool * spec.num_experts))
+        for prefetch in ("off", "next-layer", "auto"):
+            case = dict(op="decode", kind="streaming", model=str(args.model),
+                        max_tokens=args.max_tokens, prompt_tokens=16,
+                        load=dict(slots_per_layer=slots, prefetch=prefetch))
+            r = run_case(case, cold=not args.no_cold)
+            row = dict(pool=slots / spec.num_experts, prefetch=prefetch, status=r["status"])
+            if r["status"] == "ok":
+                t = r["stats"]["total"]
+                row.update(decode_tps=r["decode_tps"], hit_rate=t["hit_rate"],
+                           stall_share=t["stall_seconds"] / r["decode_s"],
+                           recall=t["prefetch_recall"], issued=t["prefetch_issued"],
+                           useful=t["prefetch_useful"], wasted=t["prefetch_wasted"],
+                           syncs_per_token=t["syncs"] / r["decode_tokens"],
+                           decision=r["stats"]["prefetch_decision"])
+            rows.append(row)
+        off = next(r for r in rows[-3:] if r["prefetch"] == "off").get("decode_tps")
+        for r in rows[-3:]:
+            if off and r.get("decode_tps"):
+                r["vs_off"] = r["decode_tps"] / off
+    return rows
+
+
+def run(args) -> dict:
+    result = dict(batch=args.batch, blob_gb=args.blob_gb)
+    rows = throughput(args)
+    keys = [k for k in rows[0] if k not in ("size", "stride", "threads")]
+    columns = [("size", "record", "s")] + [(k, k, ".2f") for k in keys]
+    result["throughput"] = rows
+    result["throughput_table"] = print_table(
+        rows, columns, f"bench io: expert reads, GB/s, {args.batch} records per call, "
+                       f"{rows[0]['threads']} threads")
+    if args.model:
+        decode_rows = prefetch_decode(args)
+        result["prefetch_decode"] = decode_rows
+        result["prefetch_table"] = print_table(decode_rows, [
+            ("pool", "pool", ".0%"), ("prefetch", "prefetch", "s"), ("decode_tps", "tok/s", ".3g"),
+            ("vs_off", "x off", ".2f"), ("hit_rate", "hit", ".0%"), ("stall_share", "stall", ".0%"),
+            ("recall", "recall", ".0%"), ("issued", "issued", "d"), ("useful", "useful", "d"),
+            ("syncs_per_token", "syncs/tok", ".1f"), ("decision", "decision", "s")],
+            "bench io: decode with prefetch, page cache dropped before each case")
+        from . import routing
+
+        result["routing"] = routing.measure(Path(args.model), args.out)
+        print(routing.describe(result["routing"]))
+    save_json(args.out / "io.json", result)
+    _plot(rows, args.out / "io.png")
+    return result
+
+
+def _plot(rows, path):
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    keys = [k for k in rows[0] if k not in ("size", "stride", "threads") and "/" not in k]
+    width = 0.8 / len(keys)
+    for i, k in enumerate(keys):
+        ax.bar([j + i * width for j in range(len(rows))], [r.get(k, 0) for r in rows], width,
+               label=k)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["size"] for r in rows])
+    ax.set_xlabel("record size")
+    ax.set_ylabel("GB/s")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,70 @@
+"""bench prefill: prompt tokens/s at several prompt lengths, streaming vs
+resident, and the expert bytes read per prompt token."""
+
+from pathlib import Path
+
+from ..format import read_manifest
+from . import routing
+from .common import figure, print_table, run_case, save_json
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="stream directory")
+    p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (resident)")
+    p.add_argument("--lengths", default="128,1024,4096")
+    p.add_argument("--pool", type=float, default=0.25)
+    p.add_argument("--memory-limit-gb", type=float, default=None)
+    p.add_argument("--cold", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("bench-results/prefill"))
+
+
+def run(args) -> dict:
+    stream_dir = Path(args.model)
+    spec = read_manifest(stream_dir).layers[0]
+    slots = max(spec.top_k, round(args.pool * spec.num_experts))
+    lengths = [int(n) for n in args.lengths.split(",")]
+    common = dict(op="prefill", lengths=lengths)
+    cases = []
+    if args.mlx_model:
+        cases.append(("mlx-lm resident", dict(common, kind="mlx-lm", model=args.mlx_model), None))
+    cases.append((f"streaming pool {slots}/{spec.num_experts}",
+                  dict(common, kind="streaming", model=str(stream_dir),
+                       load=dict(slots_per_layer=slots)), args.memory_limit_gb))
+    rows, raw = [], {}
+    for label, case, limit in cases:
+        r = run_case(case, memory_limit_gb=limit, cold=args.cold)
+        raw[label] = r
+        if r["status"] != "ok":
+            rows.append(dict(case=label, status=r["status"]))
+            continue
+        for row in r["rows"]:
+            rows.append(dict(case=label, status="ok", tokens=row["tokens"],
+                             prompt_tps=row["prompt_tps"],
+                             kb_read_per_token=None if row["bytes_read_per_token"] is None
+                             else row["bytes_read_per_token"] / 1e3))
+    resident = {r["tokens"]: r["prompt_tps"] for r in rows
+                if r["case"] == "mlx-lm resident" and r["status"] == "ok"}
+    for r in rows:
+        if r.get("tokens") in resident:
+            r["vs_resident"] = r["prompt_tps"] / resident[r["tokens"]]
+    stats = routing.measure(stream_dir, args.out)
+    columns = [("case", "case", "s"), ("tokens", "prompt", "d"), ("prompt_tps", "tok/s", ".1f"),
+               ("vs_resident", "x resident", ".2f"), ("kb_read_per_token", "KB read/tok", ".1f")]
+    title = f"bench prefill: prompt processing\n{routing.describe(stats)}"
+    result = dict(rows=rows, routing=stats, cases=raw)
+    result["table"] = print_table(rows, columns, title)
+    save_json(args.out / "prefill.json", result)
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for case in dict.fromkeys(r["case"] for r in rows if r["status"] == "ok"):
+        rs = [r for r in rows if r["case"] == case and r["status"] == "ok"]
+        ax.plot([r["tokens"] for r in rs], [r["prompt_tps"] for r in rs], "o-", label=case)
+    ax.set_xscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prompt tokens/s")
+    ax.legend()
+    ax.set_title(title.splitlines()[0], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(args.out / "prefill.png", dpi=110)
+    plt.close(fig)
+    return result

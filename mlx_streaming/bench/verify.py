@@ -1,0 +1,106 @@
+"""bench verify: the cost of verifying K draft tokens in one call, as MTP
+and speculative decoding do, for K = 1..8.
+
+A verify call needs the union of its tokens' experts in every layer, so its
+cost grows with K while plain decode pays one call per token. With
+acceptance rate a, a call with K drafts yields (1 - a^(K+1)) / (1 - a)
+tokens on average (the accepted drafts and the model's own next token);
+effective tokens/s = that / call time, against plain decode's 1 / call time
+at K = 1. Draft cost is not counted.
+"""
+
+from pathlib import Path
+
+from ..format import read_manifest
+from . import routing
+from .common import BenchError, figure, print_table, run_case, save_json
+
+ACCEPTANCE = (0.5, 0.7, 0.9)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="stream directory")
+    p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (resident)")
+    p.add_argument("--pool", type=float, default=0.25,
+                   help="pool size as a fraction of each layer's experts")
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--memory-limit-gb", type=float, default=None)
+    p.add_argument("--cold", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("bench-results/verify"))
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def _rows(result, label):
+    rows = []
+    base = result["rows"][0]["call_s"]
+    for r in result["rows"]:
+        row = dict(case=label, k=r["k"], call_ms=1e3 * r["call_s"],
+                   mb_read_per_call=(r["bytes_read_per_call"] or 0) / 1e6
+                   if r["bytes_read_per_call"] is not None else None)
+        s = r.get("stats")
+        if s:
+            per_call = [l["experts_per_call"] for l in s["layers"].values() if l["experts_per_call"]]
+            row["experts_per_layer"] = sum(per_call) / len(per_call) if per_call else None
+        for a in ACCEPTANCE:
+            row[f"speedup@{a}"] = expected_tokens(r["k"], a) * base / r["call_s"]
+        row["plain_tps"] = 1 / base
+        rows.append(row)
+    return rows
+
+
+def run(args) -> dict:
+    stream_dir = Path(args.model)
+    spec = read_manifest(stream_dir).layers[0]
+    slots = max(spec.top_k, round(args.pool * spec.num_experts))
+    common = dict(op="verify", max_k=args.max_k, repeats=args.repeats)
+    rows, raw = [], {}
+    if args.mlx_model:
+        r = run_case(dict(common, kind="mlx-lm", model=args.mlx_model), cold=args.cold)
+        raw["resident"] = r
+        if r["status"] == "ok":
+            rows += _rows(r, "mlx-lm resident")
+    r = run_case(dict(common, kind="streaming", model=str(stream_dir),
+                      load=dict(slots_per_layer=slots)),
+                 memory_limit_gb=args.memory_limit_gb, cold=args.cold)
+    raw["streaming"] = r
+    if r["status"] != "ok":
+        raise BenchError(f"streaming verify case failed: {r.get('error', r['status'])}")
+    rows += _rows(r, f"streaming pool {slots}/{spec.num_experts}")
+    stats = routing.measure(stream_dir, args.out)
+    columns = [("case", "case", "s"), ("k", "K", "d"), ("call_ms", "ms/call", ".1f"),
+               ("experts_per_layer", "experts/layer", ".1f"),
+               ("mb_read_per_call", "MB read/call", ".2f")] + [
+        (f"speedup@{a}", f"x@{a}", ".2f") for a in ACCEPTANCE]
+    title = (f"bench verify: K draft tokens per call; x@a = effective tokens/s vs plain "
+             f"decode at acceptance a\n{routing.describe(stats)}")
+    result = dict(rows=rows, routing=stats, slots_per_layer=slots, cases=raw)
+    result["table"] = print_table(rows, columns, title)
+    save_json(args.out / "verify.json", result)
+    _plot(rows, args.out / "verify.png", title)
+    return result
+
+
+def _plot(rows, path, title):
+    plt = figure()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for case in dict.fromkeys(r["case"] for r in rows):
+        rs = [r for r in rows if r["case"] == case]
+        k = [r["k"] for r in rs]
+        a1.plot(k, [r["call_ms"] for r in rs], "o-", label=case)
+        for a in ACCEPTANCE:
+            a2.plot(k, [r[f"speedup@{a}"] for r in rs], "o-", label=f"{case}, a={a}")
+    a1.set_xlabel("K (tokens per verify call)")
+    a1.set_ylabel("ms per call")
+    a2.axhline(1.0, color="k", lw=0.8)
+    a2.set_xlabel("K")
+    a2.set_ylabel("effective speed vs plain decode")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=6)
+    fig.suptitle(title.splitlines()[0], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,105 @@
+"""The measuring instruments: policy replay is right (it agrees with the
+live pool, Belady is optimal) and every bench subcommand runs end to end,
+writing its JSON and plot. Speed itself is never asserted here."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_streaming
+from mlx_streaming.bench import cache as bench_cache
+from mlx_streaming.bench.__main__ import main as bench_main
+from mlx_streaming.bench.common import routing_stats
+from mlx_streaming.bench.verify import expected_tokens
+from mlx_streaming.policy import LFU, LRU
+from mlx_streaming.stats import read_trace
+
+
+def test_lru_replay_matches_the_live_pool(models, tmp_path):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    trace = tmp_path / "trace.jsonl"
+    model, tok = mlx_streaming.load(stream_dir, slots_per_layer=6, trace=str(trace))
+    cache = make_prompt_cache(model)
+    for t in tok.encode("def replay(trace):\n    return [line for line in trace]\n"):
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    live = mlx_streaming.stats(model)["layers"]
+    model.streaming.close()
+    for layer, calls in bench_cache.decode_calls(trace).items():
+        simulated = bench_cache.simulate(calls, 6, bench_cache.Live(LRU(6)))
+        assert simulated == pytest.approx(live[layer]["hit_rate"])
+
+
+def test_belady_is_never_beaten():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        calls = [np.unique(rng.zipf(1.5, size=3) % 20) for _ in range(300)]
+        for capacity in (3, 6, 10):
+            rates = bench_cache.replay(calls, capacity)
+            assert rates["belady"] >= max(rates.values()) - 1e-12
+
+
+def test_lfu_keeps_the_frequent_expert():
+    calls = [np.array([0]), np.array([0]), np.array([1]), np.array([2]), np.array([0])]
+    assert bench_cache.simulate(calls, 2, bench_cache.Live(LFU(2))) == pytest.approx(2 / 5)
+    assert bench_cache.simulate(calls, 2, bench_cache.Live(LRU(2))) == pytest.approx(1 / 5)
+
+
+def test_expected_tokens_of_a_verify_call():
+    assert expected_tokens(1, 0.5) == pytest.approx(1.5)
+    assert expected_tokens(3, 0.9) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+
+
+def test_routing_stats_of_a_known_trace(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"layer": 0, "ids": [[0, 1]]}, {"layer": 0, "ids": [[1, 2]]},
+             {"layer": 0, "ids": [[1, 2]]}, {"layer": 0, "ids": [[3, 4], [5, 6]]}]
+    trace.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    r = routing_stats(trace, top=1)
+    assert r["temporal_reuse"] == pytest.approx((0.5 + 1.0) / 2)
+    assert r["top8_share"] == pytest.approx(3 / 6)  # expert 1: 3 of 6 uses
+
+
+def _run(argv, out):
+    assert bench_main(argv + ["--out", str(out)]) == 0
+
+
+def test_bench_decode_cache_verify_prefill(models, tmp_path):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    common = ["--model", str(stream_dir)]
+    _run(["decode", *common, "--mlx-model", str(src), "--pools", "0.25,1.0", "--max-tokens",
+          "4", "--routing-tokens", "8"], tmp_path / "decode")
+    d = json.loads((tmp_path / "decode" / "decode.json").read_text())
+    cases = [r["case"] for r in d["rows"]]
+    assert cases == ["(a) mlx-lm resident", "(b) mlx-lm lazy", "(c) mlx_streaming",
+                     "(c) mlx_streaming"]
+    assert all(r["status"] == "ok" for r in d["rows"])
+    assert d["rows"][2]["bound_overlap_tps"] >= d["rows"][2]["bound_serial_tps"]
+    assert {"temporal_reuse", "top8_share", "next_layer_recall_top4"} <= set(d["routing"])
+    assert (tmp_path / "decode" / "decode.png").stat().st_size > 0
+
+    _run(["cache", *common, "--tokens", "24", "--capacities", "0.25,0.5"], tmp_path / "cache")
+    c = json.loads((tmp_path / "cache" / "cache.json").read_text())
+    assert all(r["belady"] >= r["lru"] for r in c["rows"])
+
+    _run(["verify", *common, "--mlx-model", str(src), "--max-k", "3", "--repeats", "2"],
+         tmp_path / "verify")
+    v = json.loads((tmp_path / "verify" / "verify.json").read_text())
+    streamed = [r for r in v["rows"] if r["case"].startswith("streaming")]
+    assert [r["k"] for r in streamed] == [1, 2, 3]
+    # The union of a verify call's experts grows with K.
+    assert streamed[2]["experts_per_layer"] >= streamed[0]["experts_per_layer"]
+
+    _run(["prefill", *common, "--mlx-model", str(src), "--lengths", "16,64"],
+         tmp_path / "prefill")
+    p = json.loads((tmp_path / "prefill" / "prefill.json").read_text())
+    assert [r["tokens"] for r in p["rows"]] == [16, 64, 16, 64]
+
+
+def test_bench_io_runs_warm(models, tmp_path):
+    _run(["io", "--dir", str(tmp_path / "blobs"), "--sizes", "256K", "--blob-gb", "0.005",
+          "--no-cold"], tmp_path / "io")
+    r = json.loads((tmp_path / "io" / "io.json").read_text())["throughput"][0]
+    assert r["python warm"] > 0 and r["native warm"] > 0
