@@ -1,6 +1,5 @@
 """Sizing the slot pools from a memory budget."""
 
-import os
 import subprocess
 
 from .config import StreamConfig

@@ -28,8 +28,8 @@ DEMO_CONFIG = dict(
     head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
     intermediate_size=256,
 )
-DEMO_TRAIN_STEPS = 60
-DEMO_LEARNING_RATE = 1e-2
+DEMO_TRAIN_STEPS = 80
+DEMO_LEARNING_RATE = 2e-3
 DEMO_TEMPERATURE = 0.7
 DEMO_SEQ_LEN = 64
 DEMO_BATCH = 8

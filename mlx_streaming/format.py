@@ -240,7 +240,7 @@ def read_manifest(path) -> Manifest:
         with open(mpath) as f:
             d = json.load(f)
     except json.JSONDecodeError as e:
-        raise FormatError(f"{mpath} is not valid JSON ({e}); re-convert the model")
+        raise FormatError(f"{mpath} is not valid JSON ({e}); re-convert the model") from None
     if d.get("format") != FORMAT_NAME:
         raise FormatError(f"{mpath} is not an mlx_streaming manifest")
     version = d.get("version")
@@ -252,7 +252,7 @@ def read_manifest(path) -> Manifest:
     try:
         layers = tuple(layer_from_dict(l) for l in d["layers"])
     except (KeyError, TypeError) as e:
-        raise FormatError(f"{mpath} is malformed (missing {e}); re-convert the model")
+        raise FormatError(f"{mpath} is malformed (missing {e}); re-convert the model") from None
     manifest = Manifest(version=version, layers=layers, source=d.get("source", {}))
     for spec in layers:
         check_blob_size(path, spec)

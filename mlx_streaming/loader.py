@@ -2,8 +2,6 @@
 experts are streamed from SSD through per-layer slot pools."""
 
 import glob
-import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 

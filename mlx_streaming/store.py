@@ -6,7 +6,6 @@ the staging area when prefetch already read them, else from the blob.
 """
 
 import time
-from typing import Optional
 
 import numpy as np
 

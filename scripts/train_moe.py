@@ -84,7 +84,9 @@ def train(args) -> None:
         return ce + args.balance * balance_loss(sink, args.top_k), ce
 
     step = nn.value_and_grad(model, loss_fn)
-    opt = optim.AdamW(learning_rate=optim.cosine_decay(args.lr, args.max_steps, args.lr / 10))
+    warmup = optim.linear_schedule(args.lr / 100, args.lr, args.warmup)
+    decay = optim.cosine_decay(args.lr, args.max_steps, args.lr / 10)
+    opt = optim.AdamW(learning_rate=optim.join_schedules([warmup, decay], [args.warmup]))
     batches = tiny.token_batches(tok, args.seq_len, args.batch, args.corpus_chars, args.seed)
     start = time.time()
     log = []
@@ -125,7 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--balance", type=float, default=0.01, help="load-balancing loss weight")
     p.add_argument("--corpus-chars", type=int, default=4_000_000)
     p.add_argument("--seed", type=int, default=0)

@@ -15,7 +15,6 @@ from mlx_streaming.bench.__main__ import main as bench_main
 from mlx_streaming.bench.common import routing_stats
 from mlx_streaming.bench.verify import expected_tokens
 from mlx_streaming.policy import LFU, LRU
-from mlx_streaming.stats import read_trace
 
 
 def test_lru_replay_matches_the_live_pool(models, tmp_path):

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from mlx_streaming.format import read_manifest
 

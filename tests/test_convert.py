@@ -1,7 +1,6 @@
 """The converter: generic discovery, quantization, bounded memory and crash
 safety."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -11,7 +11,7 @@ import mlx_streaming
 from mlx_streaming.errors import BudgetError
 from mlx_streaming.format import read_manifest
 from mlx_streaming.policy import LRU
-from helpers import PROMPT, logits_trace, assert_same_logits, pool_bytes, record_bytes
+from helpers import PROMPT, logits_trace, pool_bytes, record_bytes
 
 
 def test_lru_never_evicts_protected_slots():

@@ -16,7 +16,7 @@ from ..format import read_manifest
 from ..policy import LFU, LRU, Pinned
 from ..stats import read_trace
 from . import routing
-from .common import figure, print_table, save_json
+from .common import figure, finish
 
 
 def add_arguments(p) -> None:
@@ -154,10 +154,7 @@ def run(args) -> dict:
         title += "\n" + routing.describe(stats)
     result = dict(rows=rows, routing=stats, trace=str(trace), tokens=args.tokens,
                   num_experts=num_experts)
-    result["table"] = print_table(rows, columns, title)
-    save_json(args.out / "cache.json", result)
-    _plot(rows, args.out / "cache.png", title)
-    return result
+    return finish(args.out, "cache", result, rows, columns, title, _plot)
 
 
 def _plot(rows, path, title):

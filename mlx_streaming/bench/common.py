@@ -63,6 +63,14 @@ def print_table(rows: List[dict], columns: Sequence[tuple], title: str = "") -> 
     return text
 
 
+def finish(out: Path, name: str, result: dict, rows, columns, title: str, plot) -> dict:
+    """Print the table, write ``name``.json and ``name``.png into ``out``."""
+    result["table"] = print_table(rows, columns, title)
+    save_json(Path(out) / f"{name}.json", result)
+    plot(rows, Path(out) / f"{name}.png", title)
+    return result
+
+
 def figure():
     try:
         import matplotlib

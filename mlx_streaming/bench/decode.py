@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..format import blob_path, read_manifest
 from . import routing
-from .common import disk_read_gbps, drop_page_cache, print_table, run_case, save_json, figure
+from .common import disk_read_gbps, drop_page_cache, figure, finish, run_case
 
 COLUMNS = [
     ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),
@@ -102,10 +102,7 @@ def run(args) -> dict:
     title = (f"bench decode: experts {manifest.expert_nbytes / 1e9:.2f} GB, memory limit "
              f"{args.memory_limit_gb or 'none'} GB, {'cold' if args.cold else 'warm'} page cache, "
              f"disk {disk_gbps:.2f} GB/s (dd, direct)\n{routing.describe(stats)}")
-    result["table"] = print_table(rows, COLUMNS, title)
-    save_json(args.out / "decode.json", result)
-    _plot(rows, args.out / "decode.png", title)
-    return result
+    return finish(args.out, "decode", result, rows, COLUMNS, title, _plot)
 
 
 def _plot(rows, path, title):

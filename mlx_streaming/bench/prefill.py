@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..format import read_manifest
 from . import routing
-from .common import figure, print_table, run_case, save_json
+from .common import figure, finish, run_case
 
 
 def add_arguments(p) -> None:
@@ -52,8 +52,10 @@ def run(args) -> dict:
                ("vs_resident", "x resident", ".2f"), ("kb_read_per_token", "KB read/tok", ".1f")]
     title = f"bench prefill: prompt processing\n{routing.describe(stats)}"
     result = dict(rows=rows, routing=stats, cases=raw)
-    result["table"] = print_table(rows, columns, title)
-    save_json(args.out / "prefill.json", result)
+    return finish(args.out, "prefill", result, rows, columns, title, _plot)
+
+
+def _plot(rows, path, title):
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for case in dict.fromkeys(r["case"] for r in rows if r["status"] == "ok"):
@@ -65,6 +67,5 @@ def run(args) -> dict:
     ax.legend()
     ax.set_title(title.splitlines()[0], fontsize=9)
     fig.tight_layout()
-    fig.savefig(args.out / "prefill.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return result

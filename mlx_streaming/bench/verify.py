@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..format import read_manifest
 from . import routing
-from .common import BenchError, figure, print_table, run_case, save_json
+from .common import BenchError, figure, finish, run_case
 
 ACCEPTANCE = (0.5, 0.7, 0.9)
 
@@ -78,10 +78,7 @@ def run(args) -> dict:
     title = (f"bench verify: K draft tokens per call; x@a = effective tokens/s vs plain "
              f"decode at acceptance a\n{routing.describe(stats)}")
     result = dict(rows=rows, routing=stats, slots_per_layer=slots, cases=raw)
-    result["table"] = print_table(rows, columns, title)
-    save_json(args.out / "verify.json", result)
-    _plot(rows, args.out / "verify.png", title)
-    return result
+    return finish(args.out, "verify", result, rows, columns, title, _plot)
 
 
 def _plot(rows, path, title):
