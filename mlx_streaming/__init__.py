@@ -10,7 +10,7 @@ streaming their routed experts from SSD, bit-identical to mlx-lm.
 
 from . import format
 from .config import StreamConfig
-from .convert import convert
+from .converter import convert
 from .errors import (
     BudgetError,
     ConversionError,

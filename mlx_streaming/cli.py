@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 from .errors import StreamingError
 
 COMMANDS = {
-    "convert": "mlx_streaming.convert",
+    "convert": "mlx_streaming.converter",
     "generate": "mlx_streaming.generate",
     "demo": "mlx_streaming.demo",
     "bench": "mlx_streaming.bench.__main__",

@@ -39,7 +39,7 @@ DEMO_CORPUS_CHARS = 1_500_000
 def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) -> Path:
     """Train, quantize and convert the demo model; returns its stream dir."""
     from . import tiny
-    from .convert import convert
+    from .converter import convert
 
     work = cache_dir / "build"
     shutil.rmtree(work, ignore_errors=True)

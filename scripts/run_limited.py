@@ -4,12 +4,13 @@
         python -m mlx_streaming.convert --model SRC --out DST
 
 Emulates a machine with less memory than the model (Linux, root). Prints the
-command's exit status, wall time and the cgroup's peak usage (which counts
-page cache too) as JSON on the last line.
+command's exit status, wall time, its peak resident set and the cgroup's
+peak usage (which counts page cache too) as JSON on the last line.
 """
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -30,9 +31,13 @@ def main(argv=None) -> int:
     limit = MemoryLimit(args.memory_limit_gb)
     start = time.perf_counter()
     proc = subprocess.run(command, preexec_fn=limit.enter)
+    # The cgroup's peak counts page cache, which the kernel reclaims at the
+    # limit; the command's own peak is its resident set.
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     result = dict(returncode=proc.returncode, seconds=round(time.perf_counter() - start, 1),
                   memory_limit_gb=args.memory_limit_gb,
-                  peak_usage_gb=round(limit.max_usage() / 1e9, 3),
+                  cgroup_peak_gb=round(limit.max_usage() / 1e9, 3),
+                  peak_rss_gb=round(rss / 1e9, 3),
                   oom_kills=limit.oom_kills())
     limit.close()
     print(json.dumps(result))

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
 from mlx_streaming import tiny
-from mlx_streaming.convert import convert
+from mlx_streaming.converter import convert
 
 VOCAB = 512
 PROMPT = [1, 7, 42, 300, 5, 18, 99, 260, 3, 77, 150, 11, 480, 23, 64, 9] * 3

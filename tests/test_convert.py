@@ -11,10 +11,16 @@ import pytest
 
 import mlx_streaming
 from mlx_streaming import tiny
-from mlx_streaming.convert import convert
+from mlx_streaming.converter import convert
 from mlx_streaming.errors import ConversionError, FormatError
 from mlx_streaming.format import CONVERT_STATE_NAME, manifest_path, read_manifest
 from helpers import VOCAB, check_matches_resident
+
+
+def test_package_exports_the_convert_function():
+    import mlx_streaming.converter  # noqa: F401
+
+    assert callable(mlx_streaming.convert)
 
 
 def test_non_moe_model_is_refused(tmp_path, tokenizer_dir):
@@ -93,7 +99,7 @@ def test_killed_conversion_resumes(tmp_path, models):
     dst = tmp_path / "stream"
     script = textwrap.dedent(f"""
         import os, signal
-        from mlx_streaming.convert import convert
+        from mlx_streaming.converter import convert
         convert({str(src)!r}, {str(dst)!r}, progress=False,
                 on_layer=lambda spec: os.kill(os.getpid(), signal.SIGKILL))
     """)

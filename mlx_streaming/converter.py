@@ -1,0 +1,409 @@
+"""Convert an mlx-lm MoE model into a stream directory.
+
+    python -m mlx_streaming.convert --model SRC --out DST [-q --q-bits 4 --q-group-size 64]
+
+The model is loaded lazily and written one MoE layer at a time, so the peak
+memory is about one layer's experts (plus one spine shard), not the model.
+A conversion that is killed never leaves a directory that loads: the
+manifest is written last, atomically. Running the same command again keeps
+the layers that were finished and redoes the rest.
+"""
+
+import argparse
+from dataclasses import asdict
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
+
+from .discover import find_expert_blocks, layer_index, num_experts, quantization_of
+from .errors import ConversionError
+from .format import (
+    CONVERT_STATE_NAME,
+    FORMAT_VERSION,
+    LayerSpec,
+    Manifest,
+    dtype_name,
+    experts_dir,
+    fsync_dir,
+    layer_from_dict,
+    layout_record,
+    manifest_path,
+    record_checksum,
+    write_json_atomic,
+    write_manifest,
+)
+
+SPINE_SHARD_GB = 1
+TOP_K_KEYS = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "moe_top_k",
+    "n_activated_experts",
+    "experts_per_token",
+    "top_k",
+)
+TOKENIZER_PATTERNS = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.jsonl")
+SKIP_FILES = {"config.json", "model.safetensors.index.json", CONVERT_STATE_NAME}
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def resolve_source(src: str) -> Path:
+    """A local model directory, or a Hugging Face repo fetched into the cache."""
+    path = Path(src)
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ConversionError(f"{src} has no config.json; it is not an mlx-lm model")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                src, allow_patterns=["*.safetensors", *TOKENIZER_PATTERNS, "*.py"]
+            )
+        )
+    except Exception as e:
+        raise ConversionError(
+            f"{src} is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub ({type(e).__name__}); check the path or the network"
+        ) from None
+
+
+def find_top_k(config: dict) -> int:
+    """Experts per token, from the model's config."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in TOP_K_KEYS:
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+    raise ConversionError(
+        "cannot find the number of experts per token in config.json "
+        f"(looked for {', '.join(TOP_K_KEYS)})"
+    )
+
+
+def _fingerprint(src: Path, options: dict) -> str:
+    h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    for f in sorted(src.glob("*.safetensors")) + [src / "config.json"]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _cast(model, dtype) -> None:
+    def cast(p):
+        return p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p
+
+    model.update(tree_map(cast, model.parameters()))
+
+
+class _State:
+    """Finished layers of an interrupted conversion (``DST/.convert-state.json``)."""
+
+    def __init__(self, dst: Path, fingerprint: str):
+        self.path = dst / CONVERT_STATE_NAME
+        self.fingerprint = fingerprint
+        self.layers: Dict[str, dict] = {}
+        if self.path.exists():
+            try:
+                saved = json.loads(self.path.read_text())
+            except json.JSONDecodeError:
+                saved = {}
+            if saved.get("fingerprint") == fingerprint:
+                self.layers = saved.get("layers", {})
+
+    def done(self, file: str, dst: Path) -> Optional[LayerSpec]:
+        d = self.layers.get(file)
+        if d is None:
+            return None
+        spec = layer_from_dict(d)
+        blob = experts_dir(dst) / file
+        if not blob.exists() or blob.stat().st_size != spec.blob_nbytes:
+            return None
+        return spec
+
+    def record(self, spec: LayerSpec) -> None:
+        self.layers[spec.file] = asdict(spec)
+        write_json_atomic(self.path, {"fingerprint": self.fingerprint, "layers": self.layers})
+
+
+def _expert_tensors(block, num: int):
+    """The per-expert tensors of a block (leading axis = experts) and the
+    rest (kept in the spine)."""
+    experts, rest = [], []
+    for name, value in tree_flatten(block.parameters()):
+        (experts if value.ndim >= 1 and value.shape[0] == num else rest).append((name, value))
+    return experts, rest
+
+
+def _write_blob(path: Path, tensors, stride: int, segments, progress) -> List[int]:
+    """Write one record per expert; returns the record checksums."""
+    num = tensors[0][1].shape[0]
+    # [E, nbytes] byte views of each tensor (bfloat16 has no numpy dtype).
+    views = [np.array(t.reshape(num, -1).view(mx.uint8), copy=False) for _, t in tensors]
+    checksums = []
+    tmp = path.with_name(path.name + ".tmp")
+    record = np.zeros(stride, dtype=np.uint8)
+    with open(tmp, "wb") as f:
+        for e in range(num):
+            for seg, view in zip(segments, views):
+                record[seg.offset : seg.offset + seg.nbytes] = view[e]
+            checksums.append(
+                record_checksum(record[s.offset : s.offset + s.nbytes] for s in segments)
+            )
+            f.write(record.data)
+            progress(1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return checksums
+
+
+def _convert_layer(block, path, layer, file, top_k, dst: Path, progress) -> LayerSpec:
+    num = num_experts(block)
+    tensors, _ = _expert_tensors(block, num)
+    mx.eval([t for _, t in tensors])
+    layout = [
+        (name, dtype_name(t.dtype), t.shape[1:], t.nbytes // num) for name, t in tensors
+    ]
+    segments, stride = layout_record(layout)
+    checksums = _write_blob(experts_dir(dst) / file, tensors, stride, segments, progress)
+    return LayerSpec(
+        layer=layer,
+        module=path,
+        kind=type(block).__name__,
+        file=file,
+        num_experts=num,
+        top_k=top_k,
+        stride=stride,
+        segments=segments,
+        quantization=quantization_of(block),
+        checksums=tuple(checksums),
+    )
+
+
+def _write_spine(model, streamed: set, dst: Path) -> None:
+    spine = {k: v for k, v in tree_flatten(model.parameters()) if k not in streamed}
+    for old in dst.glob("model*.safetensors"):
+        old.unlink()
+    shards = make_shards(spine, max_file_size_gb=SPINE_SHARD_GB)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        tmp = dst / (name + ".tmp.safetensors")
+        mx.save_safetensors(str(tmp), shard, metadata={"format": "mlx"})
+        os.replace(tmp, dst / name)
+        weight_map.update({k: name for k in shard})
+        # Free the shard's evaluated tensors before the next one.
+        model.update(tree_unflatten([(k, mx.array([])) for k in shard]))
+    total = sum(v.nbytes for v in spine.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for pattern in TOKENIZER_PATTERNS:
+        for f in src.glob(pattern):
+            if f.name not in SKIP_FILES and f.is_file():
+                shutil.copyfile(f, dst / f.name)
+
+
+def _prepare_dst(dst: Path, fingerprint: str, force: bool) -> bool:
+    """Returns True when ``dst`` already holds this exact conversion."""
+    if manifest_path(dst).exists():
+        state = json.loads(manifest_path(dst).read_text()).get("source", {})
+        if state.get("fingerprint") == fingerprint and not force:
+            return True
+        if not force:
+            raise ConversionError(
+                f"{dst} already holds a different converted model; pass --force "
+                "to overwrite it or choose another --out"
+            )
+        # From here on the directory must not look complete.
+        manifest_path(dst).unlink()
+        fsync_dir(experts_dir(dst))
+    experts_dir(dst).mkdir(parents=True, exist_ok=True)
+    return False
+
+
+def convert(
+    src,
+    dst,
+    *,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    q_mode: str = "affine",
+    dtype: Optional[str] = None,
+    force: bool = False,
+    progress: bool = True,
+    on_layer: Optional[Callable[[LayerSpec], None]] = None,
+) -> Path:
+    """Convert the mlx-lm MoE model at ``src`` into a stream directory.
+
+    Args:
+        src: a local mlx-lm model directory or a Hugging Face repo id.
+        dst: the stream directory to write.
+        quantize: quantize the model (``q_bits``, ``q_group_size``,
+            ``q_mode``) with mlx-lm's quantizer while converting.
+        dtype: cast floating weights first (``float16``, ``bfloat16``,
+            ``float32``); quantization scales take this dtype.
+        force: overwrite a different model already converted at ``dst``.
+        progress: show a progress bar.
+        on_layer: called after each layer's blob is complete.
+
+    Returns:
+        The path of the stream directory.
+
+    Raises:
+        ConversionError: the model cannot be converted (not found, not MoE,
+            already quantized and ``quantize`` asked, ...).
+    """
+    src_path = resolve_source(str(src))
+    dst = Path(dst)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
+    options = dict(
+        quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode, dtype=dtype
+    )
+    fingerprint = _fingerprint(src_path, options)
+    dst.mkdir(parents=True, exist_ok=True)
+    if _prepare_dst(dst, fingerprint, force):
+        print(f"{dst} is already converted from {src}", file=sys.stderr)
+        return dst
+
+    try:
+        model, config = load_model(src_path, lazy=True)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConversionError(f"mlx-lm cannot load {src}: {e}") from None
+    blocks = find_expert_blocks(model)
+    if not blocks:
+        raise ConversionError(
+            f"{src} ({config.get('model_type')}) has no routed experts "
+            "(no SwitchGLU/SwitchMLP modules): it is not a MoE model"
+        )
+    if dtype is not None:
+        _cast(model, DTYPES[dtype])
+        config["torch_dtype"] = dtype
+    if quantize:
+        if "quantization" in config:
+            raise ConversionError(f"{src} is already quantized; convert it without -q")
+        model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
+    top_k = find_top_k(config)
+
+    state = _State(dst, fingerprint)
+    layers, streamed = [], set()
+    total = sum(num_experts(b) for _, b in blocks)
+    bar = _progress_bar(total, progress)
+    for ordinal, (path, block) in enumerate(blocks):
+        layer = layer_index(path, ordinal)
+        file = f"layer{layer:03d}.blob"
+        if any(l.file == file for l in layers):
+            file = f"block{ordinal:03d}.blob"
+        spec = state.done(file, dst)
+        if spec is None:
+            bar.set_description(f"experts of {path}")
+            spec = _convert_layer(block, path, layer, file, top_k, dst, bar.update)
+            state.record(spec)
+        else:
+            bar.update(spec.num_experts)
+        layers.append(spec)
+        streamed.update(f"{path}.{s.name}" for s in spec.segments)
+        _release_experts(block, spec)
+        if on_layer is not None:
+            on_layer(spec)
+    bar.close()
+
+    _write_spine(model, streamed, dst)
+    save_config(dict(config), dst / "config.json")
+    _copy_tokenizer(src_path, dst)
+    fsync_dir(dst)
+    source = {"model": str(src), "fingerprint": fingerprint, "options": options}
+    write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source))
+    state.path.unlink(missing_ok=True)
+    return dst
+
+
+def _release_experts(block, spec: LayerSpec) -> None:
+    names = {s.name for s in spec.segments}
+    block.update(
+        tree_unflatten(
+            [(k, mx.array([])) for k, _ in tree_flatten(block.parameters()) if k in names]
+        )
+    )
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_description(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="expert", file=sys.stderr)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming convert",
+        description="Convert an mlx-lm MoE model into a stream directory.",
+    )
+    p.add_argument("--model", required=True, help="local mlx-lm model dir or HF repo id")
+    p.add_argument("--out", required=True, help="stream directory to write")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize while converting")
+    p.add_argument("--q-bits", type=int, default=4)
+    p.add_argument("--q-group-size", type=int, default=64)
+    p.add_argument("--q-mode", default="affine", choices=["affine", "mxfp4", "nvfp4", "mxfp8"])
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="cast floating weights before quantizing (float32 scales "
+                        "are fastest on MLX's CPU backend)")
+    p.add_argument("--force", action="store_true", help="overwrite another converted model")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    from .cli import run_main
+
+    args = setup_arg_parser().parse_args(argv)
+
+    def body():
+        out = convert(
+            args.model,
+            args.out,
+            quantize=args.quantize,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            q_mode=args.q_mode,
+            dtype=args.dtype,
+            force=args.force,
+            progress=not args.no_progress,
+        )
+        print(f"wrote {out}", file=sys.stderr)
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
