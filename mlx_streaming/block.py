@@ -85,11 +85,10 @@ class Paged:
         self.prefetch.issue(predicted)
 
         ids = np.array(indices)
-        self.events.on_route(self.layer, ids)
+        experts = np.unique(ids)
+        self.events.on_route(self.layer, ids, experts)
         hits = int(self.store.resident(ids).sum())
         self.events.on_lookup(self.layer, hits, ids.size - hits)
-
-        experts = np.unique(ids)
         if len(experts) <= self.store.pool.slots:
             self.store.ensure(experts)
             y = inner(x, self.store.pool.table[indices])

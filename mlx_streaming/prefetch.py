@@ -105,7 +105,8 @@ class PrefetchSwitch(Observer):
     """
 
     def __init__(self, first_layer: int, max_tokens: int, window: int = 16,
-                 min_stall_share: float = 0.05):
+                 min_stall_share: float = 0.05, clock=time.perf_counter):
+        self.clock = clock
         self.first_layer = first_layer
         self.max_tokens = max_tokens
         self.window = window
@@ -121,7 +122,7 @@ class PrefetchSwitch(Observer):
     def on_call(self, layer, tokens):
         if layer != self.first_layer or tokens > self.max_tokens or self._phase == "done":
             return
-        now = time.perf_counter()
+        now = self.clock()
         if self._start is None:
             self._start, self._tokens, self._stall = now, 0, 0.0
             return

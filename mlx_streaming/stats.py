@@ -21,7 +21,7 @@ class Observer:
     def on_read(self, layer: int, records: int, nbytes: int, seconds: float) -> None: ...
     def on_stall(self, layer: int, seconds: float) -> None: ...
     def on_sync(self, layer: int) -> None: ...
-    def on_route(self, layer: int, ids: np.ndarray) -> None: ...
+    def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray) -> None: ...
     def on_predict(self, layer: int, ids: np.ndarray) -> None: ...
     def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
 
@@ -123,15 +123,14 @@ class Stats(Observer):
     def on_predict(self, layer, ids):
         self._predicted[layer] = np.unique(ids)
 
-    def on_route(self, layer, ids):
-        routed = np.unique(ids)
+    def on_route(self, layer, ids, experts):
         c = self.counters[layer]
-        c.distinct_experts += len(routed)
+        c.distinct_experts += len(experts)
         predicted = self._predicted.pop(layer, None)
         if predicted is None:
             return
-        c.routed += len(routed)
-        c.predicted_routed += int(np.isin(routed, predicted).sum())
+        c.routed += len(experts)
+        c.predicted_routed += int(np.isin(experts, predicted).sum())
 
     def on_prefetch(self, layer, issued=0, useful=0, wasted=0):
         c = self.counters[layer]
@@ -157,7 +156,7 @@ class TraceWriter(Observer):
         self.path = path
         self._file = open(path, "w")
 
-    def on_route(self, layer, ids):
+    def on_route(self, layer, ids, experts):
         ids = np.asarray(ids).reshape(-1, ids.shape[-1])
         self._file.write(json.dumps({"layer": layer, "ids": ids.tolist()}) + "\n")
 

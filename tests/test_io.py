@@ -167,7 +167,7 @@ def test_prefetch_primitive_stages_when_evaluated(blob):
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
 
 
-@pytest.mark.parametrize("prefetch", ["off", "next-layer"])
+@pytest.mark.parametrize("prefetch", ["off", "next-layer", "auto"])
 @pytest.mark.parametrize("io", IO_PATHS)
 def test_outputs_identical_with_prefetch_and_io(models, io, prefetch):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
@@ -218,3 +218,45 @@ def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):
         mlx_streaming.load(qwen[1], io="native")
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4)
     assert mlx_streaming.stats(model)["io"] == "python"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _decode(switch, clock, tokens, seconds_per_token, stall_per_token):
+    for _ in range(tokens):
+        clock.now += seconds_per_token
+        switch.on_stall(5, stall_per_token)
+        switch.on_call(0, 1)
+
+
+def test_auto_prefetch_stays_off_when_reads_do_not_stall():
+    from mlx_streaming.prefetch import PrefetchSwitch
+
+    clock = FakeClock()
+    switch = PrefetchSwitch(first_layer=0, max_tokens=8, window=4, clock=clock)
+    assert not switch.enabled
+    _decode(switch, clock, 6, 0.1, 0.001)
+    assert not switch.enabled and switch.decision.startswith("off: stall share")
+
+
+def test_auto_prefetch_keeps_what_measures_faster():
+    from mlx_streaming.prefetch import PrefetchSwitch
+
+    for on_seconds, expected in ((0.06, True), (0.12, False)):
+        clock = FakeClock()
+        switch = PrefetchSwitch(first_layer=0, max_tokens=8, window=4, clock=clock)
+        _decode(switch, clock, 5, 0.1, 0.05)  # off: half the time stalled
+        assert switch.enabled and switch.decision == "measuring"
+        _decode(switch, clock, 5, on_seconds, 0.0)
+        assert switch.enabled is expected
+        assert switch.decision.startswith("on" if expected else "off")
+        # Prefill calls and other layers do not count as decode tokens.
+        switch.on_call(0, 100)
+        switch.on_call(3, 1)
+        assert switch.enabled is expected
