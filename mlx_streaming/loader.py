@@ -35,12 +35,15 @@ class Runtime:
     """What a streaming model carries besides its modules: the config, the
     reader, the stores and the observers. ``model.streaming`` holds it."""
 
-    def __init__(self, config: StreamConfig, manifest: Manifest, reader, slots: int):
+    def __init__(self, config: StreamConfig, manifest: Manifest, reader, io_reason: str,
+                 slots: int):
         self.config = config
         self.manifest = manifest
         self.reader = reader
+        self.io_reason = io_reason
         self.slots = slots
-        self.paged = False
+        # A trace needs each call's ids, which only paged blocks sync for.
+        self.paged = slots < budget.max_slots(manifest) or config.trace is not None
         self.stores: List[ExpertStore] = []
         self.stats = Stats([l.layer for l in manifest.layers])
         self.trace = TraceWriter(config.trace) if config.trace else None
@@ -52,7 +55,6 @@ class Runtime:
         else:
             self.prefetch_switch = AlwaysOn()
         self.events = Events(observers)
-        self.io_reason = ""
 
     @property
     def cache_bytes(self) -> int:
@@ -187,9 +189,7 @@ def _make_reader(config: StreamConfig) -> Tuple[object, str]:
 def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig) -> Runtime:
     slots = budget.plan_slots(manifest, config, spine_bytes(path))
     reader, reason = _make_reader(config)
-    runtime = Runtime(config, manifest, reader, slots)
-    runtime.io_reason = reason
-    return runtime
+    return Runtime(config, manifest, reader, reason, slots)
 
 
 def _prefetch_width(config: StreamConfig, spec: LayerSpec) -> int:
@@ -200,10 +200,8 @@ def _prefetch_width(config: StreamConfig, spec: LayerSpec) -> int:
 def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: Runtime):
     config = runtime.config
     blocks = dict(find_expert_blocks(model))
-    paged = runtime.slots < budget.max_slots(manifest) or config.trace is not None
-    runtime.paged = paged
     staging = None
-    if paged and config.prefetch != "off":
+    if runtime.paged and config.prefetch != "off":
         width = max(_prefetch_width(config, s) for s in manifest.layers)
         stride = max(s.stride for s in manifest.layers)
         # Room for one layer's predictions in flight while the previous
@@ -219,7 +217,7 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
         )
     prefetchers = _make_prefetchers(model, runtime, blocks, staging) if staging else {}
     for store in runtime.stores:
-        if paged:
+        if runtime.paged:
             residency = Paged(store, runtime.events, prefetchers.get(store.layer))
         else:
             store.preload()
