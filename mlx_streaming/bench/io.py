@@ -115,6 +115,22 @@ def throughput(args) -> list:
     return rows
 
 
+def checksum_throughput(nbytes: int = 256 << 20) -> dict:
+    """GB/s of the CRC-32 that checks each expert on its first read."""
+    import zlib
+
+    data = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    out = {}
+    ext, _ = load_extension()
+    for name, crc in (("zlib", zlib.crc32), ("native", ext.crc32 if ext else None)):
+        if crc is None:
+            continue
+        start = time.perf_counter()
+        crc(data)
+        out[f"crc32_{name}_gbps"] = nbytes / (time.perf_counter() - start) / 1e9
+    return out
+
+
 def prefetch_decode(args) -> list:
     from ..format import read_manifest
 
@@ -150,6 +166,8 @@ def run(args) -> dict:
     keys = [k for k in rows[0] if k not in ("size", "stride", "threads")]
     columns = [("size", "record", "s")] + [(k, k, ".2f") for k in keys]
     result["throughput"] = rows
+    result["checksum"] = checksum_throughput()
+    print("first-read checksum: " + ", ".join(f"{k} {v:.2f}" for k, v in result["checksum"].items()))
     result["throughput_table"] = print_table(
         rows, columns, f"bench io: expert reads, GB/s, {args.batch} records per call, "
                        f"{rows[0]['threads']} threads")
