@@ -61,6 +61,9 @@ class PythonReader:
         self.direct = direct
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-read")
+        # Prefetch reads get threads of their own: demand reads, which the
+        # forward pass waits for, never queue behind them.
+        self._background = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-prefetch")
         self._files: List[Tuple[int, str]] = []
         self._bounce = threading.local()
 
@@ -75,6 +78,7 @@ class PythonReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._background.shutdown(wait=True)
         for fd, _ in self._files:
             os.close(fd)
         self._files.clear()
@@ -136,6 +140,15 @@ class PythonReader:
             crc = zlib.crc32(p, crc)
         return crc
 
+    def read_record(self, file: int, buf: np.ndarray, offset: int) -> None:
+        """Read a whole record into ``buf`` (aligned when direct)."""
+        fd, path = self._files[file]
+        self._pread(fd, path, buf, offset)
+
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` in the background; returns a future."""
+        return self._background.submit(fn, *args)
+
     def _bounce_buffer(self, stride: int) -> np.ndarray:
         buf = getattr(self._bounce, "buf", None)
         if buf is None or len(buf) < stride:
@@ -184,15 +197,11 @@ class PythonStaging:
                     continue
                 slot = self._free.pop()
             buf = self._buffers[slot]
-            future = self.reader._pool.submit(self._read, file, buf, offset)
+            future = self.reader.submit(self.reader.read_record, file, buf, offset)
             with self._lock:
                 self._entries[key] = (slot, future)
             issued += 1
         return issued
-
-    def _read(self, file: int, buf: np.ndarray, offset: int) -> None:
-        fd, path = self.reader._files[file]
-        PythonReader._pread(fd, path, buf, offset)
 
     def take(
         self, layer: int, expert: int, segments: np.ndarray, dst_row: np.ndarray, want_crc: bool
