@@ -13,6 +13,7 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 from pathlib import Path
 
 from ..format import blob_path, read_manifest
+from ..loader import spine_bytes
 from . import routing
 from .common import disk_read_gbps, drop_page_cache, figure, finish, run_case
 
@@ -21,7 +22,8 @@ COLUMNS = [
     ("decode_tps", "tok/s", ".3g"), ("vs_resident", "x (a)", ".2f"),
     ("hit_rate", "hit", ".0%"), ("gb_per_token", "GB/tok", ".3f"),
     ("bound_overlap_tps", "bound", ".3g"), ("vs_bound", "x bound", ".2f"),
-    ("bound_serial_tps", "no-overlap", ".3g"), ("peak_gb", "peak GB", ".2f"),
+    ("bound_serial_tps", "no-overlap", ".3g"), ("peak_gb", "peak RSS GB", ".2f"),
+    ("mlx_peak_gb", "MLX peak GB", ".3f"), ("spine_pool_gb", "spine+pool GB", ".3f"),
 ]
 
 
@@ -37,11 +39,14 @@ def add_arguments(p) -> None:
     p.add_argument("--io", default="auto")
     p.add_argument("--prefetch", default="off")
     p.add_argument("--routing-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of all cases, interleaved; each case reports its median")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
 
 
-def _summary(name, r, pool=None):
+def _summary(name, r, pool=None, spine_gb=None):
     row = dict(case=name, pool=pool, status=r["status"], peak_gb=r.get("peak_rss_bytes", 0) / 1e9,
+               mlx_peak_gb=r.get("mlx_peak_bytes", 0) / 1e9,
                cgroup_peak_gb=r.get("cgroup_max_usage_bytes", 0) / 1e9 or None)
     if r["status"] == "ok":
         row["decode_tps"] = r["decode_tps"]
@@ -53,8 +58,14 @@ def _summary(name, r, pool=None):
             row["syncs_per_token"] = t["syncs"] / r["decode_tokens"]
             row["stall_share"] = t["stall_seconds"] / r["decode_s"]
             row["cache_gb"] = s["cache_bytes"] / 1e9
+            row["spine_pool_gb"] = spine_gb + row["cache_gb"]
             row["io"] = s["io"]
     return row
+
+
+def _median_run(results):
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["decode_tps"])
+    return ok[len(ok) // 2] if ok else results[0]
 
 
 def run(args) -> dict:
@@ -62,23 +73,31 @@ def run(args) -> dict:
     manifest = read_manifest(stream_dir)
     num_experts = manifest.layers[0].num_experts
     common = dict(op="decode", max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens)
-    rows, raw = [], {}
-
+    cases = []
     if args.mlx_model:
-        r = run_case(dict(common, kind="mlx-lm", model=args.mlx_model), cold=args.cold)
-        raw["resident"] = r
-        rows.append(_summary("(a) mlx-lm resident", r))
-        r = run_case(dict(common, kind="mlx-lm-lazy", model=args.mlx_model),
-                     memory_limit_gb=args.memory_limit_gb, cold=args.cold)
-        raw["naive"] = r
-        rows.append(_summary("(b) mlx-lm lazy", r))
+        cases.append(("(a) mlx-lm resident", None,
+                      dict(common, kind="mlx-lm", model=args.mlx_model), None))
+        cases.append(("(b) mlx-lm lazy", None,
+                      dict(common, kind="mlx-lm-lazy", model=args.mlx_model), args.memory_limit_gb))
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = max(manifest.layers[0].top_k, round(pool * num_experts))
         load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch)
-        r = run_case(dict(common, kind="streaming", model=str(stream_dir), load=load),
-                     memory_limit_gb=args.memory_limit_gb, cold=args.cold)
-        raw[f"streaming-{pool}"] = r
-        rows.append(_summary("(c) mlx_streaming", r, slots / num_experts))
+        cases.append(("(c) mlx_streaming", slots / num_experts,
+                      dict(common, kind="streaming", model=str(stream_dir), load=load),
+                      args.memory_limit_gb))
+    # Rounds interleave the cases, so slow spells of a shared machine hit
+    # every case alike; each case keeps its median round.
+    runs = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for i, (_, _, case, limit) in enumerate(cases):
+            runs[i].append(run_case(case, memory_limit_gb=limit, cold=args.cold))
+    rows, raw = [], {}
+    for (name, pool, _, _), results in zip(cases, runs):
+        r = _median_run(results)
+        raw[f"{name} {pool or ''}".strip()] = results
+        row = _summary(name, r, pool, spine_bytes(stream_dir) / 1e9)
+        row["runs_tps"] = [x.get("decode_tps") for x in results]
+        rows.append(row)
 
     if args.cold:
         drop_page_cache()
