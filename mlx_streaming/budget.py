@@ -1,5 +1,6 @@
 """Sizing the slot pools from a memory budget."""
 
+import os
 import subprocess
 
 from .config import StreamConfig
@@ -29,6 +30,10 @@ def _macos_free_bytes() -> int:
         if line.startswith("Pages free:"):
             return int(line.split()[-1].rstrip(".")) * page
     raise BudgetError("cannot read free memory; pass cache_gb / --cache-gb")
+
+
+def total_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def bytes_per_slot(manifest: Manifest) -> int:

@@ -14,7 +14,7 @@ import sys
 import mlx.core as mx
 
 from .cli import run_main
-from .config import IO_CHOICES, PREFETCH_CHOICES, StreamConfig
+from .config import DIRECT_IO_CHOICES, IO_CHOICES, PREFETCH_CHOICES, StreamConfig
 
 DEFAULT_PROMPT = "def "
 DEFAULT_MAX_TOKENS = 100
@@ -34,7 +34,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--io", choices=IO_CHOICES, default="auto")
-    p.add_argument("--direct-io", action="store_true", help="uncached expert reads")
+    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
+                   help="uncached expert reads (auto: when the experts cannot stay in the "
+                        "page cache)")
     p.add_argument("--io-threads", type=int, default=None)
     p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default="off")
     p.add_argument("--ignore-chat-template", action="store_true")
@@ -48,7 +50,7 @@ def config_from_args(args) -> StreamConfig:
         cache_gb=args.cache_gb,
         slots_per_layer=args.slots_per_layer,
         io=args.io,
-        direct_io=args.direct_io,
+        direct_io=DIRECT_IO_CHOICES[args.direct_io],
         prefetch=args.prefetch,
         trace=args.trace,
     )

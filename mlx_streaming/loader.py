@@ -26,7 +26,7 @@ from .prefetch import (
     PrefetchSwitch,
     PythonLauncher,
 )
-from .readers import PythonReader
+from .readers import PythonReader, direct_io_works
 from .stats import Events, Stats, TraceWriter
 from .store import ExpertStore
 
@@ -36,11 +36,12 @@ class Runtime:
     reader, the stores and the observers. ``model.streaming`` holds it."""
 
     def __init__(self, config: StreamConfig, manifest: Manifest, reader, io_reason: str,
-                 slots: int):
+                 slots: int, direct_io_reason: str):
         self.config = config
         self.manifest = manifest
         self.reader = reader
         self.io_reason = io_reason
+        self.direct_io_reason = direct_io_reason
         self.slots = slots
         # A trace needs each call's ids, which only paged blocks sync for.
         self.paged = slots < budget.max_slots(manifest) or config.trace is not None
@@ -72,7 +73,7 @@ def load(
     cache_gb: Optional[float] = None,
     slots_per_layer: Optional[int] = None,
     io: str = "auto",
-    direct_io: bool = False,
+    direct_io: Optional[bool] = None,
     io_threads: Optional[int] = None,
     prefetch: str = "off",
     prefetch_width: Optional[int] = None,
@@ -89,7 +90,8 @@ def load(
             memory that is free now, less a reserve.
         slots_per_layer: experts resident per layer; overrides ``cache_gb``.
         io: ``"auto"``, ``"native"`` or ``"python"`` expert reads.
-        direct_io: uncached reads (O_DIRECT / F_NOCACHE).
+        direct_io: uncached reads (O_DIRECT / F_NOCACHE); None (default)
+            picks them when the experts cannot stay in the page cache.
         io_threads: reader threads (default: from the CPU count).
         prefetch: ``"off"``, ``"next-layer"`` or ``"auto"``.
         prefetch_width: experts predicted per token (default 2 x top-k).
@@ -173,7 +175,7 @@ def spine_bytes(path: Path) -> int:
     return sum(Path(f).stat().st_size for f in glob.glob(str(path / "model*.safetensors")))
 
 
-def _make_reader(config: StreamConfig) -> Tuple[object, str]:
+def _make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:
     ext, why = load_extension()
     if config.io == "native" and ext is None:
         raise StreamingError(
@@ -182,14 +184,38 @@ def _make_reader(config: StreamConfig) -> Tuple[object, str]:
         )
     if config.io == "python" or ext is None:
         reason = "asked for" if config.io == "python" else f"native extension {why}"
-        return PythonReader(config.io_threads, config.direct_io), reason
-    return NativeReader(ext, config.io_threads, config.direct_io), "native extension"
+        return PythonReader(config.io_threads, direct), reason
+    return NativeReader(ext, config.io_threads, direct), "native extension"
+
+
+def choose_direct_io(config: StreamConfig, path: Path, manifest: Manifest,
+                     resident_bytes: int) -> Tuple[bool, str]:
+    """Uncached reads or not, and why.
+
+    Measured (bench io): uncached reads are as fast or faster than cached
+    ones when the page cache is cold, but a warm page cache serves experts
+    3-7x faster. So cached reads win while the blobs fit in the memory the
+    pools and the spine leave; beyond that they would only be read twice.
+    """
+    if config.direct_io is not None:
+        return config.direct_io, "asked for"
+    room = budget.total_memory_bytes() - resident_bytes
+    if manifest.expert_nbytes <= room:
+        return False, (f"experts ({manifest.expert_nbytes / 1e9:.2f} GB) fit in the "
+                       f"{room / 1e9:.2f} GB the page cache can use")
+    if not direct_io_works(blob_path(path, manifest.layers[0])):
+        return False, "this file system refuses uncached reads"
+    return True, (f"experts ({manifest.expert_nbytes / 1e9:.2f} GB) exceed the "
+                  f"{room / 1e9:.2f} GB the page cache can use")
 
 
 def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig) -> Runtime:
-    slots = budget.plan_slots(manifest, config, spine_bytes(path))
-    reader, reason = _make_reader(config)
-    return Runtime(config, manifest, reader, reason, slots)
+    spine = spine_bytes(path)
+    slots = budget.plan_slots(manifest, config, spine)
+    resident = spine + slots * budget.bytes_per_slot(manifest)
+    direct, direct_reason = choose_direct_io(config, path, manifest, resident)
+    reader, reason = _make_reader(config, direct)
+    return Runtime(config, manifest, reader, reason, slots, direct_reason)
 
 
 def _prefetch_width(config: StreamConfig, spec: LayerSpec) -> int:

@@ -19,6 +19,7 @@ staged record into its slot when the expert is really routed.
 
 import ctypes
 import os
+import sys
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -50,13 +51,31 @@ def direct_supported() -> bool:
     return hasattr(os, "O_DIRECT")
 
 
+def direct_io_works(path) -> bool:
+    """Whether ``path`` can be read uncached (tmpfs and some overlay file
+    systems refuse O_DIRECT)."""
+    if not direct_supported():
+        return sys.platform == "darwin"  # F_NOCACHE, set by the native reader
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        os.preadv(fd, [aligned_empty(DIRECT_ALIGNMENT)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class PythonReader:
     """``os.preadv`` straight into slot memory, records spread over threads."""
 
     name = "python"
 
     def __init__(self, threads: int, direct: bool = False):
-        if direct and not direct_supported():
+        if direct and not (direct_supported() or sys.platform == "darwin"):
             raise ExpertReadError("uncached reads are not supported on this OS")
         self.direct = direct
         self.threads = threads
@@ -68,11 +87,19 @@ class PythonReader:
         self._bounce = threading.local()
 
     def open(self, path: str) -> int:
-        flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
+        flags = os.O_RDONLY | (os.O_DIRECT if self.direct and direct_supported() else 0)
         try:
             fd = os.open(path, flags)
+            if self.direct and sys.platform == "darwin":
+                import fcntl
+
+                fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
         except OSError as e:
             raise ExpertReadError(f"cannot open {path}: {e.strerror}") from None
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            # Experts are read in no particular order: readahead would only
+            # read bytes nobody asked for.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._files.append((fd, str(path)))
         return len(self._files) - 1
 

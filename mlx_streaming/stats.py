@@ -193,7 +193,8 @@ def stats(model) -> dict:
     report.update(
         io=runtime.reader.name,
         io_reason=runtime.io_reason,
-        direct_io=config.direct_io,
+        direct_io=runtime.reader.direct,
+        direct_io_reason=runtime.direct_io_reason,
         io_threads=config.io_threads,
         slots_per_layer=runtime.slots,
         num_experts=max(l.num_experts for l in runtime.manifest.layers),

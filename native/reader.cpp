@@ -65,6 +65,13 @@ int ExpertReader::open(const std::string& path) {
   if (fd < 0) {
     throw ReadError("cannot open " + path + ": " + std::strerror(errno));
   }
+#ifdef POSIX_FADV_RANDOM
+  // Experts are read in no particular order: kernel readahead would only
+  // read bytes nobody asked for.
+  if (!direct_) {
+    posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
+  }
+#endif
 #ifdef __APPLE__
   if (direct_ && fcntl(fd, F_NOCACHE, 1) != 0) {
     int err = errno;

@@ -1,7 +1,6 @@
 """Expert readers and prefetch: the native extension and the Python path
 read the same bytes, fail clearly, and keep outputs bit-identical."""
 
-import os
 import time
 import zlib
 
@@ -13,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming.errors import ExpertReadError
 from mlx_streaming.native import NativeReader, load_extension
-from mlx_streaming.readers import PythonReader, aligned_empty
+from mlx_streaming.readers import PythonReader, direct_io_works
 from helpers import PROMPT, check_matches_resident, pool_sizes
 
 EXT, WHY = load_extension()
@@ -26,22 +25,6 @@ def readers(direct=False):
     if EXT is not None:
         out.append(NativeReader(EXT, 2, direct))
     return out
-
-
-def direct_io_works(path) -> bool:
-    """O_DIRECT is refused by some filesystems (tmpfs, overlay)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    try:
-        buf = aligned_empty(4096)
-        os.preadv(fd, [buf], 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture
@@ -260,3 +243,30 @@ def test_auto_prefetch_keeps_what_measures_faster():
         switch.on_call(0, 100)
         switch.on_call(3, 1)
         assert switch.enabled is expected
+
+
+def test_direct_io_is_chosen_from_what_fits(qwen, monkeypatch):
+    from mlx_streaming import budget
+
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4)
+    s = mlx_streaming.stats(model)
+    assert s["direct_io"] is False and "fit in" in s["direct_io_reason"]
+    # A machine with less memory than the experts: uncached, where the file
+    # system allows it.
+    monkeypatch.setattr(budget, "total_memory_bytes", lambda: 1)
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4)
+    s = mlx_streaming.stats(model)
+    expected = direct_io_works(qwen[1] / "experts" / "layer000.blob")
+    assert s["direct_io"] is expected
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, direct_io=False)
+    assert mlx_streaming.stats(model)["direct_io_reason"] == "asked for"
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_direct_reads_keep_outputs_identical(models, io):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    if not direct_io_works(stream_dir / "experts" / "layer000.blob"):
+        pytest.skip("this file system refuses O_DIRECT")
+    model = check_matches_resident(src, stream_dir, slots_per_layer=4, io=io, direct_io=True,
+                                   prefetch="next-layer")
+    assert mlx_streaming.stats(model)["direct_io"] is True

@@ -12,6 +12,7 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 
 from pathlib import Path
 
+from ..config import DIRECT_IO_CHOICES
 from ..format import blob_path, read_manifest
 from ..loader import spine_bytes
 from . import routing
@@ -38,6 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--io", default="auto")
     p.add_argument("--prefetch", default="off")
+    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
+                   help="uncached expert reads (auto: as load() decides)")
     p.add_argument("--routing-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
@@ -81,7 +84,8 @@ def run(args) -> dict:
                       dict(common, kind="mlx-lm-lazy", model=args.mlx_model), args.memory_limit_gb))
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = max(manifest.layers[0].top_k, round(pool * num_experts))
-        load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch)
+        load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch,
+                    direct_io=DIRECT_IO_CHOICES[args.direct_io])
         cases.append(("(c) mlx_streaming", slots / num_experts,
                       dict(common, kind="streaming", model=str(stream_dir), load=load),
                       args.memory_limit_gb))

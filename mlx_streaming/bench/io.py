@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import DIRECT_IO_CHOICES
 from ..native import NativeReader, load_extension
 from ..readers import PythonReader, aligned_empty
 from .common import (
@@ -35,10 +36,15 @@ def add_arguments(p) -> None:
     p.add_argument("--blob-gb", type=float, default=1.0)
     p.add_argument("--batch", type=int, default=8, help="records per read call")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="cold measurements per reader, interleaved with dd; medians reported")
     p.add_argument("--no-cold", action="store_true", help="skip cold reads (needs root)")
     p.add_argument("--model", help="stream directory for the prefetch decode runs")
     p.add_argument("--pools", default="0.25,0.5")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
+                   help="uncached reads in the decode runs ('on': every miss goes to the "
+                        "disk, as when the blobs are far larger than memory)")
     p.add_argument("--out", type=Path, default=Path("bench-results/io"))
 
 
@@ -85,34 +91,51 @@ def _readers(threads):
     return out
 
 
+def _cold(measure) -> float:
+    drop_page_cache()
+    return measure()
+
+
 def throughput(args) -> list:
+    """GB/s per record size and reader. Cold numbers are medians of
+    ``--rounds`` rounds, each of which also times dd, so a shared disk's
+    slow spells hit every reader alike."""
     from ..config import default_io_threads
 
     threads = args.threads or default_io_threads()
+    readers = _readers(threads)
     rows = []
     for name in args.sizes.split(","):
         stride = SIZES[name]
         nbytes = int(args.blob_gb * 1e9) // stride * stride
         path = make_blob(args.dir / f"bench-io-{name}.blob", nbytes)
         row = dict(size=name, stride=stride, threads=threads)
-        if not args.no_cold:
-            drop_page_cache()
-            row["dd_direct"] = disk_read_gbps(path, stride, nbytes)
-        for label, make in _readers(threads):
-            if not args.no_cold:
-                drop_page_cache()
-                reader = make()
-                row[f"{label} cold"] = read_throughput(reader, path, stride, args.batch)
-                reader.close()
+        cold = {}
+        for _ in range(0 if args.no_cold else args.rounds):
+            cold.setdefault("dd_direct", []).append(
+                _cold(lambda: disk_read_gbps(path, stride, nbytes)))
+            for label, make in readers:
+                cold.setdefault(f"{label} cold", []).append(
+                    _cold(lambda: _measure(make, path, stride, args.batch)))
+        row.update({k: float(np.median(v)) for k, v in cold.items()})
+        for label, make in readers:
             reader = make()
             read_throughput(reader, path, stride, args.batch)  # fill the page cache
             row[f"{label} warm"] = read_throughput(reader, path, stride, args.batch)
             reader.close()
         if "dd_direct" in row:
-            for key in [k for k in row if k.endswith("cold")]:
-                row[f"{key} / dd"] = row[key] / row["dd_direct"]
+            for label, _ in readers:
+                row[f"{label} cold / dd"] = row[f"{label} cold"] / row["dd_direct"]
         rows.append(row)
     return rows
+
+
+def _measure(make, path, stride, batch) -> float:
+    reader = make()
+    try:
+        return read_throughput(reader, path, stride, batch)
+    finally:
+        reader.close()
 
 
 def checksum_throughput(nbytes: int = 256 << 20) -> dict:
@@ -125,9 +148,12 @@ def checksum_throughput(nbytes: int = 256 << 20) -> dict:
     for name, crc in (("zlib", zlib.crc32), ("native", ext.crc32 if ext else None)):
         if crc is None:
             continue
-        start = time.perf_counter()
-        crc(data)
-        out[f"crc32_{name}_gbps"] = nbytes / (time.perf_counter() - start) / 1e9
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            crc(data)
+            best = min(best, time.perf_counter() - start)
+        out[f"crc32_{name}_gbps"] = nbytes / best / 1e9
     return out
 
 
@@ -141,7 +167,8 @@ def prefetch_decode(args) -> list:
         for prefetch in ("off", "next-layer", "auto"):
             case = dict(op="decode", kind="streaming", model=str(args.model),
                         max_tokens=args.max_tokens, prompt_tokens=16,
-                        load=dict(slots_per_layer=slots, prefetch=prefetch))
+                        load=dict(slots_per_layer=slots, prefetch=prefetch,
+                                  direct_io=DIRECT_IO_CHOICES[args.direct_io]))
             r = run_case(case, cold=not args.no_cold)
             row = dict(pool=slots / spec.num_experts, prefetch=prefetch, status=r["status"])
             if r["status"] == "ok":
@@ -179,7 +206,8 @@ def run(args) -> dict:
             ("vs_off", "x off", ".2f"), ("hit_rate", "hit", ".0%"), ("stall_share", "stall", ".0%"),
             ("recall", "recall", ".0%"), ("issued", "issued", "d"), ("useful", "useful", "d"),
             ("syncs_per_token", "syncs/tok", ".1f"), ("decision", "decision", "s")],
-            "bench io: decode with prefetch, page cache dropped before each case")
+            "bench io: decode with prefetch, page cache dropped before each case"
+            + f", direct I/O {args.direct_io}")
         from . import routing
 
         result["routing"] = routing.measure(Path(args.model), args.out)
