@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .pool import distinct
 from .prefetch import NoPrefetch
 from .stats import Events
 from .store import ExpertStore
@@ -42,14 +43,6 @@ class StreamingExperts(nn.Module):
 
 def _tokens(indices: mx.array) -> int:
     return indices.size // indices.shape[-1]
-
-
-def distinct(ids: np.ndarray) -> np.ndarray:
-    """The sorted distinct expert ids of a call."""
-    if ids.size <= 64:
-        # np.unique costs ~50 us on a few ids; a set ~2 us.
-        return np.array(sorted(set(ids.ravel().tolist())), dtype=np.int64)
-    return np.unique(ids).astype(np.int64)
 
 
 class Resident:

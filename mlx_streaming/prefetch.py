@@ -20,6 +20,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from .pool import distinct
 from .stats import Events, Observer
 
 
@@ -57,25 +58,27 @@ class NextLayerPrefetch:
         if tokens > self.max_tokens or not self.switch.enabled:
             return ()
         scores = self.scorer(x)  # [..., E]
-        predicted = mx.argpartition(-scores, kth=self.width - 1, axis=-1)
-        predicted = predicted[..., : self.width].astype(mx.int32)  # [..., W]
-        return self.launcher.launch(predicted, self.next_store, self.target)
+        # The best `width` experts come first in each row; no slice, no cast:
+        # every op added here is paid per layer and token.
+        ranked = mx.argpartition(-scores, kth=self.width - 1, axis=-1)  # [..., E]
+        return self.launcher.launch(ranked, self.width, self.next_store, self.target)
 
     def issue(self, predicted) -> None:
         if not predicted:
             return
-        issued = self.launcher.after_sync(predicted, self.next_store)
+        ids = np.array(predicted[0])[..., : self.width]
+        issued = self.launcher.after_sync(ids, predicted, self.next_store)
         layer = self.next_store.layer
-        self.events.on_predict(layer, np.array(predicted[0]))
+        self.events.on_predict(layer, ids)
         self.events.on_prefetch(layer, issued=issued)
 
 
 class PythonLauncher:
-    def launch(self, predicted, store, target):
-        return (predicted,)
+    def launch(self, ranked, width, store, target):
+        return (ranked,)
 
-    def after_sync(self, predicted, store) -> int:
-        ids = np.unique(np.array(predicted[0])).astype(np.int64)
+    def after_sync(self, ids, predicted, store) -> int:
+        ids = distinct(ids)
         ids = ids[~store.resident(ids)]
         offsets = ids.astype(np.int64) * store.spec.stride
         return store.staging.stage(store.layer, store.file, ids, offsets)
@@ -85,12 +88,12 @@ class NativeLauncher:
     def __init__(self, ext):
         self.ext = ext
 
-    def launch(self, predicted, store, target):
+    def launch(self, ranked, width, store, target):
         # The table as it is now: the primitive skips experts already resident.
-        issued = self.ext.prefetch_on_complete(predicted, store.pool.table, target)
-        return (predicted, issued)
+        issued = self.ext.prefetch_on_complete(ranked, width, store.pool.table, target)
+        return (ranked, issued)
 
-    def after_sync(self, predicted, store) -> int:
+    def after_sync(self, ids, predicted, store) -> int:
         # The primitive ran inside the sync that just returned.
         return store.staging.pop_issued(store.layer)
 
@@ -98,60 +101,63 @@ class NativeLauncher:
 class PrefetchSwitch(Observer):
     """``prefetch="auto"``: decides from measurement whether prefetch pays.
 
-    Decode runs ``window`` tokens with prefetch off. If the share of time
-    stalled on expert reads is below ``min_stall_share``, prefetch cannot pay
-    and stays off. Otherwise the next ``window`` tokens run with it on, and it
-    stays on only if those tokens were faster.
+    After ``warmup`` decode tokens (a cold pool stalls on every first read),
+    a trial of ``trial`` tokens turns prefetch on and off every ``block``
+    tokens, so that slow spells of a shared machine and changes in the text
+    hit both alike. Prefetch stays on only if the median token with it was at
+    least ``margin`` faster than the median token without it, and the tokens
+    without it spent at least ``min_stall_share`` of their time stalled on
+    reads (else there is nothing for prefetch to win).
     """
 
-    def __init__(self, first_layer: int, max_tokens: int, window: int = 16,
-                 min_stall_share: float = 0.05, clock=time.perf_counter):
-        self.clock = clock
+    def __init__(self, first_layer: int, max_tokens: int, trial: int = 64, block: int = 4,
+                 warmup: int = 8, min_stall_share: float = 0.05, margin: float = 0.02,
+                 clock=time.perf_counter):
         self.first_layer = first_layer
         self.max_tokens = max_tokens
-        self.window = window
+        self.trial = trial
+        self.block = block
+        self.warmup = warmup
         self.min_stall_share = min_stall_share
+        self.margin = margin
+        self.clock = clock
         self.enabled = False
         self.decision = "measuring"
-        self._phase = "off"
-        self._start = None
-        self._tokens = 0
+        self._last = None
+        self._seen = 0
         self._stall = 0.0
-        self._off_seconds_per_token = None
+        self._tokens = {True: [], False: []}
+        self._stalls = {True: [], False: []}
 
     def on_call(self, layer, tokens):
-        if layer != self.first_layer or tokens > self.max_tokens or self._phase == "done":
+        if layer != self.first_layer or tokens > self.max_tokens or self.decision != "measuring":
             return
         now = self.clock()
-        if self._start is None:
-            self._start, self._tokens, self._stall = now, 0, 0.0
-            return
-        self._tokens += 1
-        if self._tokens >= self.window:
-            self._end_window(now)
+        if self._last is not None and self._seen >= self.warmup:
+            # The token that just ended ran with the state set at its start.
+            self._tokens[self.enabled].append(now - self._last)
+            self._stalls[self.enabled].append(self._stall)
+        self._last, self._stall = now, 0.0
+        self._seen += 1
+        trial_step = self._seen - self.warmup
+        if trial_step >= self.trial:
+            self._decide()
+        elif trial_step >= 0:
+            self.enabled = (trial_step // self.block) % 2 == 1
 
     def on_stall(self, layer, seconds):
-        if self._start is not None:
-            self._stall += seconds
+        self._stall += seconds
 
-    def _end_window(self, now):
-        elapsed = now - self._start
-        per_token = elapsed / self._tokens
-        self._start = None
-        if self._phase == "off":
-            share = self._stall / elapsed if elapsed else 0.0
-            if share < self.min_stall_share:
-                self._finish(False, f"off: stall share {share:.1%} too small to pay")
-            else:
-                self._off_seconds_per_token = per_token
-                self._phase = "on"
-                self.enabled = True
-        else:
-            faster = per_token < self._off_seconds_per_token
-            ratio = self._off_seconds_per_token / per_token
-            self._finish(faster, f"{'on' if faster else 'off'}: {ratio:.2f}x decode speed with it")
+    def _decide(self):
+        off, on = np.median(self._tokens[False]), np.median(self._tokens[True])
+        share = sum(self._stalls[False]) / sum(self._tokens[False])
+        if share < self.min_stall_share:
+            self._finish(False, f"off: stall share {share:.1%} too small to pay")
+            return
+        speedup = off / on
+        keep = bool(speedup >= 1 + self.margin)
+        self._finish(keep, f"{'on' if keep else 'off'}: {speedup:.2f}x decode speed with it")
 
     def _finish(self, enabled, decision):
         self.enabled = enabled
         self.decision = decision
-        self._phase = "done"

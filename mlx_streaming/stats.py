@@ -96,7 +96,7 @@ class Stats(Observer):
 
     def reset(self) -> None:
         self.counters: Dict[int, LayerCounters] = {l: LayerCounters() for l in self.layers}
-        self._predicted: Dict[int, np.ndarray] = {}
+        self._predicted: Dict[int, set] = {}
 
     def on_call(self, layer, tokens):
         c = self.counters[layer]
@@ -121,7 +121,8 @@ class Stats(Observer):
         self.counters[layer].syncs += 1
 
     def on_predict(self, layer, ids):
-        self._predicted[layer] = np.unique(ids)
+        # Sets, not np.isin: on a few ids np.isin costs ~150 us a call.
+        self._predicted[layer] = set(ids.ravel().tolist())
 
     def on_route(self, layer, ids, experts):
         c = self.counters[layer]
@@ -130,7 +131,7 @@ class Stats(Observer):
         if predicted is None:
             return
         c.routed += len(experts)
-        c.predicted_routed += int(np.isin(experts, predicted).sum())
+        c.predicted_routed += sum(1 for e in experts.tolist() if e in predicted)
 
     def on_prefetch(self, layer, issued=0, useful=0, wasted=0):
         c = self.counters[layer]

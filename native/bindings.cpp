@@ -133,13 +133,14 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "prefetch_on_complete",
-      [](const mx::array& predicted, const mx::array& table,
+      [](const mx::array& ranked, int width, const mx::array& table,
          std::shared_ptr<PrefetchTarget> target) {
-        return prefetch_on_complete(predicted, table, std::move(target));
+        return prefetch_on_complete(ranked, width, table, std::move(target));
       },
-      "predicted"_a, "table"_a, "target"_a,
-      "Stage the predicted experts that are not resident, when the device "
-      "has computed the prediction. Returns an int32 scalar (reads issued).");
+      "ranked"_a, "width"_a, "table"_a, "target"_a,
+      "Stage the first `width` experts of each row of `ranked` that `table` "
+      "says are not resident, when the device has computed them. Returns an "
+      "int32 scalar (reads issued).");
 
   m.def(
       "crc32",

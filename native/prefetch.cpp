@@ -15,43 +15,55 @@
 
 namespace mlx_streaming {
 
-int stage_predicted(const PrefetchTarget& target, const int32_t* predicted,
-                    size_t n, const int32_t* table, size_t num_experts) {
-  std::vector<int64_t> ids;
-  ids.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    int32_t e = predicted[i];
-    if (e >= 0 && static_cast<size_t>(e) < num_experts && table[e] < 0) {
-      ids.push_back(e);
+int stage_predicted(const PrefetchTarget& target, const mx::array& ranked, int width,
+                    const mx::array& table) {
+  const size_t cols = ranked.shape(-1);
+  const size_t rows = cols ? ranked.size() / cols : 0;
+  const size_t num_experts = table.size();
+  const int32_t* slots = table.data<int32_t>();
+  // int32 and uint32 ids share their bit patterns for valid expert ids.
+  const uint32_t* ids = reinterpret_cast<const uint32_t*>(ranked.data<int32_t>());
+  std::vector<int64_t> wanted;
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t j = 0; j < std::min<size_t>(width, cols); ++j) {
+      uint32_t e = ids[r * cols + j];
+      if (e < num_experts && slots[e] < 0) {
+        wanted.push_back(e);
+      }
     }
   }
-  std::sort(ids.begin(), ids.end());
-  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-  std::vector<int64_t> offsets(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    offsets[i] = ids[i] * target.stride;
+  std::sort(wanted.begin(), wanted.end());
+  wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+  std::vector<int64_t> offsets(wanted.size());
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    offsets[i] = wanted[i] * target.stride;
   }
-  return target.staging->stage(target.layer, target.file, ids.data(), offsets.data(), ids.size());
+  return target.staging->stage(target.layer, target.file, wanted.data(), offsets.data(),
+                               wanted.size());
 }
 
 mx::array prefetch_on_complete(
-    const mx::array& predicted,
+    const mx::array& ranked,
+    int width,
     const mx::array& table,
     std::shared_ptr<PrefetchTarget> target,
     mx::StreamOrDevice s) {
-  if (predicted.dtype() != mx::int32 || table.dtype() != mx::int32) {
-    throw std::invalid_argument("prefetch_on_complete takes int32 ids and table");
+  if ((ranked.dtype() != mx::int32 && ranked.dtype() != mx::uint32) ||
+      table.dtype() != mx::int32) {
+    throw std::invalid_argument(
+        "prefetch_on_complete takes int32 or uint32 ids and an int32 table");
   }
-  if (table.ndim() != 1) {
-    throw std::invalid_argument("prefetch_on_complete: the table must be 1-D");
+  if (table.ndim() != 1 || ranked.ndim() < 1 || width < 1) {
+    throw std::invalid_argument(
+        "prefetch_on_complete: the table must be 1-D, the ids at least 1-D, width >= 1");
   }
   auto stream = mx::to_stream(s);
-  // Contiguous inputs let the callback read them as flat int32 buffers.
-  auto ids = mx::flatten(mx::contiguous(predicted, false, stream), stream);
+  // Row-contiguous ids let the callback read them as a flat buffer.
+  auto ids = mx::contiguous(ranked, false, stream);
   return mx::array(
       mx::Shape{},
       mx::int32,
-      std::make_shared<PrefetchOnComplete>(stream, std::move(target)),
+      std::make_shared<PrefetchOnComplete>(stream, std::move(target), width),
       {ids, table});
 }
 
@@ -63,10 +75,10 @@ void PrefetchOnComplete::eval_cpu(const std::vector<mx::array>& inputs, mx::arra
   encoder.set_output_array(out);
   // The task runs on the stream's thread once the prediction is computed:
   // the reads start right then, with no sync.
-  encoder.dispatch([ids = inputs[0], table = inputs[1], out, target = target_]() mutable {
-    out.data<int32_t>()[0] = stage_predicted(
-        *target, ids.data<int32_t>(), ids.size(), table.data<int32_t>(), table.size());
-  });
+  encoder.dispatch(
+      [ids = inputs[0], table = inputs[1], out, target = target_, width = width_]() mutable {
+        out.data<int32_t>()[0] = stage_predicted(*target, ids, width, table);
+      });
 }
 
 #ifdef _METAL_
@@ -80,10 +92,8 @@ void PrefetchOnComplete::eval_gpu(const std::vector<mx::array>& inputs, mx::arra
   // completes, the kernels that computed the prediction have completed too.
   auto& encoder = mx::metal::get_command_encoder(stream());
   encoder.get_command_buffer()->addCompletedHandler(
-      [ids = inputs[0], table = inputs[1], target = target_](MTL::CommandBuffer*) {
-        stage_predicted(*target, ids.data<int32_t>(), ids.size(),
-                        table.data<int32_t>(), table.size());
-      });
+      [ids = inputs[0], table = inputs[1], target = target_, width = width_](
+          MTL::CommandBuffer*) { stage_predicted(*target, ids, width, table); });
 }
 
 #else

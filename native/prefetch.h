@@ -15,21 +15,23 @@ namespace mlx_streaming {
 
 namespace mx = mlx::core;
 
-// `predicted`: int32 expert ids [..., W] of the next layer; `table`: its
-// int32 expert-to-slot table (-1: not resident). Stages every predicted
-// expert that is not resident. Returns an int32 scalar: the number of
-// reads issued (on the CPU backend; 0 on Metal, where the reads start in a
-// command-buffer completion handler after the value is produced).
+// `ranked`: expert ids of the next layer [..., E'] (int32 or uint32), the
+// best `width` first in each row (an argpartition's output, unsliced);
+// `table`: its int32 expert-to-slot table (-1: not resident). Stages every
+// predicted expert that is not resident. Returns an int32 scalar: the
+// number of reads issued (on the CPU backend; 0 on Metal, where the reads
+// start in a command-buffer completion handler after the value is made).
 mx::array prefetch_on_complete(
-    const mx::array& predicted,
+    const mx::array& ranked,
+    int width,
     const mx::array& table,
     std::shared_ptr<PrefetchTarget> target,
     mx::StreamOrDevice s = {});
 
 class PrefetchOnComplete : public mx::UnaryPrimitive {
  public:
-  PrefetchOnComplete(mx::Stream stream, std::shared_ptr<PrefetchTarget> target)
-      : mx::UnaryPrimitive(stream), target_(std::move(target)) {}
+  PrefetchOnComplete(mx::Stream stream, std::shared_ptr<PrefetchTarget> target, int width)
+      : mx::UnaryPrimitive(stream), target_(std::move(target)), width_(width) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -40,10 +42,12 @@ class PrefetchOnComplete : public mx::UnaryPrimitive {
 
  private:
   std::shared_ptr<PrefetchTarget> target_;
+  int width_;
 };
 
-// Stage the predicted experts that the table says are not resident.
-int stage_predicted(const PrefetchTarget& target, const int32_t* predicted,
-                    size_t n, const int32_t* table, size_t num_experts);
+// Stage the first `width` experts of each row of `ranked` ([rows, cols])
+// that the table says are not resident.
+int stage_predicted(const PrefetchTarget& target, const mx::array& ranked, int width,
+                    const mx::array& table);
 
 } // namespace mlx_streaming

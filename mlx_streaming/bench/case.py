@@ -48,10 +48,16 @@ def decode(case, model, tokenizer) -> dict:
     """Decode ``max_tokens`` greedily with mlx-lm's own ``generate_step``;
     the decode rate excludes the prompt and the first token."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
 
     prompt = mx.array(prompt_tokens(tokenizer, case.get("prompt_tokens", 32), case.get("seed", 0)))
     warmup = case.get("warmup_tokens", 4)
-    steps = generate_step(prompt, model, max_tokens=case["max_tokens"] + warmup, sampler=_greedy)
+    # Greedy decoding of a small model falls into loops that re-use the
+    # same experts; sampling (seeded, so every case decodes alike) does not.
+    temp = case.get("temp", 0.0)
+    sampler = make_sampler(temp) if temp > 0 else _greedy
+    mx.random.seed(case.get("seed", 0))
+    steps = generate_step(prompt, model, max_tokens=case["max_tokens"] + warmup, sampler=sampler)
     start = time.perf_counter()
     next(steps)
     prefill_s = time.perf_counter() - start

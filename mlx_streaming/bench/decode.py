@@ -35,6 +35,8 @@ def add_arguments(p) -> None:
                    help="pool sizes as fractions of each layer's experts")
     p.add_argument("--memory-limit-gb", type=float, default=None)
     p.add_argument("--cold", action="store_true", help="drop the page cache before each case")
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="sampling temperature of the decode runs (0: greedy)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--io", default="auto")
@@ -75,7 +77,8 @@ def run(args) -> dict:
     stream_dir = Path(args.model)
     manifest = read_manifest(stream_dir)
     num_experts = manifest.layers[0].num_experts
-    common = dict(op="decode", max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens)
+    common = dict(op="decode", max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+                  temp=args.temp)
     cases = []
     if args.mlx_model:
         cases.append(("(a) mlx-lm resident", None,

@@ -39,8 +39,16 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="cold measurements per reader, interleaved with dd; medians reported")
     p.add_argument("--no-cold", action="store_true", help="skip cold reads (needs root)")
+    p.add_argument("--no-throughput", action="store_true",
+                   help="only the prefetch decode runs")
     p.add_argument("--model", help="stream directory for the prefetch decode runs")
     p.add_argument("--pools", default="0.25,0.5")
+    p.add_argument("--prefetch-width", type=int, default=None,
+                   help="experts predicted per token (default: load()'s, 2 x top-k)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of the prefetch decode cases, interleaved; medians reported")
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="sampling temperature of the decode runs (0: greedy)")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="uncached reads in the decode runs ('on': every miss goes to the "
@@ -158,46 +166,62 @@ def checksum_throughput(nbytes: int = 256 << 20) -> dict:
 
 
 def prefetch_decode(args) -> list:
+    """Decode with prefetch off, on and auto at each pool size, cold; the
+    cases of a pool size run in interleaved rounds and report medians."""
     from ..format import read_manifest
 
     spec = read_manifest(args.model).layers[0]
     rows = []
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = max(spec.top_k, round(pool * spec.num_experts))
-        for prefetch in ("off", "next-layer", "auto"):
-            case = dict(op="decode", kind="streaming", model=str(args.model),
-                        max_tokens=args.max_tokens, prompt_tokens=16,
-                        load=dict(slots_per_layer=slots, prefetch=prefetch,
-                                  direct_io=DIRECT_IO_CHOICES[args.direct_io]))
-            r = run_case(case, cold=not args.no_cold)
-            row = dict(pool=slots / spec.num_experts, prefetch=prefetch, status=r["status"])
-            if r["status"] == "ok":
-                t = r["stats"]["total"]
-                row.update(decode_tps=r["decode_tps"], hit_rate=t["hit_rate"],
-                           stall_share=t["stall_seconds"] / r["decode_s"],
-                           recall=t["prefetch_recall"], issued=t["prefetch_issued"],
-                           useful=t["prefetch_useful"], wasted=t["prefetch_wasted"],
-                           syncs_per_token=t["syncs"] / r["decode_tokens"],
-                           decision=r["stats"]["prefetch_decision"])
-            rows.append(row)
-        off = next(r for r in rows[-3:] if r["prefetch"] == "off").get("decode_tps")
+        modes = ("off", "next-layer", "auto")
+        runs = {m: [] for m in modes}
+        for _ in range(args.repeats):
+            for prefetch in modes:
+                case = dict(op="decode", kind="streaming", model=str(args.model),
+                            max_tokens=args.max_tokens, prompt_tokens=16, temp=args.temp,
+                            load=dict(slots_per_layer=slots, prefetch=prefetch,
+                                      prefetch_width=args.prefetch_width,
+                                      direct_io=DIRECT_IO_CHOICES[args.direct_io]))
+                runs[prefetch].append(run_case(case, cold=not args.no_cold))
+        for prefetch in modes:
+            rows.append(_prefetch_row(runs[prefetch], slots / spec.num_experts, prefetch))
+        off = rows[-3].get("decode_tps")
         for r in rows[-3:]:
             if off and r.get("decode_tps"):
                 r["vs_off"] = r["decode_tps"] / off
     return rows
 
 
+def _prefetch_row(results, pool, prefetch) -> dict:
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["decode_tps"])
+    row = dict(pool=pool, prefetch=prefetch, status="ok" if ok else results[0]["status"],
+               runs_tps=[r.get("decode_tps") for r in results])
+    if not ok:
+        return row
+    r = ok[len(ok) // 2]
+    t = r["stats"]["total"]
+    row.update(decode_tps=r["decode_tps"], hit_rate=t["hit_rate"],
+               stall_share=t["stall_seconds"] / r["decode_s"], recall=t["prefetch_recall"],
+               issued=t["prefetch_issued"], useful=t["prefetch_useful"],
+               wasted=t["prefetch_wasted"], syncs_per_token=t["syncs"] / r["decode_tokens"],
+               decision=r["stats"]["prefetch_decision"])
+    return row
+
+
 def run(args) -> dict:
     result = dict(batch=args.batch, blob_gb=args.blob_gb)
-    rows = throughput(args)
-    keys = [k for k in rows[0] if k not in ("size", "stride", "threads")]
-    columns = [("size", "record", "s")] + [(k, k, ".2f") for k in keys]
-    result["throughput"] = rows
-    result["checksum"] = checksum_throughput()
-    print("first-read checksum: " + ", ".join(f"{k} {v:.2f}" for k, v in result["checksum"].items()))
-    result["throughput_table"] = print_table(
-        rows, columns, f"bench io: expert reads, GB/s, {args.batch} records per call, "
-                       f"{rows[0]['threads']} threads")
+    rows = [] if args.no_throughput else throughput(args)
+    if rows:
+        keys = [k for k in rows[0] if k not in ("size", "stride", "threads")]
+        columns = [("size", "record", "s")] + [(k, k, ".2f") for k in keys]
+        result["throughput"] = rows
+        result["checksum"] = checksum_throughput()
+        print("first-read checksum GB/s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in result["checksum"].items()))
+        result["throughput_table"] = print_table(
+            rows, columns, f"bench io: expert reads, GB/s, {args.batch} records per call, "
+                           f"{rows[0]['threads']} threads")
     if args.model:
         decode_rows = prefetch_decode(args)
         result["prefetch_decode"] = decode_rows
@@ -213,7 +237,8 @@ def run(args) -> dict:
         result["routing"] = routing.measure(Path(args.model), args.out)
         print(routing.describe(result["routing"]))
     save_json(args.out / "io.json", result)
-    _plot(rows, args.out / "io.png")
+    if rows:
+        _plot(rows, args.out / "io.png")
     return result
 
 
