@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+from pathlib import Path
 
 from .config import StreamConfig
 from .errors import BudgetError
@@ -12,15 +13,48 @@ GB = 1e9
 
 def free_memory_bytes() -> int:
     """Memory that is free right now: not counting reclaimable page cache or
-    inactive pages, which the expert reads themselves would refill."""
+    inactive pages, which the expert reads themselves would refill. Inside a
+    memory cgroup (a container, ``scripts/run_limited.py``), no more than
+    the cgroup has left."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemFree:"):
-                    return int(line.split()[1]) * 1024
+            free = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemFree:"))
     except FileNotFoundError:
-        pass
-    return _macos_free_bytes()
+        return _macos_free_bytes()
+    cgroup = _cgroup_memory()
+    return free if cgroup is None else min(free, cgroup[0] - cgroup[1])
+
+
+def total_memory_bytes() -> int:
+    """Physical memory, or the memory cgroup's limit when that is lower."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cgroup = _cgroup_memory()
+    return physical if cgroup is None else min(physical, cgroup[0])
+
+
+def _cgroup_memory(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"):
+    """(limit, usage) of this process's memory cgroup (v1 or v2), or None."""
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base = Path(root) / "memory" / path.lstrip("/")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        elif controllers == "":
+            base = Path(root) / path.lstrip("/")
+            files = ("memory.max", "memory.current")
+        else:
+            continue
+        try:
+            limit, usage = ((base / f).read_text().strip() for f in files)
+        except OSError:
+            continue
+        if limit != "max" and int(limit) < 1 << 60:
+            return int(limit), int(usage)
+    return None
 
 
 def _macos_free_bytes() -> int:
@@ -30,10 +64,6 @@ def _macos_free_bytes() -> int:
         if line.startswith("Pages free:"):
             return int(line.split()[-1].rstrip(".")) * page
     raise BudgetError("cannot read free memory; pass cache_gb / --cache-gb")
-
-
-def total_memory_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def bytes_per_slot(manifest: Manifest) -> int:

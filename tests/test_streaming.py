@@ -162,3 +162,23 @@ def test_trace_writes_one_line_per_call(qwen, tmp_path):
     assert len(lines) == 4 * layers
     assert lines[0][1].shape == (len(PROMPT), 4)
     assert lines[-1][1].shape == (1, 4)
+
+
+def test_memory_cgroup_limits_are_read(tmp_path):
+    from mlx_streaming.budget import _cgroup_memory
+
+    proc = tmp_path / "cgroup"
+    v1 = tmp_path / "fs" / "memory" / "box"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("2000000000\n")
+    (v1 / "memory.usage_in_bytes").write_text("500000000\n")
+    proc.write_text("5:devices:/\n4:memory:/box\n0::/\n")
+    assert _cgroup_memory(str(proc), str(tmp_path / "fs")) == (2_000_000_000, 500_000_000)
+    v2 = tmp_path / "fs2" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("1\n")
+    proc.write_text("0::/job\n")
+    assert _cgroup_memory(str(proc), str(tmp_path / "fs2")) is None
+    (v2 / "memory.max").write_text("3000000000\n")
+    assert _cgroup_memory(str(proc), str(tmp_path / "fs2")) == (3_000_000_000, 1)
