@@ -29,20 +29,24 @@ T="$models/trained"
 S="$models/syn6g"
 # Issue 2: decode vs mlx-lm, warm page cache, full and 25% pools.
 python -m mlx_streaming.bench decode --model "$T/stream" --mlx-model "$T/mlx" \
-  --pools 1.0,0.25 --max-tokens 200 --out "$out/decode-trained-warm"
+  --pools 1.0,0.25 --max-tokens 300 --repeats 5 --out "$out/decode-trained-warm"
 python -m mlx_streaming.bench decode --model "$S-stream" --mlx-model "$S-mlx" \
-  --pools 1.0,0.25 --max-tokens 32 --out "$out/decode-syn6g-warm"
+  --pools 1.0,0.25 --max-tokens 16 --repeats 5 --out "$out/decode-syn6g-warm"
 # Issue 4: experts 3x the memory limit, cold.
 python -m mlx_streaming.bench decode --model "$S-stream" --mlx-model "$S-mlx" \
-  --pools 0.125,0.25 --memory-limit-gb 2 --cold --max-tokens 32 --out "$out/decode-syn6g-limited"
+  --pools 0.125,0.25 --memory-limit-gb 2 --cold --max-tokens 24 --repeats 3 \
+  --out "$out/decode-syn6g-limited"
 python -m mlx_streaming.bench cache --model "$T/stream" --tokens 1024 --out "$out/cache-trained"
 python -m mlx_streaming.bench verify --model "$T/stream" --mlx-model "$T/mlx" --out "$out/verify-trained"
 python -m mlx_streaming.bench verify --model "$S-stream" --pool 0.25 --repeats 4 \
   --out "$out/verify-syn6g"
 python -m mlx_streaming.bench prefill --model "$T/stream" --mlx-model "$T/mlx" \
   --out "$out/prefill-trained"
-# Issue 3: read throughput vs dd, and prefetch in decode (cold).
-python -m mlx_streaming.bench io --dir "$models/io-blobs" --model "$S-stream" \
-  --out "$out/io-syn6g"
-python -m mlx_streaming.bench io --dir "$models/io-blobs" --sizes 256K --blob-gb 0.5 \
-  --model "$T/stream" --max-tokens 64 --out "$out/io-trained"
+# Issue 3: read throughput vs dd (cold and warm), then prefetch off/on/auto
+# in cold decode on both models.
+python -m mlx_streaming.bench io --dir "$models/io-blobs" --blob-gb 0.5 --rounds 5 \
+  --out "$out/io-throughput"
+python -m mlx_streaming.bench io --no-throughput --model "$T/stream" --pools 0.25,0.5 \
+  --max-tokens 400 --temp 0.8 --direct-io on --repeats 5 --out "$out/io-prefetch-trained"
+python -m mlx_streaming.bench io --no-throughput --model "$S-stream" --pools 0.25,0.5 \
+  --max-tokens 24 --temp 0.8 --direct-io on --repeats 3 --out "$out/io-prefetch-syn6g"

@@ -239,11 +239,16 @@ def test_auto_prefetch_keeps_what_measures_faster():
         clock = FakeClock()
         switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=16, block=2, warmup=2,
                                 clock=clock)
-        _decode(switch, clock, 10, lambda on: on_seconds if on else 0.1,
-                lambda on: 0.0 if on else 0.05)
+
+        def seconds(on, on_seconds=on_seconds):
+            return on_seconds if on else 0.1
+
+        def stall(on):
+            return 0.0 if on else 0.05
+
+        _decode(switch, clock, 10, seconds, stall)
         assert switch.decision == "measuring"
-        _decode(switch, clock, 10, lambda on: on_seconds if on else 0.1,
-                lambda on: 0.0 if on else 0.05)
+        _decode(switch, clock, 10, seconds, stall)
         assert switch.enabled is expected, switch.decision
         assert switch.decision.startswith("on" if expected else "off")
         # Prefill calls and other layers change nothing once decided.

@@ -99,9 +99,9 @@ def _readers(threads):
     return out
 
 
-def _cold(measure) -> float:
+def _cold(measure, *args) -> float:
     drop_page_cache()
-    return measure()
+    return measure(*args)
 
 
 def throughput(args) -> list:
@@ -121,10 +121,10 @@ def throughput(args) -> list:
         cold = {}
         for _ in range(0 if args.no_cold else args.rounds):
             cold.setdefault("dd_direct", []).append(
-                _cold(lambda: disk_read_gbps(path, stride, nbytes)))
+                _cold(disk_read_gbps, path, stride, nbytes))
             for label, make in readers:
                 cold.setdefault(f"{label} cold", []).append(
-                    _cold(lambda: _measure(make, path, stride, args.batch)))
+                    _cold(_measure, make, path, stride, args.batch))
         row.update({k: float(np.median(v)) for k, v in cold.items()})
         for label, make in readers:
             reader = make()
