@@ -144,16 +144,13 @@ def _expert_tensors(block, num: int):
     return experts, rest
 
 
-def _write_blob(path: Path, tensors, stride: int, segments, progress) -> List[int]:
+def _write_blob(path: Path, views, stride: int, segments, progress) -> List[int]:
     """Write one record per expert; returns the record checksums."""
-    num = tensors[0][1].shape[0]
-    # [E, nbytes] byte views of each tensor (bfloat16 has no numpy dtype).
-    views = [np.array(t.reshape(num, -1).view(mx.uint8), copy=False) for _, t in tensors]
     checksums = []
     tmp = path.with_name(path.name + ".tmp")
     record = np.zeros(stride, dtype=np.uint8)
     with open(tmp, "wb") as f:
-        for e in range(num):
+        for e in range(len(views[0])):
             for seg, view in zip(segments, views):
                 record[seg.offset : seg.offset + seg.nbytes] = view[e]
             checksums.append(
@@ -167,27 +164,42 @@ def _write_blob(path: Path, tensors, stride: int, segments, progress) -> List[in
     return checksums
 
 
-def _convert_layer(block, path, layer, file, top_k, dst: Path, progress) -> LayerSpec:
-    num = num_experts(block)
-    tensors, _ = _expert_tensors(block, num)
-    mx.eval([t for _, t in tensors])
-    layout = [
-        (name, dtype_name(t.dtype), t.shape[1:], t.nbytes // num) for name, t in tensors
-    ]
+def write_layer(dst: Path, module_path: str, layer: int, file: str, block, top_k: int,
+                tensors, progress=lambda n: None) -> LayerSpec:
+    """Write the blob of one expert block and return its manifest entry.
+
+    ``tensors``: ``(name, dtype name, per-expert shape, bytes)`` for each
+    per-expert tensor, ``bytes`` a ``[num_experts, nbytes]`` uint8 array.
+    """
+    views = [v for *_, v in tensors]
+    layout = [(name, dtype, shape, v.shape[1]) for name, dtype, shape, v in tensors]
     segments, stride = layout_record(layout)
-    checksums = _write_blob(experts_dir(dst) / file, tensors, stride, segments, progress)
+    checksums = _write_blob(experts_dir(dst) / file, views, stride, segments, progress)
     return LayerSpec(
         layer=layer,
-        module=path,
+        module=module_path,
         kind=type(block).__name__,
         file=file,
-        num_experts=num,
+        num_experts=len(views[0]),
         top_k=top_k,
         stride=stride,
         segments=segments,
         quantization=quantization_of(block),
         checksums=tuple(checksums),
     )
+
+
+def _convert_layer(block, path, layer, file, top_k, dst: Path, progress) -> LayerSpec:
+    num = num_experts(block)
+    tensors, _ = _expert_tensors(block, num)
+    mx.eval([t for _, t in tensors])
+    # [E, nbytes] byte views of each tensor (bfloat16 has no numpy dtype).
+    tensors = [
+        (name, dtype_name(t.dtype), t.shape[1:],
+         np.array(t.reshape(num, -1).view(mx.uint8), copy=False))
+        for name, t in tensors
+    ]
+    return write_layer(dst, path, layer, file, block, top_k, tensors, progress)
 
 
 def _write_spine(model, streamed: set, dst: Path) -> None:

@@ -80,7 +80,7 @@ class PythonLauncher:
     def after_sync(self, ids, predicted, store) -> int:
         ids = distinct(ids)
         ids = ids[~store.resident(ids)]
-        offsets = ids.astype(np.int64) * store.spec.stride
+        offsets = ids * store.spec.stride
         return store.staging.stage(store.layer, store.file, ids, offsets)
 
 
@@ -126,8 +126,8 @@ class PrefetchSwitch(Observer):
         self._last = None
         self._seen = 0
         self._stall = 0.0
-        self._tokens = {True: [], False: []}
-        self._stalls = {True: [], False: []}
+        self._tokens = {True: [], False: []}  # seconds of each trial token
+        self._off_stall = 0.0  # stalled seconds of the tokens without it
 
     def on_call(self, layer, tokens):
         if layer != self.first_layer or tokens > self.max_tokens or self.decision != "measuring":
@@ -136,7 +136,8 @@ class PrefetchSwitch(Observer):
         if self._last is not None and self._seen >= self.warmup:
             # The token that just ended ran with the state set at its start.
             self._tokens[self.enabled].append(now - self._last)
-            self._stalls[self.enabled].append(self._stall)
+            if not self.enabled:
+                self._off_stall += self._stall
         self._last, self._stall = now, 0.0
         self._seen += 1
         trial_step = self._seen - self.warmup
@@ -150,7 +151,7 @@ class PrefetchSwitch(Observer):
 
     def _decide(self):
         off, on = np.median(self._tokens[False]), np.median(self._tokens[True])
-        share = sum(self._stalls[False]) / sum(self._tokens[False])
+        share = self._off_stall / sum(self._tokens[False])
         if share < self.min_stall_share:
             self._finish(False, f"off: stall share {share:.1%} too small to pay")
             return

@@ -51,11 +51,16 @@ def direct_supported() -> bool:
     return hasattr(os, "O_DIRECT")
 
 
+def uncached_supported() -> bool:
+    """O_DIRECT (Linux) or F_NOCACHE (macOS)."""
+    return direct_supported() or sys.platform == "darwin"
+
+
 def direct_io_works(path) -> bool:
     """Whether ``path`` can be read uncached (tmpfs and some overlay file
     systems refuse O_DIRECT)."""
     if not direct_supported():
-        return sys.platform == "darwin"  # F_NOCACHE, set by the native reader
+        return uncached_supported()  # F_NOCACHE is set per file, never refused
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
@@ -75,7 +80,7 @@ class PythonReader:
     name = "python"
 
     def __init__(self, threads: int, direct: bool = False):
-        if direct and not (direct_supported() or sys.platform == "darwin"):
+        if direct and not uncached_supported():
             raise ExpertReadError("uncached reads are not supported on this OS")
         self.direct = direct
         self.threads = threads

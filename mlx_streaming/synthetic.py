@@ -22,16 +22,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, save_config
 
 from . import tiny
-from .discover import find_expert_blocks, layer_index, quantization_of
-from .format import (
-    FORMAT_VERSION,
-    LayerSpec,
-    Manifest,
-    experts_dir,
-    layout_record,
-    record_checksum,
-    write_manifest,
-)
+from .discover import find_expert_blocks, layer_index
+from .converter import write_layer
+from .format import FORMAT_VERSION, Manifest, experts_dir, write_manifest
 
 QUANTIZATION = {"group_size": 64, "bits": 4, "mode": "affine"}
 
@@ -111,7 +104,10 @@ def make_synthetic(
         streamed.update(f"{path}.{k}" for k in params)
         layer = layer_index(path, ordinal)
         if fmt == "stream":
-            layers.append(_write_layer(out, path, layer, block, tensors, top_k))
+            views = [(k, str(v.dtype), v.shape[1:], v.reshape(num, -1).view(np.uint8))
+                     for k, v in tensors.items()]
+            layers.append(write_layer(out, path, layer, f"layer{layer:03d}.blob", block, top_k,
+                                      views))
         else:
             shard = f"experts-{layer:03d}.safetensors"
             mx.save_safetensors(str(out / f"model-{shard}"),
@@ -129,26 +125,3 @@ def make_synthetic(
         source = {"model": "synthetic", "family": family, "seed": seed, "fingerprint": "synthetic"}
         write_manifest(out, Manifest(FORMAT_VERSION, tuple(layers), source))
     return out
-
-
-def _write_layer(out: Path, path: str, layer: int, block, tensors: dict, top_k: int) -> LayerSpec:
-    num = next(iter(tensors.values())).shape[0]
-    views = {k: v.reshape(num, -1).view(np.uint8) for k, v in tensors.items()}
-    layout = [(k, str(v.dtype), v.shape[1:], views[k].shape[1]) for k, v in tensors.items()]
-    segments, stride = layout_record(layout)
-    file = f"layer{layer:03d}.blob"
-    checksums = []
-    record = np.zeros(stride, dtype=np.uint8)
-    with open(experts_dir(out) / file, "wb") as f:
-        for e in range(num):
-            for s in segments:
-                record[s.offset : s.offset + s.nbytes] = views[s.name][e]
-            checksums.append(
-                record_checksum(record[s.offset : s.offset + s.nbytes] for s in segments)
-            )
-            f.write(record.data)
-    return LayerSpec(
-        layer=layer, module=path, kind=type(block).__name__, file=file, num_experts=num,
-        top_k=top_k, stride=stride, segments=segments, quantization=quantization_of(block),
-        checksums=tuple(checksums),
-    )

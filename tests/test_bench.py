@@ -102,3 +102,16 @@ def test_bench_io_runs_warm(models, tmp_path):
           "--no-cold"], tmp_path / "io")
     r = json.loads((tmp_path / "io" / "io.json").read_text())["throughput"][0]
     assert r["python warm"] > 0 and r["native warm"] > 0
+
+
+def test_bench_io_prefetch_decode_runs(models, tmp_path):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    _run(["io", "--no-throughput", "--no-cold", "--model", str(stream_dir), "--pools", "0.5",
+          "--max-tokens", "4", "--repeats", "1"], tmp_path / "io")
+    rows = json.loads((tmp_path / "io" / "io.json").read_text())["prefetch_decode"]
+    assert [r["prefetch"] for r in rows] == ["off", "next-layer", "auto"]
+    assert all(r["status"] == "ok" for r in rows)
+    off, on = rows[0], rows[1]
+    assert off["issued"] == 0 and on["issued"] > 0
+    # Prefetch adds no host sync: at most one per MoE layer per token.
+    assert on["syncs_per_token"] == off["syncs_per_token"]

@@ -124,3 +124,24 @@ def test_reconvert_is_a_no_op_and_other_models_need_force(tmp_path, models):
     convert(other, dst, force=True, progress=False)
     assert read_manifest(dst).layers[0].module.endswith("block_sparse_moe.switch_mlp")
     check_matches_resident(other, dst, slots_per_layer=2)
+
+
+def test_synthetic_model_written_directly_equals_its_conversion(tmp_path, tokenizer_dir):
+    """make_synthetic's two outputs: a stream directory written layer by
+    layer, and an mlx-lm directory that convert() turns into the same one;
+    the converted one streams exactly like mlx-lm runs it."""
+    from mlx_streaming import synthetic
+
+    sizes = dict(hidden_size=128, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=64)
+    direct = synthetic.make_synthetic(tmp_path / "direct", tokenizer_dir, **sizes)
+    mlx_dir = synthetic.make_synthetic(tmp_path / "mlx", tokenizer_dir, fmt="mlx-lm", **sizes)
+    converted = convert(mlx_dir, tmp_path / "converted", progress=False)
+
+    a, b = read_manifest(direct), read_manifest(converted)
+    assert [l.file for l in a.layers] == [l.file for l in b.layers]
+    for la, lb in zip(a.layers, b.layers):
+        assert (la.stride, la.segments, la.checksums) == (lb.stride, lb.segments, lb.checksums)
+        blob = lambda d, l: (d / "experts" / l.file).read_bytes()  # noqa: E731
+        assert blob(direct, la) == blob(converted, lb)
+    check_matches_resident(mlx_dir, converted, slots_per_layer=2)

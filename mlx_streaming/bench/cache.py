@@ -14,9 +14,8 @@ import numpy as np
 
 from ..format import read_manifest
 from ..policy import LFU, LRU, Pinned
-from ..stats import read_trace
 from . import routing
-from .common import figure, finish
+from .common import decode_calls, figure, finish
 
 
 def add_arguments(p) -> None:
@@ -26,14 +25,6 @@ def add_arguments(p) -> None:
     p.add_argument("--capacities", default="0.125,0.25,0.375,0.5,0.75",
                    help="pool sizes as fractions of each layer's experts")
     p.add_argument("--out", type=Path, default=Path("bench-results/cache"))
-
-
-def decode_calls(trace: Path) -> Dict[int, List[np.ndarray]]:
-    calls: Dict[int, List[np.ndarray]] = {}
-    for layer, ids in read_trace(str(trace)):
-        if ids.shape[0] == 1:
-            calls.setdefault(layer, []).append(np.unique(ids[0]))
-    return calls
 
 
 def simulate(calls: List[np.ndarray], capacity: int, policy, preload=()) -> float:

@@ -186,6 +186,29 @@ def disk_read_gbps(path: Path, block: int, limit_bytes: int = 1 << 30) -> float:
     return count * block / seconds / 1e9
 
 
+def pool_slots(spec, fraction: float) -> int:
+    """Slots per layer for a pool of ``fraction`` of a layer's experts (at
+    least one call's top-k)."""
+    return max(spec.top_k, round(fraction * spec.num_experts))
+
+
+def median_run(results: List[dict]) -> dict:
+    """The run of median decode speed among those that succeeded, else the
+    first (failed) one."""
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["decode_tps"])
+    return ok[len(ok) // 2] if ok else results[0]
+
+
+def decode_calls(trace_path: Path) -> Dict[int, List[np.ndarray]]:
+    """Each layer's decode calls (one token) in a routing trace: the sorted
+    distinct experts of each."""
+    calls: Dict[int, List[np.ndarray]] = {}
+    for layer, ids in read_trace(str(trace_path)):
+        if ids.shape[0] == 1:
+            calls.setdefault(layer, []).append(np.unique(ids[0]))
+    return calls
+
+
 def routing_stats(trace_path: Path, top: int = 8) -> dict:
     """Temporal reuse and traffic concentration of decode calls in a trace.
 
@@ -193,12 +216,8 @@ def routing_stats(trace_path: Path, top: int = 8) -> dict:
     top8_share: share of routing traffic that goes to a layer's ``top`` most
     used experts.
     """
-    calls: Dict[int, List[np.ndarray]] = {}
-    for layer, ids in read_trace(str(trace_path)):
-        if ids.shape[0] == 1:  # decode calls only
-            calls.setdefault(layer, []).append(ids[0])
     layers = {}
-    for layer, seq in calls.items():
+    for layer, seq in decode_calls(trace_path).items():
         reuse = [len(np.intersect1d(a, b)) / len(b) for a, b in zip(seq, seq[1:])]
         counts = np.bincount(np.concatenate(seq))
         share = np.sort(counts)[::-1][:top].sum() / counts.sum()

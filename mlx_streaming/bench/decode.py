@@ -16,7 +16,15 @@ from ..config import DIRECT_IO_CHOICES
 from ..format import blob_path, read_manifest
 from ..loader import spine_bytes
 from . import routing
-from .common import disk_read_gbps, drop_page_cache, figure, finish, run_case
+from .common import (
+    disk_read_gbps,
+    drop_page_cache,
+    figure,
+    finish,
+    median_run,
+    pool_slots,
+    run_case,
+)
 
 COLUMNS = [
     ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),
@@ -68,11 +76,6 @@ def _summary(name, r, pool=None, spine_gb=None):
     return row
 
 
-def _median_run(results):
-    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["decode_tps"])
-    return ok[len(ok) // 2] if ok else results[0]
-
-
 def run(args) -> dict:
     stream_dir = Path(args.model)
     manifest = read_manifest(stream_dir)
@@ -86,7 +89,7 @@ def run(args) -> dict:
         cases.append(("(b) mlx-lm lazy", None,
                       dict(common, kind="mlx-lm-lazy", model=args.mlx_model), args.memory_limit_gb))
     for pool in [float(p) for p in args.pools.split(",")]:
-        slots = max(manifest.layers[0].top_k, round(pool * num_experts))
+        slots = pool_slots(manifest.layers[0], pool)
         load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch,
                     direct_io=DIRECT_IO_CHOICES[args.direct_io])
         cases.append(("(c) mlx_streaming", slots / num_experts,
@@ -99,10 +102,10 @@ def run(args) -> dict:
         for i, (_, _, case, limit) in enumerate(cases):
             runs[i].append(run_case(case, memory_limit_gb=limit, cold=args.cold))
     rows, raw = [], {}
+    spine_gb = spine_bytes(stream_dir) / 1e9
     for (name, pool, _, _), results in zip(cases, runs):
-        r = _median_run(results)
         raw[f"{name} {pool or ''}".strip()] = results
-        row = _summary(name, r, pool, spine_bytes(stream_dir) / 1e9)
+        row = _summary(name, median_run(results), pool, spine_gb)
         row["runs_tps"] = [x.get("decode_tps") for x in results]
         rows.append(row)
 

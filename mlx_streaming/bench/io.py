@@ -21,6 +21,8 @@ from .common import (
     disk_read_gbps,
     drop_page_cache,
     figure,
+    median_run,
+    pool_slots,
     print_table,
     run_case,
     save_json,
@@ -173,7 +175,7 @@ def prefetch_decode(args) -> list:
     spec = read_manifest(args.model).layers[0]
     rows = []
     for pool in [float(p) for p in args.pools.split(",")]:
-        slots = max(spec.top_k, round(pool * spec.num_experts))
+        slots = pool_slots(spec, pool)
         modes = ("off", "next-layer", "auto")
         runs = {m: [] for m in modes}
         for _ in range(args.repeats):
@@ -194,12 +196,11 @@ def prefetch_decode(args) -> list:
 
 
 def _prefetch_row(results, pool, prefetch) -> dict:
-    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["decode_tps"])
-    row = dict(pool=pool, prefetch=prefetch, status="ok" if ok else results[0]["status"],
-               runs_tps=[r.get("decode_tps") for r in results])
-    if not ok:
+    r = median_run(results)
+    row = dict(pool=pool, prefetch=prefetch, status=r["status"],
+               runs_tps=[x.get("decode_tps") for x in results])
+    if r["status"] != "ok":
         return row
-    r = ok[len(ok) // 2]
     t = r["stats"]["total"]
     row.update(decode_tps=r["decode_tps"], hit_rate=t["hit_rate"],
                stall_share=t["stall_seconds"] / r["decode_s"], recall=t["prefetch_recall"],

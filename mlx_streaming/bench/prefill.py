@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..format import read_manifest
 from . import routing
-from .common import figure, finish, run_case
+from .common import figure, finish, pool_slots, run_case
 
 
 def add_arguments(p) -> None:
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
 def run(args) -> dict:
     stream_dir = Path(args.model)
     spec = read_manifest(stream_dir).layers[0]
-    slots = max(spec.top_k, round(args.pool * spec.num_experts))
+    slots = pool_slots(spec, args.pool)
     lengths = [int(n) for n in args.lengths.split(",")]
     common = dict(op="prefill", lengths=lengths)
     cases = []

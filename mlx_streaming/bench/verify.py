@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..format import read_manifest
 from . import routing
-from .common import BenchError, figure, finish, run_case
+from .common import BenchError, figure, finish, pool_slots, run_case
 
 ACCEPTANCE = (0.5, 0.7, 0.9)
 
@@ -55,7 +55,7 @@ def _rows(result, label):
 def run(args) -> dict:
     stream_dir = Path(args.model)
     spec = read_manifest(stream_dir).layers[0]
-    slots = max(spec.top_k, round(args.pool * spec.num_experts))
+    slots = pool_slots(spec, args.pool)
     common = dict(op="verify", max_k=args.max_k, repeats=args.repeats)
     rows, raw = [], {}
     if args.mlx_model:
