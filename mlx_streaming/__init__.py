@@ -6,26 +6,38 @@ streaming their routed experts from SSD, bit-identical to mlx-lm.
     model, tokenizer = mlx_streaming.load("path/to/stream-dir", cache_gb=8)
     # model works with mlx_lm.generate / stream_generate / make_prompt_cache
     print(mlx_streaming.stats(model)["total"])
+
+Importing the package is cheap: ``load``, ``convert`` and ``format`` (which
+need MLX and mlx-lm) are imported on first use, so a command interrupted
+while it starts stops with one line instead of a traceback.
 """
 
-from . import format
+import importlib
+
 from .config import StreamConfig
-from .converter import convert
 from .errors import (
     BudgetError,
+    ConfigError,
     ConversionError,
     CorruptExpertError,
     ExpertReadError,
     FormatError,
     StreamingError,
 )
-from .loader import load
 from .stats import reset_stats, stats
 
 __version__ = "0.1.0"
 
+# name -> (module, attribute); None: the module itself.
+_LAZY = {
+    "convert": (".converter", "convert"),
+    "load": (".loader", "load"),
+    "format": (".format", None),
+}
+
 __all__ = [
     "BudgetError",
+    "ConfigError",
     "ConversionError",
     "CorruptExpertError",
     "ExpertReadError",
@@ -38,3 +50,17 @@ __all__ = [
     "reset_stats",
     "stats",
 ]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mlx_streaming' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name, __name__)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

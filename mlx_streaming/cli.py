@@ -43,8 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
             return 2
         return 0
-    module = importlib.import_module(COMMANDS[argv[0]])
-    return module.main(argv[1:])
+    return run_main(lambda: importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]))
 
 
 if __name__ == "__main__":

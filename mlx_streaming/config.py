@@ -1,77 +1,136 @@
 """The one configuration object of a streaming model, built at load from
-``load(...)`` keyword arguments or command-line flags and passed down."""
+``load(...)`` keyword arguments or command-line flags and passed down.
 
+Each option is described once, on its ``StreamConfig`` field: ``load()``
+takes the field names as keywords and ``add_config_flags`` derives the
+command-line flags (``cache_gb`` -> ``--cache-gb``) from the same table.
+"""
+
+import argparse
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional
+
+from .errors import ConfigError
 
 IO_CHOICES = ("auto", "native", "python")
 PREFETCH_CHOICES = ("off", "next-layer", "auto")
-VERIFY_CHOICES = ("first-read", "off")
+VERIFY_CHOICES = ("first-read", "always", "off")
 # Command-line spelling of StreamConfig.direct_io.
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 
 DEFAULT_RESERVE_GB = 2.0
 DEFAULT_PREFETCH_MAX_TOKENS = 8
+# More reader threads than this only add contention: an NVMe queue is kept
+# full by far fewer, and each thread holds a bounce buffer.
+MAX_IO_THREADS = 64
 
 
 def default_io_threads() -> int:
     # Reads mostly wait on the device: queue depth, not cores, sets the pace.
     # 8 read 256 KiB experts 1.3x faster than 4 on the 2-core machine we
     # measured (bench io), and SSDs want deep queues.
-    return max(8, os.cpu_count() or 1)
+    return min(MAX_IO_THREADS, max(8, os.cpu_count() or 1))
+
+
+def _option(default, help: str, **cli):
+    return field(default=default, metadata=dict(help=help, **cli))
 
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """How a stream directory is loaded and run.
+    """How a stream directory is loaded and run (each field's ``help``
+    says what it means; ``load()`` and ``generate`` take them all)."""
 
-    Attributes:
-        cache_gb: bytes of expert slots for all layers together, in GB. None
-            sizes the pools from memory that is actually free.
-        slots_per_layer: experts resident per layer; overrides ``cache_gb``.
-        io: ``"native"`` (C++ extension), ``"python"``, or ``"auto"``
-            (native when the extension is built).
-        direct_io: read with O_DIRECT / F_NOCACHE so expert bytes are not
-            kept twice (page cache and pool). None decides at load: uncached
-            when the experts cannot stay in the page cache.
-        io_threads: reader threads.
-        prefetch: ``"off"``, ``"next-layer"`` (predict the next layer's
-            experts with its router and read them ahead), or ``"auto"``
-            (measure, and keep prefetch only if it pays).
-        prefetch_width: candidates predicted per token (default 2 x top-k).
-        prefetch_max_tokens: calls with more tokens than this (prefill) do
-            not prefetch.
-        verify: ``"first-read"`` checks each expert's CRC the first time it
-            is read; ``"off"`` never does.
-        reserve_gb: memory left free when ``cache_gb`` is not given.
-        trace: write one line per MoE call (layer, expert ids) to this file.
-    """
-
-    cache_gb: Optional[float] = None
-    slots_per_layer: Optional[int] = None
-    io: str = "auto"
-    direct_io: Optional[bool] = None
-    io_threads: int = default_io_threads()
-    prefetch: str = "off"
-    prefetch_width: Optional[int] = None
-    prefetch_max_tokens: int = DEFAULT_PREFETCH_MAX_TOKENS
-    verify: str = "first-read"
-    reserve_gb: float = DEFAULT_RESERVE_GB
-    trace: Optional[str] = None
+    cache_gb: Optional[float] = _option(
+        None, "expert slot memory for all layers in GB (default: from free memory, "
+        "less a reserve)", type=float)
+    slots_per_layer: Optional[int] = _option(
+        None, "experts resident per layer (overrides cache_gb)", type=int)
+    io: str = _option("auto", "expert reader: the C++ extension, Python, or native "
+                      "when built", choices=IO_CHOICES)
+    direct_io: Optional[bool] = _option(
+        None, "uncached expert reads (O_DIRECT / F_NOCACHE); auto: when the experts "
+        "cannot stay in the page cache", choices=DIRECT_IO_CHOICES)
+    io_threads: int = _option(default_io_threads(), f"reader threads (1-{MAX_IO_THREADS})",
+                              type=int)
+    prefetch: str = _option("off", "next-layer: read the next layer's predicted experts "
+                            "ahead; auto: measure and keep it only if it pays",
+                            choices=PREFETCH_CHOICES)
+    prefetch_width: Optional[int] = _option(
+        None, "experts predicted per token (default 2 x top-k)", type=int)
+    prefetch_max_tokens: int = _option(
+        DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",
+        type=int)
+    verify: str = _option(
+        "first-read", "CRC-32 checks of expert records: on each expert's first read "
+        "(and again after its blob changes on disk), on every read, or never",
+        choices=VERIFY_CHOICES)
+    reserve_gb: float = _option(DEFAULT_RESERVE_GB, "memory left free when cache_gb is "
+                                "not given, in GB", type=float)
+    trace: Optional[str] = _option(None, "write the routing of every MoE call to this file")
 
     def __post_init__(self):
         _check_choice("io", self.io, IO_CHOICES)
         _check_choice("prefetch", self.prefetch, PREFETCH_CHOICES)
         _check_choice("verify", self.verify, VERIFY_CHOICES)
-        if self.cache_gb is not None and self.cache_gb <= 0:
-            raise ValueError("cache_gb must be positive")
-        if self.slots_per_layer is not None and self.slots_per_layer < 1:
-            raise ValueError("slots_per_layer must be at least 1")
-        if self.io_threads < 1:
-            raise ValueError("io_threads must be at least 1")
+        if self.direct_io not in (None, True, False):
+            raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
+        _check_number("cache_gb", self.cache_gb, float, low=0, open_low=True, optional=True)
+        _check_number("slots_per_layer", self.slots_per_layer, int, low=1, optional=True)
+        _check_number("io_threads", self.io_threads, int, low=1, high=MAX_IO_THREADS)
+        _check_number("prefetch_width", self.prefetch_width, int, low=1, optional=True)
+        _check_number("prefetch_max_tokens", self.prefetch_max_tokens, int, low=1)
+        _check_number("reserve_gb", self.reserve_gb, float, low=0)
 
 
 def _check_choice(name, value, choices):
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_number(name, value, kind, low, high=None, open_low=False, optional=False):
+    if value is None and optional:
+        return
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    ok_type = is_int or (kind is float and isinstance(value, float))
+    if not ok_type or (kind is float and not math.isfinite(value)):
+        raise ConfigError(f"{name} must be a finite {'integer' if kind is int else 'number'}, "
+                          f"got {value!r}")
+    too_low = value <= low if open_low else value < low
+    if too_low or (high is not None and value > high):
+        bound = f"above {low:g}" if open_low else f"at least {low:g}"
+        if high is not None:
+            bound = f"between {low:g} and {high:g}"
+        raise ConfigError(f"{name} must be {bound}, got {value!r}")
+
+
+def config_fields():
+    return [f.name for f in fields(StreamConfig)]
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per ``StreamConfig`` field, from the field's metadata."""
+    group = parser.add_argument_group("streaming options (mlx_streaming.load keywords)")
+    for f in fields(StreamConfig):
+        meta = dict(f.metadata)
+        flag = "--" + f.name.replace("_", "-")
+        choices = meta.pop("choices", None)
+        if isinstance(choices, dict):
+            group.add_argument(flag, choices=list(choices), default=None, **meta)
+        else:
+            group.add_argument(flag, choices=choices, default=None, **meta)
+
+
+def config_from_args(args: argparse.Namespace) -> StreamConfig:
+    """The ``StreamConfig`` of the flags that ``add_config_flags`` added;
+    flags left unset keep the field defaults."""
+    options = {}
+    for f in fields(StreamConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        choices = f.metadata.get("choices")
+        options[f.name] = choices[value] if isinstance(choices, dict) else value
+    return StreamConfig(**options)

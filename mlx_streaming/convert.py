@@ -1,11 +1,31 @@
 """``python -m mlx_streaming.convert``: see ``mlx_streaming.converter``.
 
-The converter lives in ``converter.py`` so that ``mlx_streaming.convert``
-stays the function the package exports."""
+Importing this module sets ``mlx_streaming.convert`` to it (Python binds a
+submodule to its package's attribute), which would hide the function the
+package exports. So this module is callable: ``mlx_streaming.convert(src,
+dst, ...)`` works whichever of the two the name holds.
+"""
 
+import importlib
 import sys
+import types
 
-from .converter import main
+
+def main(argv=None) -> int:
+    from .cli import run_main
+
+    # The converter imports MLX: inside run_main, an interrupt is one line.
+    return run_main(lambda: importlib.import_module("mlx_streaming.converter").main(argv))
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        from .converter import convert
+
+        return convert(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

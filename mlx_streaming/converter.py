@@ -10,6 +10,7 @@ the layers that were finished and redoes the rest.
 """
 
 import argparse
+import errno
 from dataclasses import asdict
 import hashlib
 import json
@@ -24,8 +25,15 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
 
-from .discover import find_expert_blocks, layer_index, num_experts, quantization_of
-from .errors import ConversionError
+from .discover import (
+    find_expert_blocks,
+    input_dims_of,
+    layer_index,
+    num_experts,
+    probe_top_k,
+    quantization_of,
+)
+from .errors import ConversionError, FormatError
 from .format import (
     CONVERT_STATE_NAME,
     FORMAT_VERSION,
@@ -34,15 +42,19 @@ from .format import (
     dtype_name,
     experts_dir,
     fsync_dir,
+    fsync_file,
     layer_from_dict,
     layout_record,
     manifest_path,
+    check_safetensors,
     record_checksum,
+    spine_manifest,
     write_json_atomic,
     write_manifest,
 )
 
 SPINE_SHARD_GB = 1
+# Fallback only: the number is read off the model itself (probe_top_k).
 TOP_K_KEYS = (
     "num_experts_per_tok",
     "num_experts_per_token",
@@ -50,6 +62,9 @@ TOP_K_KEYS = (
     "n_activated_experts",
     "experts_per_token",
     "top_k",
+    "moe_k",
+    "moe_topk",
+    "top_k_experts",
 )
 TOKENIZER_PATTERNS = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.jsonl")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", CONVERT_STATE_NAME}
@@ -58,7 +73,7 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 def resolve_source(src: str) -> Path:
     """A local model directory, or a Hugging Face repo fetched into the cache."""
-    path = Path(src)
+    path = Path(src).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
             raise ConversionError(f"{src} has no config.json; it is not an mlx-lm model")
@@ -78,15 +93,21 @@ def resolve_source(src: str) -> Path:
         ) from None
 
 
-def find_top_k(config: dict) -> int:
-    """Experts per token, from the model's config."""
-    for cfg in (config, config.get("text_config") or {}):
+def find_top_k(model, block_path: str, block, config: dict) -> int:
+    """Experts per token of one block: read off the model (its router's
+    output), else from the config's usual keys."""
+    text = config.get("text_config") or {}
+    widths = (input_dims_of(block), config.get("hidden_size"), text.get("hidden_size"))
+    top_k = probe_top_k(model, block_path, widths)
+    if top_k is not None:
+        return top_k
+    for cfg in (config, text):
         for key in TOP_K_KEYS:
             if isinstance(cfg.get(key), int):
                 return cfg[key]
     raise ConversionError(
-        "cannot find the number of experts per token in config.json "
-        f"(looked for {', '.join(TOP_K_KEYS)})"
+        f"cannot tell how many experts a token uses in {block_path}: its MoE module "
+        f"could not be probed and config.json has none of {', '.join(TOP_K_KEYS)}"
     )
 
 
@@ -124,7 +145,10 @@ class _State:
         d = self.layers.get(file)
         if d is None:
             return None
-        spec = layer_from_dict(d)
+        try:
+            spec = layer_from_dict(d)
+        except Exception:
+            return None  # a damaged state entry: redo the layer
         blob = experts_dir(dst) / file
         if not blob.exists() or blob.stat().st_size != spec.blob_nbytes:
             return None
@@ -215,7 +239,13 @@ def _write_spine(model, streamed: set, dst: Path) -> None:
     weight_map = {}
     for name, shard in zip(names, shards):
         tmp = dst / (name + ".tmp.safetensors")
-        mx.save_safetensors(str(tmp), shard, metadata={"format": "mlx"})
+        try:
+            mx.save_safetensors(str(tmp), shard, metadata={"format": "mlx"})
+        except RuntimeError as e:  # MLX reports a failed write this way
+            raise ConversionError(
+                f"cannot write {tmp} ({e}); check that the disk has room and is writable"
+            ) from None
+        fsync_file(tmp)
         os.replace(tmp, dst / name)
         weight_map.update({k: name for k in shard})
         # Free the shard's evaluated tensors before the next one.
@@ -232,22 +262,87 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
                 shutil.copyfile(f, dst / f.name)
 
 
+def _fsync_written(dst: Path) -> None:
+    """Everything the manifest will declare complete is on disk first."""
+    for pattern in (*TOKENIZER_PATTERNS, "*.safetensors"):
+        for f in dst.glob(pattern):
+            if f.is_file():
+                fsync_file(f)
+    fsync_dir(dst)
+
+
+def _written_by_us(dst: Path):
+    """The files a stream directory consists of (what --force replaces)."""
+    names = {"model.safetensors.index.json", CONVERT_STATE_NAME, "config.json"}
+    for pattern in (*TOKENIZER_PATTERNS, "*.safetensors", "*.tmp"):
+        names.update(f.name for f in dst.glob(pattern) if f.is_file())
+    return [dst / n for n in sorted(names) if (dst / n).is_file()]
+
+
+def _clear_dst(dst: Path) -> None:
+    # The manifest goes first: from here on the directory never looks complete.
+    manifest_path(dst).unlink(missing_ok=True)
+    shutil.rmtree(experts_dir(dst), ignore_errors=True)
+    for f in _written_by_us(dst):
+        f.unlink()
+    fsync_dir(dst)
+
+
+def _check_not_source(src: Path, dst: Path) -> None:
+    if dst.exists() and os.path.samefile(src, dst):
+        raise ConversionError(
+            f"--out {dst} is the source model itself: converting in place would "
+            "replace its weights; choose another --out"
+        )
+
+
 def _prepare_dst(dst: Path, fingerprint: str, force: bool) -> bool:
-    """Returns True when ``dst`` already holds this exact conversion."""
-    if manifest_path(dst).exists():
-        state = json.loads(manifest_path(dst).read_text()).get("source", {})
-        if state.get("fingerprint") == fingerprint and not force:
+    """Returns True when ``dst`` already holds this exact conversion.
+
+    A directory is written into only when it is empty, an interrupted
+    conversion, or (with ``force``) anything else: then every file a stream
+    directory consists of is removed first, so nothing stale survives.
+    """
+    if manifest_path(dst).is_file():
+        try:
+            state = json.loads(manifest_path(dst).read_text()).get("source", {})
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            state = {}
+        if isinstance(state, dict) and state.get("fingerprint") == fingerprint and not force:
             return True
         if not force:
             raise ConversionError(
                 f"{dst} already holds a different converted model; pass --force "
                 "to overwrite it or choose another --out"
             )
-        # From here on the directory must not look complete.
-        manifest_path(dst).unlink()
-        fsync_dir(experts_dir(dst))
+        _clear_dst(dst)
+    elif (dst / CONVERT_STATE_NAME).exists():
+        pass  # resumed: _State keeps the finished layers of this same conversion
+    elif any(dst.iterdir()):
+        if not force:
+            what = ("an mlx-lm model" if (dst / "config.json").exists()
+                    else "files that are not a stream directory")
+            raise ConversionError(
+                f"{dst} already holds {what}; choose an empty --out, or pass --force "
+                "to replace its model files"
+            )
+        _clear_dst(dst)
     experts_dir(dst).mkdir(parents=True, exist_ok=True)
     return False
+
+
+def _disk_error(e: OSError, dst: Path) -> ConversionError:
+    where = e.filename or dst
+    if e.errno == errno.ENOSPC:
+        return ConversionError(
+            f"the disk holding {dst} is full (writing {where}); free space and run the "
+            "same command again: finished layers are kept"
+        )
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return ConversionError(
+            f"cannot write {where} ({e.strerror}); choose a writable --out"
+        )
+    return ConversionError(f"cannot write {where} ({e.strerror}); check --out and the disk")
 
 
 def convert(
@@ -284,22 +379,61 @@ def convert(
             already quantized and ``quantize`` asked, ...).
     """
     src_path = resolve_source(str(src))
-    dst = Path(dst)
+    dst = Path(dst).expanduser()
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
     options = dict(
         quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode, dtype=dtype
     )
+    _check_not_source(src_path, dst)
     fingerprint = _fingerprint(src_path, options)
-    dst.mkdir(parents=True, exist_ok=True)
-    if _prepare_dst(dst, fingerprint, force):
-        print(f"{dst} is already converted from {src}", file=sys.stderr)
-        return dst
-
     try:
-        model, config = load_model(src_path, lazy=True)
-    except (ValueError, FileNotFoundError) as e:
+        dst.mkdir(parents=True, exist_ok=True)
+        if _prepare_dst(dst, fingerprint, force):
+            print(f"{dst} is already converted from {src}", file=sys.stderr)
+            return dst
+        model, config = _load_source(src, src_path)
+        return _convert_model(model, config, src, src_path, dst, fingerprint, options,
+                              quantize, q_bits, q_group_size, q_mode, dtype, progress, on_layer)
+    except OSError as e:
+        failed = Path(e.filename).absolute() if e.filename is not None else None
+        if (failed is not None and failed.is_relative_to(src_path.absolute())
+                and not failed.is_relative_to(dst.absolute())):
+            raise ConversionError(
+                f"cannot read {e.filename} of the source model ({e.strerror})"
+            ) from None
+        raise _disk_error(e, dst) from None
+
+
+def _load_source(src, src_path: Path):
+    index = src_path / "model.safetensors.index.json"
+    if index.exists():
+        # mlx-lm loads whatever shards it finds; a missing one would
+        # surface as missing weights or a bare file error.
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ConversionError(f"{index} is damaged; re-download the model") from None
+        missing = sorted(s for s in shards if not (src_path / s).exists())
+        if missing:
+            raise ConversionError(
+                f"{src} lacks {len(missing)} weight shard(s) its index names (first: "
+                f"{missing[0]}); finish the download or re-download the model"
+            )
+    for f in src_path.glob("*.safetensors"):
+        try:
+            check_safetensors(f)
+        except FormatError as e:
+            raise ConversionError(str(e).replace("re-convert the model",
+                                                 "re-download the source model")) from None
+    try:
+        return load_model(src_path, lazy=True)
+    except (ValueError, FileNotFoundError, KeyError) as e:
         raise ConversionError(f"mlx-lm cannot load {src}: {e}") from None
+
+
+def _convert_model(model, config, src, src_path, dst, fingerprint, options, quantize,
+                   q_bits, q_group_size, q_mode, dtype, progress, on_layer) -> Path:
     blocks = find_expert_blocks(model)
     if not blocks:
         raise ConversionError(
@@ -313,7 +447,6 @@ def convert(
         if "quantization" in config:
             raise ConversionError(f"{src} is already quantized; convert it without -q")
         model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
-    top_k = find_top_k(config)
 
     state = _State(dst, fingerprint)
     layers, streamed = [], set()
@@ -327,6 +460,7 @@ def convert(
         spec = state.done(file, dst)
         if spec is None:
             bar.set_description(f"experts of {path}")
+            top_k = find_top_k(model, path, block, config)
             spec = _convert_layer(block, path, layer, file, top_k, dst, bar.update)
             state.record(spec)
         else:
@@ -341,9 +475,9 @@ def convert(
     _write_spine(model, streamed, dst)
     save_config(dict(config), dst / "config.json")
     _copy_tokenizer(src_path, dst)
-    fsync_dir(dst)
+    _fsync_written(dst)
     source = {"model": str(src), "fingerprint": fingerprint, "options": options}
-    write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source))
+    write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source, spine_manifest(dst)))
     state.path.unlink(missing_ok=True)
     return dst
 

@@ -149,3 +149,45 @@ def quantization_of(block: nn.Module) -> dict:
 
 
 ScoreFn = Callable[[mx.array], mx.array]
+
+
+class _Routed(Exception):
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+
+
+class _RoutingProbe(nn.Module):
+    """Stands in for an expert block and stops the parent's call as soon as
+    the router hands it the expert ids."""
+
+    def __call__(self, x, indices, *args, **kwargs):
+        raise _Routed(int(indices.shape[-1]))
+
+
+def probe_top_k(model: nn.Module, block_path: str, widths) -> Optional[int]:
+    """Experts per token of the block at ``block_path``, read off the
+    instantiated model: its parent (the MoE module) is called on a dummy
+    input of each width in ``widths`` until its router hands the block
+    expert ids. Shapes are known without evaluation, so no weight is read
+    but the router's. None when the parent cannot be called that way.
+
+    Families name this number differently in their configs (``moe_k``,
+    ``moe_topk``, ``num_experts_per_tok`` ...); the model knows it.
+    """
+    parent = get_module(model, parent_path(block_path))
+    name = block_path.rsplit(".", 1)[-1]
+    if not isinstance(parent, nn.Module) or name not in parent:
+        return None
+    original = parent[name]
+    setattr(parent, name, _RoutingProbe())
+    try:
+        for width in dict.fromkeys(w for w in widths if w):
+            try:
+                parent(mx.zeros((1, 1, width)))
+            except _Routed as routed:
+                return routed.top_k
+            except Exception:
+                continue
+    finally:
+        setattr(parent, name, original)
+    return None

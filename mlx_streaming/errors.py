@@ -27,7 +27,12 @@ class ExpertReadError(StreamingError):
 
 
 class BudgetError(StreamingError):
-    """The expert cache budget cannot hold what one call needs."""
+    """The expert cache budget cannot hold what one call needs, or asks for
+    more memory than the machine has."""
+
+
+class ConfigError(StreamingError, ValueError):
+    """An option of ``load()`` or a command-line flag is out of range."""
 
 
 class ConversionError(StreamingError):

@@ -12,7 +12,9 @@ expert is a single ``pread`` of ``stride`` bytes at ``expert * stride``.
 """
 
 import json
+import math
 import os
+import struct
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,10 +116,21 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class SpineFile:
+    """A spine safetensors file: its size and CRC-32 (absent from manifests
+    written before spine checksums existed)."""
+
+    name: str
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     version: int
     layers: Tuple[LayerSpec, ...]
     source: dict = field(default_factory=dict)
+    spine: Tuple[SpineFile, ...] = ()
 
     @property
     def expert_nbytes(self) -> int:
@@ -161,23 +174,136 @@ def manifest_path(path) -> Path:
     return experts_dir(path) / MANIFEST_NAME
 
 
-def _segment_from_dict(d: dict) -> Segment:
-    return Segment(d["name"], d["dtype"], tuple(d["shape"]), d["offset"], d["nbytes"])
+class _Malformed(Exception):
+    """A manifest field of the wrong type or out of range (internal)."""
 
 
-def layer_from_dict(d: dict) -> LayerSpec:
+def _get(d, key, kind, where):
+    if not isinstance(d, dict):
+        raise _Malformed(f"{where} is not an object")
+    if key not in d:
+        raise _Malformed(f"{where} lacks '{key}'")
+    value = d[key]
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise _Malformed(f"{where}.{key} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _nonneg(value, what, low=0):
+    if value < low:
+        raise _Malformed(f"{what} is {value}, below {low}")
+    return value
+
+
+def _segment_from_dict(d, where: str) -> Segment:
+    name = _get(d, "name", str, where)
+    dtype = _get(d, "dtype", str, where)
+    if dtype not in _DTYPES:
+        raise _Malformed(f"{where} has unknown dtype {dtype!r}")
+    shape = _get(d, "shape", list, where)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise _Malformed(f"{where}.shape is not a list of non-negative integers")
+    offset = _nonneg(_get(d, "offset", int, where), f"{where}.offset")
+    nbytes = _nonneg(_get(d, "nbytes", int, where), f"{where}.nbytes")
+    if math.prod(shape) * _DTYPES[dtype].size != nbytes:
+        raise _Malformed(f"{where}: {nbytes} bytes do not hold a {dtype} tensor of shape {shape}")
+    return Segment(name, dtype, tuple(shape), offset, nbytes)
+
+
+def _check_record_layout(segments, stride: int, where: str) -> None:
+    """Segments lie inside the record and do not overlap."""
+    end = 0
+    for s in sorted(segments, key=lambda s: s.offset):
+        if s.offset < end:
+            raise _Malformed(f"{where}: segment {s.name} overlaps the one before it")
+        end = s.offset + s.nbytes
+    if end > stride:
+        raise _Malformed(f"{where}: segments end at byte {end}, beyond the stride {stride}")
+    if len({s.name for s in segments}) != len(segments):
+        raise _Malformed(f"{where}: two segments share a name")
+
+
+def _quantization_from_dict(q, where: str) -> Dict[str, Optional[dict]]:
+    if not isinstance(q, dict):
+        raise _Malformed(f"{where}.quantization is not an object")
+    for name, params in q.items():
+        if params is None:
+            continue
+        w = f"{where}.quantization.{name}"
+        _nonneg(_get(params, "bits", int, w), f"{w}.bits", 1)
+        _nonneg(_get(params, "group_size", int, w), f"{w}.group_size", 1)
+        _get(params, "mode", str, w)
+    return q
+
+
+def layer_from_dict(d, where: str = "layer") -> LayerSpec:
+    """A ``LayerSpec`` from its manifest entry, every field checked.
+
+    Raises:
+        _Malformed: a field is missing, of the wrong type or out of range.
+    """
+    num = _nonneg(_get(d, "num_experts", int, where), f"{where}.num_experts", 1)
+    stride = _nonneg(_get(d, "stride", int, where), f"{where}.stride", 1)
+    if stride % RECORD_ALIGNMENT:
+        raise _Malformed(f"{where}.stride {stride} is not a multiple of {RECORD_ALIGNMENT}")
+    segs = _get(d, "segments", list, where)
+    if not segs:
+        raise _Malformed(f"{where} has no segments")
+    segments = tuple(_segment_from_dict(s, f"{where}.segments[{i}]") for i, s in enumerate(segs))
+    _check_record_layout(segments, stride, where)
+    checksums = _get(d, "checksums", list, where)
+    if len(checksums) != num or not all(
+        isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32 for c in checksums
+    ):
+        raise _Malformed(f"{where}.checksums must be {num} unsigned 32-bit integers")
+    file = _get(d, "file", str, where)
+    if Path(file).name != file or file in ("", ".", ".."):
+        raise _Malformed(f"{where}.file {file!r} must be a plain file name")
     return LayerSpec(
-        layer=d["layer"],
-        module=d["module"],
-        kind=d["kind"],
-        file=d["file"],
-        num_experts=d["num_experts"],
-        top_k=d["top_k"],
-        stride=d["stride"],
-        segments=tuple(_segment_from_dict(s) for s in d["segments"]),
-        quantization=d["quantization"],
-        checksums=tuple(d["checksums"]),
+        layer=_nonneg(_get(d, "layer", int, where), f"{where}.layer"),
+        module=_get(d, "module", str, where),
+        kind=_get(d, "kind", str, where),
+        file=file,
+        num_experts=num,
+        top_k=_nonneg(_get(d, "top_k", int, where), f"{where}.top_k", 1),
+        stride=stride,
+        segments=segments,
+        quantization=_quantization_from_dict(d.get("quantization"), where),
+        checksums=tuple(checksums),
     )
+
+
+def _spine_from_list(entries) -> Tuple[SpineFile, ...]:
+    if not isinstance(entries, list):
+        raise _Malformed("spine is not a list")
+    out = []
+    for i, e in enumerate(entries):
+        w = f"spine[{i}]"
+        name = _get(e, "name", str, w)
+        if Path(name).name != name:
+            raise _Malformed(f"{w}.name {name!r} must be a plain file name")
+        out.append(SpineFile(name, _nonneg(_get(e, "nbytes", int, w), f"{w}.nbytes"),
+                             _nonneg(_get(e, "crc32", int, w), f"{w}.crc32")))
+    return tuple(out)
+
+
+def _manifest_from_dict(d) -> Manifest:
+    layers = _get(d, "layers", list, "manifest")
+    if not layers:
+        raise _Malformed("the manifest lists no layers")
+    specs = tuple(layer_from_dict(l, f"layers[{i}]") for i, l in enumerate(layers))
+    for what in ("layer", "module", "file"):
+        values = [getattr(s, what) for s in specs]
+        if len(set(values)) != len(values):
+            raise _Malformed(f"two layers share a {what}")
+    source = d.get("source", {})
+    spine = _spine_from_list(d["spine"]) if "spine" in d else ()
+    return Manifest(version=d["version"], layers=specs,
+                    source=source if isinstance(source, dict) else {}, spine=spine)
 
 
 def manifest_to_dict(manifest: Manifest) -> dict:
@@ -188,6 +314,7 @@ def manifest_to_dict(manifest: Manifest) -> dict:
         "segment_alignment": SEGMENT_ALIGNMENT,
         "checksum": "crc32",
         "source": manifest.source,
+        "spine": [asdict(s) for s in manifest.spine],
         "layers": [asdict(l) for l in manifest.layers],
     }
 
@@ -201,6 +328,14 @@ def write_json_atomic(path: Path, obj) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -237,24 +372,29 @@ def read_manifest(path) -> Manifest:
             )
         raise FormatError(f"{path} does not exist or is not a model directory")
     try:
-        with open(mpath) as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{mpath} is not valid JSON ({e}); re-convert the model") from None
-    if d.get("format") != FORMAT_NAME:
-        raise FormatError(f"{mpath} is not an mlx_streaming manifest")
-    version = d.get("version")
-    if version != FORMAT_VERSION:
+        with open(mpath, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
+    except IsADirectoryError:
+        raise FormatError(f"{mpath} is a directory, not a manifest; re-convert the model") from None
+    except OSError as e:
+        raise FormatError(f"cannot read {mpath}: {e.strerror}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(
-            f"{mpath} has format version {version}, this mlx_streaming reads "
+            f"{mpath} is not valid JSON ({type(e).__name__}); re-convert the model"
+        ) from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        raise FormatError(f"{mpath} is not an mlx_streaming manifest; re-convert the model")
+    version = d.get("version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise FormatError(
+            f"{mpath} has format version {version!r}, this mlx_streaming reads "
             f"version {FORMAT_VERSION}; upgrade mlx_streaming or re-convert"
         )
     try:
-        layers = tuple(layer_from_dict(l) for l in d["layers"])
-    except (KeyError, TypeError) as e:
-        raise FormatError(f"{mpath} is malformed (missing {e}); re-convert the model") from None
-    manifest = Manifest(version=version, layers=layers, source=d.get("source", {}))
-    for spec in layers:
+        manifest = _manifest_from_dict(d)
+    except _Malformed as e:
+        raise FormatError(f"{mpath} is malformed ({e}); re-convert the model") from None
+    for spec in manifest.layers:
         check_blob_size(path, spec)
     return manifest
 
@@ -278,6 +418,108 @@ def check_blob_size(path, spec: LayerSpec) -> None:
             first_bad,
             f"blob {bpath} is truncated ({size} of {spec.blob_nbytes} bytes)",
         )
+
+
+# safetensors dtypes and their item sizes.
+_SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+    "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+# A header larger than this is damage, not a model (safetensors' own cap).
+MAX_SAFETENSORS_HEADER = 100 << 20
+SPINE_PATTERN = "model*.safetensors"
+
+
+def spine_files(path) -> List[Path]:
+    return sorted(Path(path).glob(SPINE_PATTERN))
+
+
+def check_safetensors(path: Path) -> None:
+    """Check a safetensors file's header against the file before MLX reads
+    it: a damaged header must be a one-line error, never a crash.
+
+    Raises:
+        FormatError: the header is unreadable or names bytes the file lacks.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if n < 0 or n > min(size - 8, MAX_SAFETENSORS_HEADER):
+                raise _Malformed(f"header length {n} does not fit the {size}-byte file")
+            header = json.loads(f.read(n).decode("utf-8"))
+        data = size - 8 - n
+        if not isinstance(header, dict):
+            raise _Malformed("the header is not a JSON object")
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _get(t, "dtype", str, name)
+            if dtype not in _SAFETENSORS_ITEMSIZE:
+                raise _Malformed(f"{name} has unknown dtype {dtype!r}")
+            shape = _get(t, "shape", list, name)
+            offsets = _get(t, "data_offsets", list, name)
+            ints = shape + offsets
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+                raise _Malformed(f"{name} has a negative or non-integer shape or offset")
+            if len(offsets) != 2 or not offsets[0] <= offsets[1] <= data:
+                raise _Malformed(f"{name}'s bytes {offsets} lie outside the file")
+            if offsets[1] - offsets[0] != math.prod(shape) * _SAFETENSORS_ITEMSIZE[dtype]:
+                raise _Malformed(f"{name}'s {offsets[1] - offsets[0]} bytes do not hold "
+                                 f"a {dtype} tensor of shape {shape}")
+    except OSError as e:
+        raise FormatError(f"cannot read spine file {path}: {e.strerror}") from None
+    except (_Malformed, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(
+            f"spine file {path} is damaged ({e}); re-convert the model"
+        ) from None
+
+
+def file_crc32(path: Path, chunk: int = 16 << 20) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+    return crc & 0xFFFFFFFF
+
+
+def spine_manifest(path) -> Tuple[SpineFile, ...]:
+    """Size and CRC-32 of every spine file (written into the manifest)."""
+    return tuple(SpineFile(f.name, f.stat().st_size, file_crc32(f)) for f in spine_files(path))
+
+
+def check_spine_files(path, manifest: Manifest, checksums: bool) -> None:
+    """The spine files the manifest records exist with their sizes (and,
+    with ``checksums``, their CRC-32). Manifests without spine entries
+    (written before they existed) are not checked.
+
+    Raises:
+        FormatError: a spine file is missing, truncated or damaged.
+    """
+    for s in manifest.spine:
+        f = Path(path) / s.name
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise FormatError(f"spine file {f} is missing; re-convert the model") from None
+        if size != s.nbytes:
+            raise FormatError(f"spine file {f} has {size} bytes, the manifest records "
+                              f"{s.nbytes}; re-convert the model")
+        if checksums and file_crc32(f) != s.crc32:
+            raise FormatError(f"spine file {f} fails its checksum; re-convert the model")
+
+
+def verify_spine(path, manifest: Manifest) -> List[str]:
+    """Names of the spine files that are missing or fail their checksums."""
+    bad = []
+    for s in manifest.spine:
+        f = Path(path) / s.name
+        if not f.exists() or f.stat().st_size != s.nbytes or file_crc32(f) != s.crc32:
+            bad.append(s.name)
+    return bad
 
 
 def verify(path, progress=None) -> List[Tuple[int, int]]:

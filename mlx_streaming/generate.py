@@ -11,10 +11,12 @@ import argparse
 import json
 import sys
 
-import mlx.core as mx
-
 from .cli import run_main
-from .config import DIRECT_IO_CHOICES, IO_CHOICES, PREFETCH_CHOICES, StreamConfig
+from .config import add_config_flags, config_from_args
+from .errors import ConfigError
+
+# Heavy imports (mlx, mlx-lm) happen inside main's body, where an
+# interrupt during start-up is one line, not a traceback.
 
 DEFAULT_PROMPT = "def "
 DEFAULT_MAX_TOKENS = 100
@@ -25,38 +27,27 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--cache-gb", type=float, default=None,
-                   help="expert cache for all layers in GB (default: from free memory)")
-    p.add_argument("--slots-per-layer", type=int, default=None,
-                   help="experts resident per layer (overrides --cache-gb)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens to generate at most (0 or more)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--io", choices=IO_CHOICES, default="auto")
-    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
-                   help="uncached expert reads (auto: when the experts cannot stay in the "
-                        "page cache)")
-    p.add_argument("--io-threads", type=int, default=None)
-    p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default="off")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--stats-json", default=None, help="write the run's numbers here")
-    p.add_argument("--trace", default=None, help="write the routing of every MoE call here")
+    add_config_flags(p)
     return p
 
 
-def config_from_args(args) -> StreamConfig:
-    options = dict(
-        cache_gb=args.cache_gb,
-        slots_per_layer=args.slots_per_layer,
-        io=args.io,
-        direct_io=DIRECT_IO_CHOICES[args.direct_io],
-        prefetch=args.prefetch,
-        trace=args.trace,
-    )
-    if args.io_threads is not None:
-        options["io_threads"] = args.io_threads
-    return StreamConfig(**options)
+def check_args(args) -> None:
+    """Generation flags out of range are one-line errors."""
+    if args.max_tokens < 0:
+        raise ConfigError(f"--max-tokens must be 0 or more, got {args.max_tokens}")
+    if not args.prompt:
+        raise ConfigError("the prompt is empty; pass some text with --prompt")
+    if not 0 <= args.temp < float("inf"):
+        raise ConfigError(f"--temp must be 0 or a positive number, got {args.temp}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
 def format_prompt(tokenizer, prompt: str, ignore_template: bool):
@@ -104,6 +95,9 @@ def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
 
     def body():
+        check_args(args)
+        config = config_from_args(args)
+        import mlx.core as mx
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
@@ -111,8 +105,14 @@ def main(argv=None) -> int:
         from .stats import stats
 
         mx.random.seed(args.seed)
-        model, tokenizer = load(args.model, config=config_from_args(args))
+        model, tokenizer = load(args.model, config=config)
+        report = stats(model)
+        print(f"[mlx_streaming] reader: {report['io']} ({report['io_reason']}); "
+              f"{report['slots_per_layer']}/{report['num_experts']} experts per layer "
+              f"resident ({report['residency']})", file=sys.stderr)
         prompt = format_prompt(tokenizer, args.prompt, args.ignore_chat_template)
+        if not (tokenizer.encode(prompt) if isinstance(prompt, str) else prompt):
+            raise ConfigError("the prompt encodes to no tokens; pass some text with --prompt")
         sampler = make_sampler(args.temp, args.top_p)
         response = None
         for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
             print(response.text, end="", flush=True)
         print()
         if response is None:
+            model.streaming.close()
             return 0
         report = stats(model)
         summary = summarize(response, report)

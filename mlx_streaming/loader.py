@@ -1,9 +1,11 @@
 """``load()``: a stream directory becomes a normal mlx-lm model whose routed
 experts are streamed from SSD through per-layer slot pools."""
 
-import glob
+import threading
+import warnings
+import weakref
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,10 +15,25 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from . import budget
 from .block import Paged, Resident, StreamingExperts
-from .config import StreamConfig
-from .discover import find_expert_blocks, find_router, input_dims_of, projections, set_module
-from .errors import FormatError, StreamingError
-from .format import LayerSpec, Manifest, blob_path, read_manifest
+from .config import StreamConfig, config_fields
+from .discover import (
+    find_expert_blocks,
+    find_router,
+    input_dims_of,
+    num_experts,
+    projections,
+    set_module,
+)
+from .errors import ConfigError, FormatError, StreamingError
+from .format import (
+    LayerSpec,
+    Manifest,
+    blob_path,
+    check_safetensors,
+    check_spine_files,
+    read_manifest,
+    spine_files,
+)
 from .native import NativeReader, load_extension
 from .pool import SlotPool
 from .prefetch import (
@@ -43,6 +60,9 @@ class Runtime:
         self.io_reason = io_reason
         self.direct_io_reason = direct_io_reason
         self.slots = slots
+        # Paged pools are rewritten in place: one forward pass at a time.
+        self.lock = threading.RLock()
+        self.closed = False
         # A trace needs each call's ids, which only paged blocks sync for.
         self.paged = slots < budget.max_slots(manifest) or config.trace is not None
         self.stores: List[ExpertStore] = []
@@ -62,85 +82,148 @@ class Runtime:
         return sum(s.pool.nbytes for s in self.stores)
 
     def close(self) -> None:
+        """Release the model's files, reader threads and staging; waits for
+        prefetch reads in flight. Idempotent; also runs when the model is
+        garbage collected."""
+        if self.closed:
+            return
+        self.closed = True
         if self.trace is not None:
             self.trace.close()
         self.reader.close()
 
 
 def load(
-    path,
+    path_or_hf_repo,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[str] = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: Optional[str] = None,
+    trust_remote_code: bool = False,
     *,
-    cache_gb: Optional[float] = None,
-    slots_per_layer: Optional[int] = None,
-    io: str = "auto",
-    direct_io: Optional[bool] = None,
-    io_threads: Optional[int] = None,
-    prefetch: str = "off",
-    prefetch_width: Optional[int] = None,
-    verify: str = "first-read",
-    trace: Optional[str] = None,
-    tokenizer_config: Optional[dict] = None,
     config: Optional[StreamConfig] = None,
+    **options,
 ):
     """Load a stream directory (made by ``mlx_streaming.convert``).
 
+    The positional parameters are ``mlx_lm.load``'s, so a tool that calls
+    mlx-lm's ``load`` can call this one.
+
     Args:
-        path: the stream directory.
-        cache_gb: expert slot memory for all layers, in GB; default: from
-            memory that is free now, less a reserve.
-        slots_per_layer: experts resident per layer; overrides ``cache_gb``.
-        io: ``"auto"``, ``"native"`` or ``"python"`` expert reads.
-        direct_io: uncached reads (O_DIRECT / F_NOCACHE); None (default)
-            picks them when the experts cannot stay in the page cache.
-        io_threads: reader threads (default: from the CPU count).
-        prefetch: ``"off"``, ``"next-layer"`` or ``"auto"``.
-        prefetch_width: experts predicted per token (default 2 x top-k).
-        verify: ``"first-read"`` or ``"off"`` checksum checks.
-        trace: write the routing of every MoE call to this file.
+        path_or_hf_repo: the stream directory (``~`` is expanded).
         tokenizer_config: passed to mlx-lm's tokenizer loader.
-        config: a ready ``StreamConfig``; the keyword arguments are ignored.
+        model_config: overrides of the model's config.json, as in mlx-lm.
+        adapter_path: not supported (LoRA adapters on streamed experts);
+            fuse them with ``mlx_lm.fuse`` and convert the fused model.
+        lazy: leave the spine's weights to load when first used.
+        return_config: also return the model's config dict.
+        revision: not supported (Hub repos are not streamed yet).
+        trust_remote_code: passed to mlx-lm's model loader.
+        config: a ready ``StreamConfig`` (then no other options).
+        **options: ``StreamConfig`` fields, e.g. ``cache_gb=8``,
+            ``slots_per_layer=16``, ``prefetch="next-layer"``,
+            ``verify="always"`` (see ``StreamConfig``).
 
     Returns:
-        ``(model, tokenizer)``: an mlx-lm model that works with
+        ``(model, tokenizer)`` or, with ``return_config``, ``(model,
+        tokenizer, config)``: an mlx-lm model that works with
         ``mlx_lm.generate``, ``stream_generate`` and ``make_prompt_cache``.
+        ``model.streaming.close()`` releases its files and threads (as
+        does garbage collection of the model).
 
     Raises:
         FormatError: not a complete stream directory of a known version.
-        BudgetError: the budget holds less than one call's experts.
+        BudgetError: the budget holds less than one call's experts, or more
+            than the memory that is available.
+        ConfigError: an option is unknown or out of range.
     """
-    if config is None:
-        options = dict(
-            cache_gb=cache_gb,
-            slots_per_layer=slots_per_layer,
-            io=io,
-            direct_io=direct_io,
-            prefetch=prefetch,
-            prefetch_width=prefetch_width,
-            verify=verify,
-            trace=trace,
+    config = _make_config(config, options)
+    if adapter_path is not None:
+        raise ConfigError(
+            "adapter_path is not supported on streamed models: fuse the adapters with "
+            "`mlx_lm.fuse` and convert the fused model"
         )
-        if io_threads is not None:
-            options["io_threads"] = io_threads
-        config = StreamConfig(**options)
-    path = Path(path)
+    if revision is not None:
+        raise ConfigError(
+            "revision applies to Hugging Face repos, which mlx_streaming does not stream "
+            "yet: download the model, convert it, and load the stream directory"
+        )
+    path = Path(path_or_hf_repo).expanduser()
     manifest = read_manifest(path)
-    model, model_config = _load_spine(path, manifest)
+    check_spine_files(path, manifest, checksums=config.verify == "always")
+    model, model_config = _load_spine(path, manifest, model_config, trust_remote_code)
     runtime = _build_runtime(path, manifest, config)
-    _install_blocks(model, path, manifest, runtime)
-    mx.eval(model.parameters())
+    try:
+        _install_blocks(model, path, manifest, runtime)
+        mx.eval(model.parameters() if not lazy else [s.pool.arrays for s in runtime.stores])
+    except BaseException:
+        runtime.close()
+        raise
     runtime.stats.reset()
     model.streaming = runtime
+    weakref.finalize(model, runtime.close)
+    if runtime.paged:
+        _serialize_calls(model)
     tokenizer = load_tokenizer(
         path, tokenizer_config, eos_token_ids=model_config.get("eos_token_id")
     )
+    if return_config:
+        return model, tokenizer, model_config
     return model, tokenizer
 
 
-def _load_spine(path: Path, manifest: Manifest):
+def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
+    unknown = sorted(set(options) - set(config_fields()))
+    if unknown:
+        raise ConfigError(
+            f"unknown option {unknown[0]!r}; load() takes {', '.join(config_fields())}"
+        )
+    if config is not None:
+        if options:
+            raise ConfigError("pass either config= or options, not both")
+        return config
+    # None means "the default" for every option, as on the command line.
+    return StreamConfig(**{k: v for k, v in options.items() if v is not None})
+
+
+_SERIALIZED: Dict[type, type] = {}
+
+
+def _serialize_calls(model: nn.Module) -> None:
+    """Make calls of ``model`` from several threads run one at a time.
+
+    A paged pool is rewritten in place between calls, so two forward passes
+    must not interleave. Each call holds the model's lock until its output
+    is evaluated: then no computation still reads the pool when the next
+    call (maybe another thread's) starts overwriting slots.
+    """
+    base = type(model)
+    cls = _SERIALIZED.get(base)
+    if cls is None:
+
+        def __call__(self, *args, **kwargs):
+            with self.streaming.lock:
+                out = base.__call__(self, *args, **kwargs)
+                mx.eval(out)
+            return out
+
+        cls = type(base.__name__, (base,), {"__call__": __call__,
+                                            "__module__": base.__module__})
+        _SERIALIZED[base] = cls
+    model.__class__ = cls
+
+
+def _load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_code=False):
     """Build the mlx-lm model lazily and load everything but the experts."""
+    for f in spine_files(path):
+        check_safetensors(f)
     try:
-        model, model_config = load_model(path, lazy=True, strict=False)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+        model, model_config = load_model(path, lazy=True, strict=False,
+                                         model_config=model_config or {},
+                                         trust_remote_code=trust_remote_code)
+    except (ValueError, FileNotFoundError, KeyError, TypeError) as e:
         raise FormatError(f"cannot build the model in {path}: {e}") from None
     blocks = dict(find_expert_blocks(model))
     for spec in manifest.layers:
@@ -149,6 +232,12 @@ def _load_spine(path: Path, manifest: Manifest):
                 f"the manifest names expert block {spec.module}, which the "
                 f"{model_config.get('model_type')} model does not have; re-convert"
             )
+        have = num_experts(blocks[spec.module])
+        if have != spec.num_experts:
+            raise FormatError(
+                f"layer {spec.layer}: the manifest records {spec.num_experts} experts but "
+                f"the model has {have}; re-convert the model"
+            )
     _check_spine_complete(path, model, manifest)
     return model, model_config
 
@@ -156,8 +245,11 @@ def _load_spine(path: Path, manifest: Manifest):
 def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> None:
     streamed = {f"{l.module}.{s.name}" for l in manifest.layers for s in l.segments}
     weights = {}
-    for f in glob.glob(str(path / "model*.safetensors")):
-        weights.update(mx.load(f))
+    for f in spine_files(path):
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError) as e:
+            raise FormatError(f"spine file {f} cannot be read ({e}); re-convert the model") from None
     if hasattr(model, "sanitize"):
         # Lazy arrays: whatever sanitize computes is never evaluated.
         weights = model.sanitize(weights)
@@ -172,7 +264,7 @@ def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> N
 
 
 def spine_bytes(path: Path) -> int:
-    return sum(Path(f).stat().st_size for f in glob.glob(str(path / "model*.safetensors")))
+    return sum(f.stat().st_size for f in spine_files(path))
 
 
 def _make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:
@@ -184,6 +276,12 @@ def _make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:
         )
     if config.io == "python" or ext is None:
         reason = "asked for" if config.io == "python" else f"native extension {why}"
+        if config.io == "auto":
+            warnings.warn(
+                f"mlx_streaming: the native extension is {why}; reading experts with the "
+                "slower Python reader, without in-graph prefetch. Reinstall with a C++ "
+                "compiler and CMake (`pip install -e .`) to build it.",
+                RuntimeWarning, stacklevel=4)
         return PythonReader(config.io_threads, direct), reason
     return NativeReader(ext, config.io_threads, direct), "native extension"
 
@@ -236,11 +334,10 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
     for spec in manifest.layers:
         pool = SlotPool(spec, min(runtime.slots, spec.num_experts))
         _bind_pool(blocks[spec.module], spec, pool)
-        file = runtime.reader.open(str(blob_path(path, spec)))
-        verify = config.verify == "first-read"
-        runtime.stores.append(
-            ExpertStore(spec, pool, runtime.reader, file, runtime.events, verify, staging)
-        )
+        blob = blob_path(path, spec)
+        file = runtime.reader.open(str(blob))
+        runtime.stores.append(ExpertStore(spec, pool, runtime.reader, file, runtime.events,
+                                          config.verify, staging, blob))
     prefetchers = _make_prefetchers(model, runtime, blocks, staging) if staging else {}
     for store in runtime.stores:
         if runtime.paged:
@@ -289,9 +386,15 @@ def _bind_pool(inner: nn.Module, spec: LayerSpec, pool: SlotPool) -> None:
         q = spec.quantization.get(name)
         if q is not None and not isinstance(proj, QuantizedSwitchLinear):
             kwargs = {"global_scale": True} if q.get("global_scale") else {}
-            proj = proj.to_quantized(
-                group_size=q["group_size"], bits=q["bits"], mode=q["mode"], **kwargs
-            )
+            try:
+                proj = proj.to_quantized(
+                    group_size=q["group_size"], bits=q["bits"], mode=q["mode"], **kwargs
+                )
+            except (ValueError, TypeError) as e:
+                raise FormatError(
+                    f"layer {spec.layer}: {name} cannot be quantized as the manifest says "
+                    f"({e}); re-convert the model"
+                ) from None
         record = {
             seg.name.split(".", 1)[1]
             for seg in spec.segments
@@ -304,5 +407,14 @@ def _bind_pool(inner: nn.Module, spec: LayerSpec, pool: SlotPool) -> None:
                 f"record holds {sorted(record)}; re-convert the model"
             )
         for key in record:
-            setattr(proj, key, pool.arrays[f"{name}.{key}"])
+            array, want = pool.arrays[f"{name}.{key}"], proj[key]
+            floating = mx.issubdtype(array.dtype, mx.floating)
+            if array.shape[1:] != want.shape[1:] or floating != mx.issubdtype(
+                    want.dtype, mx.floating):
+                raise FormatError(
+                    f"layer {spec.layer}: {name}.{key} is {array.dtype} "
+                    f"{tuple(array.shape[1:])} per expert in the manifest but {want.dtype} "
+                    f"{tuple(want.shape[1:])} in the model; re-convert the model"
+                )
+            setattr(proj, key, array)
         setattr(inner, name, proj)

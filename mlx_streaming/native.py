@@ -31,6 +31,7 @@ class NativeReader:
         self.direct = direct
         self.threads = threads
         self._reader = ext.ExpertReader(threads, direct)
+        self.closed = False
 
     def open(self, path: str) -> int:
         try:
@@ -39,6 +40,8 @@ class NativeReader:
             raise ExpertReadError(str(e)) from None
 
     def read(self, file, offsets, segments, dst, checksum, stride):
+        if self.closed:
+            raise ExpertReadError("this model was closed; load it again to use it")
         try:
             return self._reader.read(file, offsets, segments, dst, checksum, stride)
         except self.ext.ReadError as e:
@@ -48,4 +51,6 @@ class NativeReader:
         return self._reader.staging(capacity, stride)
 
     def close(self) -> None:
+        """Wait for reads in flight (prefetch included), then close files."""
+        self.closed = True
         self._reader.close()

@@ -90,6 +90,7 @@ class PythonReader:
         self._background = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-prefetch")
         self._files: List[Tuple[int, str]] = []
         self._bounce = threading.local()
+        self.closed = False
 
     def open(self, path: str) -> int:
         flags = os.O_RDONLY | (os.O_DIRECT if self.direct and direct_supported() else 0)
@@ -109,11 +110,17 @@ class PythonReader:
         return len(self._files) - 1
 
     def close(self) -> None:
+        """Wait for reads in flight (prefetch included), then close files."""
+        self.closed = True
         self._pool.shutdown(wait=True)
         self._background.shutdown(wait=True)
         for fd, _ in self._files:
             os.close(fd)
         self._files.clear()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ExpertReadError("this model was closed; load it again to use it")
 
     def read(
         self,
@@ -136,6 +143,7 @@ class PythonReader:
         Returns:
             ``[n]`` uint32 CRC-32 per record (0 where not asked).
         """
+        self._check_open()
         n = len(offsets)
         crcs = np.zeros(n, dtype=np.uint32)
         work = lambda i: self._read_record(
@@ -179,6 +187,7 @@ class PythonReader:
 
     def submit(self, fn, *args):
         """Run ``fn(*args)`` in the background; returns a future."""
+        self._check_open()
         return self._background.submit(fn, *args)
 
     def _bounce_buffer(self, stride: int) -> np.ndarray:

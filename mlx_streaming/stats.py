@@ -6,11 +6,14 @@ record it (``TraceWriter``). Nothing here sits in the arithmetic of a
 forward pass, and ``stats(model)`` reads the counters from outside.
 """
 
+from __future__ import annotations
+
 import json
 from dataclasses import dataclass, fields
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where used: the package imports this module
+    import numpy as np
 
 
 class Observer:
@@ -158,7 +161,7 @@ class TraceWriter(Observer):
         self._file = open(path, "w")
 
     def on_route(self, layer, ids, experts):
-        ids = np.asarray(ids).reshape(-1, ids.shape[-1])
+        ids = ids.reshape(-1, ids.shape[-1])
         self._file.write(json.dumps({"layer": layer, "ids": ids.tolist()}) + "\n")
 
     def close(self) -> None:
@@ -167,6 +170,8 @@ class TraceWriter(Observer):
 
 def read_trace(path: str):
     """Yield ``(layer, ids[tokens, k])`` from a trace file."""
+    import numpy as np
+
     with open(path) as f:
         for line in f:
             d = json.loads(line)

@@ -5,6 +5,7 @@ take the least valuable slots (never one of ``experts``) and are filled from
 the staging area when prefetch already read them, else from the blob.
 """
 
+import os
 import time
 
 import numpy as np
@@ -16,7 +17,35 @@ from .pool import SlotPool
 from .stats import Events
 
 
+class BlobWatch:
+    """Notices a blob rewritten or replaced on disk after it was opened."""
+
+    def __init__(self, path):
+        self.path = path
+        self.identity = self._identity()
+
+    def _identity(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def changed(self) -> bool:
+        """True once per change (the new state becomes the reference)."""
+        now = self._identity()
+        if now == self.identity:
+            return False
+        self.identity = now
+        return True
+
+
 class ExpertStore:
+    """Brings experts of one layer into its pool, checking their CRC-32 as
+    ``verify`` says: ``"first-read"`` checks an expert's first read and,
+    once the blob changes on disk, every read again until each expert is
+    re-checked; ``"always"`` checks every read; ``"off"`` never checks."""
+
     def __init__(
         self,
         spec: LayerSpec,
@@ -24,8 +53,9 @@ class ExpertStore:
         reader,
         file: int,
         events: Events,
-        verify: bool,
+        verify: str,
         staging=None,
+        blob=None,
     ):
         self.spec = spec
         self.layer = spec.layer
@@ -36,8 +66,12 @@ class ExpertStore:
         self.events = events
         self.staging = staging
         self.checksums = np.array(spec.checksums, dtype=np.uint32)
+        self.verify = verify
         # Experts whose checksum still has to be checked on their next read.
-        self.unverified = np.full(spec.num_experts, verify, dtype=bool)
+        self.unverified = np.full(spec.num_experts, verify != "off", dtype=bool)
+        # The stat after each read: a blob rewritten in place (or replaced)
+        # mid-run must give an error, never bytes that were checked before.
+        self.watch = BlobWatch(blob) if blob is not None and verify == "first-read" else None
 
     def resident(self, experts: np.ndarray) -> np.ndarray:
         return self.pool.slot_of_expert[experts] >= 0
@@ -61,9 +95,15 @@ class ExpertStore:
         start = time.perf_counter()
         # Until the bytes are in and checked, the slots hold nothing valid.
         self.pool.evict(slots)
-        want_crc = self.unverified[experts]
+        want_crc = self._want_crc(experts)
         try:
             crcs = self._fill(experts, slots, want_crc)
+            if self.watch is not None and self.watch.changed():
+                # These bytes may come from the new file: check them, and
+                # every later first read from it.
+                self.unverified[:] = True
+                want_crc = self._want_crc(experts)
+                crcs = self._fill(experts, slots, want_crc)
             self._check(experts, want_crc, crcs)
         except BaseException:
             self.pool.publish()
@@ -71,6 +111,11 @@ class ExpertStore:
         self.pool.assign(experts, slots)
         self.policy.fill(slots)
         self.events.on_stall(self.layer, time.perf_counter() - start)
+
+    def _want_crc(self, experts: np.ndarray) -> np.ndarray:
+        if self.verify == "always":
+            return np.ones(len(experts), dtype=bool)
+        return self.unverified[experts]
 
     def preload(self) -> None:
         """Read every expert into the slot of the same index (all resident)."""
@@ -122,7 +167,8 @@ class ExpertStore:
             raise CorruptExpertError(
                 self.layer, int(experts[bad][0]), "checksum mismatch"
             )
-        self.unverified[experts] = False
+        if self.verify != "off":
+            self.unverified[experts] = False
 
     def drop_staged(self) -> None:
         if self.staging is not None:

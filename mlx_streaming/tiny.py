@@ -11,82 +11,13 @@ import copy
 import json
 import sysconfig
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
-# Small configs, one per family; dims are multiples of 64 so 4-bit
-# quantization with group size 64 applies everywhere.
-_BASE = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-             tie_word_embeddings=False, max_position_embeddings=1024)
-
-FAMILIES: Dict[str, dict] = {
-    "qwen3_moe": dict(
-        _BASE, model_type="qwen3_moe", intermediate_size=256, num_experts=16,
-        num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[],
-        moe_intermediate_size=64, head_dim=32, norm_topk_prob=True,
-    ),
-    "mixtral": dict(
-        _BASE, model_type="mixtral", intermediate_size=64, num_local_experts=8,
-        num_experts_per_tok=2,
-    ),
-    "deepseek_v3": dict(
-        _BASE, model_type="deepseek_v3", intermediate_size=256,
-        moe_intermediate_size=64, num_key_value_heads=4, n_shared_experts=1,
-        n_routed_experts=16, routed_scaling_factor=2.5, kv_lora_rank=64,
-        q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=32,
-        n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
-        num_hidden_layers=4,
-    ),
-    "gpt_oss": dict(
-        _BASE, model_type="gpt_oss", intermediate_size=64, num_local_experts=8,
-        num_experts_per_tok=2, head_dim=32, sliding_window=16,
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-    ),
-    "qwen3_next": dict(
-        _BASE, model_type="qwen3_next", intermediate_size=256,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=16,
-        num_experts_per_tok=4, decoder_sparse_step=1,
-        shared_expert_intermediate_size=64, mlp_only_layers=[],
-        moe_intermediate_size=64, partial_rotary_factor=0.5, head_dim=32,
-        full_attention_interval=2, num_hidden_layers=4,
-    ),
-    "kimi_k3": dict(
-        model_type="kimi_k3", vocab_size=512, hidden_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, intermediate_size=256,
-        rms_norm_eps=1e-5, max_position_embeddings=1024,
-        linear_attn_config=dict(num_heads=4, head_dim=32, short_conv_kernel_size=4,
-                                kda_layers=[1, 3]),
-        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
-        v_head_dim=32, num_experts=16, num_experts_per_token=4,
-        num_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1,
-        num_expert_group=4, topk_group=2, routed_scaling_factor=2.0,
-        activation_situ_beta=2.0,
-    ),
-    "olmoe": dict(
-        _BASE, model_type="olmoe", intermediate_size=64, num_experts=16,
-        num_experts_per_tok=4, head_dim=32,
-    ),
-    "qwen2_moe": dict(
-        _BASE, model_type="qwen2_moe", intermediate_size=256, num_experts=16,
-        num_experts_per_tok=4, moe_intermediate_size=64,
-        shared_expert_intermediate_size=128,
-    ),
-    "glm4_moe": dict(
-        _BASE, model_type="glm4_moe", intermediate_size=256, moe_intermediate_size=64,
-        norm_topk_prob=True, n_group=1, head_dim=32, topk_group=1,
-        n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=1.0,
-        num_experts_per_tok=4, first_k_dense_replace=1, rope_scaling=None,
-        use_qk_norm=True, attention_bias=False, partial_rotary_factor=0.5,
-        num_hidden_layers=4,
-    ),
-}
-
+from .tiny_families import FAMILIES
 
 def tiny_config(family: str, vocab_size: int, **overrides) -> dict:
     """The tiny config of an mlx-lm family, with ``overrides`` applied."""

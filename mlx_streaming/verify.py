@@ -1,25 +1,35 @@
-"""Check every expert record of a stream directory against its checksum.
+"""Check every expert record and spine file of a stream directory against
+its checksum.
 
     python -m mlx_streaming.verify DIR
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 from .cli import run_main
 from .errors import FormatError
-from .format import read_manifest, verify
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mlx_streaming verify", description=__doc__)
     p.add_argument("model", help="stream directory")
     args = p.parse_args(argv)
+    args.model = str(Path(args.model).expanduser())
 
     def body():
         from tqdm import tqdm
 
+        from .format import read_manifest, verify, verify_spine
+
         manifest = read_manifest(args.model)
+        spine = verify_spine(args.model, manifest)
+        if spine:
+            raise FormatError(
+                f"{len(spine)} damaged or missing spine files ({', '.join(spine)}); "
+                "re-convert the model"
+            )
         total = sum(l.num_experts for l in manifest.layers)
         with tqdm(total=total, unit="expert", file=sys.stderr) as bar:
             bad = verify(args.model, progress=bar.update)
@@ -29,7 +39,9 @@ def main(argv=None) -> int:
             raise FormatError(
                 f"{len(bad)} damaged expert records: {listed}{more}; re-convert the model"
             )
-        print(f"{args.model}: all {total} expert records match their checksums")
+        spine_note = (f"{len(manifest.spine)} spine files and " if manifest.spine else
+                      "(this manifest predates spine checksums: spine not checked) ")
+        print(f"{args.model}: {spine_note}all {total} expert records match their checksums")
 
     return run_main(body)
 

@@ -90,8 +90,7 @@ NB_MODULE(_ext, m) {
       .def(
           "target",
           [](Staging& s, int layer, int file, int64_t stride) {
-            return std::make_shared<PrefetchTarget>(
-                PrefetchTarget{s.shared_from_this(), layer, file, stride});
+            return std::make_shared<PrefetchTarget>(s.shared_from_this(), layer, file, stride);
           },
           "layer"_a, "file"_a, "stride"_a);
 

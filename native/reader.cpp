@@ -46,12 +46,27 @@ void pread_full(const File& f, uint8_t* buf, int64_t n, int64_t offset) {
   }
 }
 
+void check_segments(const std::vector<Segment>& segments, int64_t stride) {
+  if (stride <= 0) {
+    throw ReadError("record stride must be positive, got " + std::to_string(stride));
+  }
+  for (const auto& s : segments) {
+    if (s.offset < 0 || s.nbytes < 0 || s.offset > stride || s.nbytes > stride - s.offset) {
+      throw ReadError(
+          "segment at offset " + std::to_string(s.offset) + " of " + std::to_string(s.nbytes) +
+          " bytes lies outside the " + std::to_string(stride) + "-byte record");
+    }
+  }
+}
+
 ExpertReader::ExpertReader(int threads, bool direct)
     : direct_(direct), pool_(std::make_unique<ThreadPool>(threads)) {}
 
 ExpertReader::~ExpertReader() {
   pool_.reset(); // join the threads before the files go
-  close();
+  for (auto& f : files_) {
+    ::close(f.fd);
+  }
 }
 
 int ExpertReader::open(const std::string& path) {
@@ -84,6 +99,9 @@ int ExpertReader::open(const std::string& path) {
 }
 
 void ExpertReader::close() {
+  // Prefetch reads still queued or running use the descriptors: let them
+  // finish before the numbers can be reused by another open().
+  pool_->drain();
   for (auto& f : files_) {
     ::close(f.fd);
   }
@@ -141,6 +159,7 @@ std::vector<uint32_t> ExpertReader::read(
     const bool* checksum,
     int64_t stride) {
   const File& f = file(file_handle);
+  check_segments(segments, stride);
   const size_t S = segments.size();
   int64_t used = 0;
   for (auto& s : segments) {

@@ -87,6 +87,10 @@ class ExpertReader {
   std::unique_ptr<ThreadPool> pool_;
 };
 
+// Throws ReadError unless every segment lies inside a record of `stride`
+// bytes: a damaged manifest must never make a copy run off a buffer.
+void check_segments(const std::vector<Segment>& segments, int64_t stride);
+
 // Reads exactly `n` bytes at `offset`, retrying partial reads.
 void pread_full(const File& f, uint8_t* buf, int64_t n, int64_t offset);
 

@@ -70,6 +70,7 @@ std::optional<uint32_t> Staging::take(
     const std::vector<Segment>& segments,
     const int64_t* dst_row,
     bool want_crc) {
+  check_segments(segments, stride_);
   int b;
   {
     std::unique_lock<std::mutex> lock(mu_);

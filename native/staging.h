@@ -67,8 +67,14 @@ class Staging : public std::enable_shared_from_this<Staging> {
   std::condition_variable cv_;
 };
 
-// What prefetch_on_complete needs to stage one layer's experts.
-struct PrefetchTarget {
+// What prefetch_on_complete needs to stage one layer's experts. Shared
+// from this: nanobind then hands C++ the object's own control block, not a
+// shared_ptr whose deleter drops a Python reference. The MLX stream thread
+// that destroys a finished task must never need the GIL (a thread waiting
+// for that stream may hold it).
+struct PrefetchTarget : std::enable_shared_from_this<PrefetchTarget> {
+  PrefetchTarget(std::shared_ptr<Staging> staging, int layer, int file, int64_t stride)
+      : staging(std::move(staging)), layer(layer), file(file), stride(stride) {}
   std::shared_ptr<Staging> staging;
   int layer;
   int file;

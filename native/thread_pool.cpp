@@ -49,9 +49,19 @@ void ThreadPool::work() {
       }
       task = std::move(queue.front());
       queue.pop_front();
+      ++running_;
     }
     task();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--running_ == 0 && urgent_.empty() && background_.empty()) {
+      idle_.notify_all();
+    }
   }
+}
+
+void ThreadPool::drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait(lock, [this] { return running_ == 0 && urgent_.empty() && background_.empty(); });
 }
 
 void TaskGroup::run(std::function<void()> task) {

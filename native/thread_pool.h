@@ -20,6 +20,8 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   void submit(std::function<void()> task, bool urgent);
+  // Waits until both queues are empty and no task is running.
+  void drain();
   int size() const {
     return static_cast<int>(workers_.size());
   }
@@ -32,6 +34,8 @@ class ThreadPool {
   std::deque<std::function<void()>> background_;
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable idle_;
+  int running_ = 0;
   bool stop_ = false;
 };
 

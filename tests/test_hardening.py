@@ -1,0 +1,432 @@
+"""Hostile input: each failure a new user met, reproduced, and now either
+exact output or one line that says what to do (issue 8)."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_streaming
+from mlx_streaming import budget
+from mlx_streaming.config import StreamConfig
+from mlx_streaming.converter import convert
+from mlx_streaming.errors import (
+    BudgetError,
+    ConfigError,
+    ConversionError,
+    CorruptExpertError,
+    FormatError,
+)
+from mlx_streaming.format import manifest_path, read_manifest
+from helpers import PROMPT, check_matches_resident, logits_trace
+from test_cli import assert_one_line_error, run
+
+
+def tree_digest(path: Path) -> dict:
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def edit_manifest(stream_dir: Path, edit) -> None:
+    d = json.loads(manifest_path(stream_dir).read_text())
+    edit(d)
+    manifest_path(stream_dir).write_text(json.dumps(d))
+
+
+@pytest.fixture
+def src_copy(tmp_path, qwen):
+    dst = tmp_path / "src"
+    shutil.copytree(qwen[0], dst)
+    return dst
+
+
+# -- convert never destroys data -------------------------------------------------
+
+def test_convert_in_place_is_refused_and_keeps_the_source(src_copy):
+    before = tree_digest(src_copy)
+    with pytest.raises(ConversionError, match="source model itself"):
+        convert(src_copy, src_copy, progress=False)
+    with pytest.raises(ConversionError, match="source model itself"):
+        convert(src_copy, src_copy / ".." / src_copy.name, force=True, progress=False)
+    assert tree_digest(src_copy) == before
+
+
+def test_out_over_an_mlx_lm_model_needs_force(tmp_path, models, src_copy):
+    other = tmp_path / "other"
+    shutil.copytree(models.get("mixtral", quantized=True)[0], other)
+    before = tree_digest(other)
+    with pytest.raises(ConversionError, match="already holds an mlx-lm model.*--force"):
+        convert(src_copy, other, progress=False)
+    assert tree_digest(other) == before
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="not a stream directory.*--force"):
+        convert(src_copy, tmp_path / "notes", progress=False)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    convert(src_copy, other, force=True, progress=False)
+    check_matches_resident(src_copy, other, slots_per_layer=4)
+
+
+def test_force_over_a_stream_dir_leaves_nothing_stale(tmp_path, models, tokenizer_dir):
+    big = tmp_path / "big"
+    shutil.copytree(models.get("qwen3_moe", quantized=True, num_hidden_layers=4)[0], big)
+    (big / "chat_template.jinja").write_text("{{ 'OLD TEMPLATE' }}")
+    dst = convert(big, tmp_path / "stream", progress=False)
+    assert (dst / "experts" / "layer003.blob").exists()
+    assert (dst / "chat_template.jinja").exists()
+    small = models.get("mixtral", quantized=True)[0]
+    convert(small, dst, force=True, progress=False)
+    blobs = sorted(p.name for p in (dst / "experts").iterdir() if p.suffix == ".blob")
+    assert blobs == [l.file for l in read_manifest(dst).layers]
+    assert not (dst / "chat_template.jinja").exists()
+    check_matches_resident(small, dst, slots_per_layer=2)
+
+
+# -- disk errors and damaged sources during convert ---------------------------
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small tmpfs mounted by the test (root only, as in CI)."""
+    mounts = []
+
+    def mount(size: str, readonly: bool = False) -> Path:
+        point = tmp_path / f"mnt{len(mounts)}"
+        point.mkdir()
+        opts = f"size={size}" + (",ro" if readonly else "")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}): needs root")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def test_disk_full_during_convert_is_one_line(qwen, tmpfs):
+    full = tmpfs("64k")
+    proc = run("mlx_streaming.convert", "--model", str(qwen[0]), "--out", str(full / "s"),
+               "--no-progress", check_ok=False)
+    assert_one_line_error(proc, "disk holding .* is full.*run the same command again")
+    assert not manifest_path(full / "s").exists()
+
+
+def test_read_only_output_is_one_line(qwen, tmpfs):
+    ro = tmpfs("1m", readonly=True)
+    proc = run("mlx_streaming.convert", "--model", str(qwen[0]), "--out", str(ro / "s"),
+               "--no-progress", check_ok=False)
+    assert_one_line_error(proc, "Read-only file system.*writable --out")
+
+
+def test_missing_source_shard_is_one_line(tmp_path, qwen):
+    src = tmp_path / "sharded"
+    shutil.copytree(qwen[0], src)
+    weights = mx.load(str(src / "model.safetensors"))
+    names = sorted(weights)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
+    for shard, keys in shards.items():
+        mx.save_safetensors(str(src / shard), {k: weights[k] for k in keys})
+    (src / "model.safetensors").unlink()
+    index = {"weight_map": {k: s for s, keys in shards.items() for k in keys}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "model-00002-of-00002.safetensors").unlink()
+    proc = run("mlx_streaming.convert", "--model", str(src), "--out", str(tmp_path / "s"),
+               check_ok=False)
+    assert_one_line_error(proc, "lacks 1 weight shard.*model-00002-of-00002")
+
+
+def test_fsync_before_the_manifest(tmp_path, qwen, monkeypatch):
+    import mlx_streaming.converter as converter
+
+    synced, order = set(), []
+    real_fsync_file, real_write = converter.fsync_file, converter.write_manifest
+    monkeypatch.setattr(converter, "fsync_file",
+                        lambda p: (synced.add(Path(p).name), real_fsync_file(p)))
+    monkeypatch.setattr(converter, "write_manifest",
+                        lambda *a: (order.append(set(synced)), real_write(*a)))
+    dst = convert(qwen[0], tmp_path / "s", progress=False)
+    before_manifest = order[0]
+    for f in dst.iterdir():
+        if f.is_file():
+            assert f.name in before_manifest, f"{f.name} not fsynced before the manifest"
+
+
+# -- damaged stream directories ---------------------------------------------
+
+@pytest.mark.parametrize("prefetch", ["off", "next-layer"])
+def test_segment_beyond_the_record_is_refused(stream_copy, prefetch):
+    edit_manifest(stream_copy, lambda d: d["layers"][0]["segments"][0].update(offset=10**12))
+    with pytest.raises(FormatError, match="beyond the stride"):
+        mlx_streaming.load(stream_copy, slots_per_layer=4, prefetch=prefetch)
+
+
+def test_stride_smaller_than_an_expert_is_refused(stream_copy):
+    spec = read_manifest(stream_copy).layers[1]
+    assert spec.expert_nbytes > 8192
+    edit_manifest(stream_copy, lambda d: d["layers"][1].update(stride=8192))
+    with pytest.raises(FormatError, match="stride 8192 is not a multiple"):
+        mlx_streaming.load(stream_copy, slots_per_layer=4, prefetch="next-layer")
+    # Aligned but too small: the segments end beyond it.
+    edit_manifest(stream_copy, lambda d: [s.update(offset=s["offset"] + 16384)
+                                          for s in d["layers"][1]["segments"]])
+    edit_manifest(stream_copy, lambda d: d["layers"][1].update(stride=16384))
+    with pytest.raises(FormatError, match="beyond the stride 16384"):
+        mlx_streaming.load(stream_copy, slots_per_layer=4, prefetch="next-layer")
+
+
+def test_native_reader_refuses_segments_outside_the_record(tmp_path):
+    from mlx_streaming.native import NativeReader, load_extension
+    from mlx_streaming.errors import ExpertReadError
+
+    ext, why = load_extension()
+    assert ext is not None, why
+    blob = tmp_path / "b.blob"
+    blob.write_bytes(bytes(2 * 16384))
+    reader = NativeReader(ext, 2, False)
+    f = reader.open(str(blob))
+    dst = np.zeros(64, np.uint8)
+    row = np.array([[dst.ctypes.data]], np.int64)
+    for seg in ([10**12, 64], [16384 - 8, 64], [-1, 8]):
+        with pytest.raises(ExpertReadError, match="outside"):
+            reader.read(f, np.array([0], np.int64), np.array([seg], np.int64), row,
+                        np.array([True]), 16384)
+    staging = reader.staging(2, 16384)
+    staging.stage(0, f, np.array([0], np.int64), np.array([0], np.int64))
+    with pytest.raises(Exception, match="outside"):
+        staging.take(0, 0, np.array([[10**12, 64]], np.int64), row[0], False)
+    reader.close()
+
+
+def test_fewer_experts_in_the_manifest_than_the_model_is_refused(stream_copy):
+    def shrink(d):
+        layer = d["layers"][0]
+        layer["num_experts"] = 8
+        layer["checksums"] = layer["checksums"][:8]
+
+    edit_manifest(stream_copy, shrink)
+    with pytest.raises(FormatError, match="records 8 experts but the model has 16"):
+        mlx_streaming.load(stream_copy)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["layers"][0].update(stride="big"), "stride is str"),
+    (lambda d: d["layers"][0].update(top_k=None), "top_k is NoneType"),
+    (lambda d: d["layers"][0]["segments"][0].update(shape="64"), "shape is str"),
+    (lambda d: d["layers"][0]["segments"][0].update(nbytes=7), "do not hold"),
+    (lambda d: d["layers"][0].update(checksums=[1, 2]), "checksums must be 16"),
+    (lambda d: d["layers"].append(d["layers"][0]), "two layers share"),
+    (lambda d: d["layers"][0].update(file="../../etc/passwd"), "plain file name"),
+    (lambda d: d.update(layers={}), "layers is dict"),
+    (lambda d: d["layers"][0].update(quantization=[]), "quantization is not an object"),
+])
+def test_malformed_manifest_fields_are_format_errors(stream_copy, edit, message):
+    edit_manifest(stream_copy, edit)
+    with pytest.raises(FormatError, match=message):
+        mlx_streaming.load(stream_copy)
+
+
+def test_garbage_or_directory_manifest_is_one_line(stream_copy):
+    manifest_path(stream_copy).write_bytes(os.urandom(4096))
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, "not valid JSON|not an mlx_streaming manifest")
+    manifest_path(stream_copy).unlink()
+    manifest_path(stream_copy).mkdir()
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, "is a directory")
+
+
+def test_corrupt_and_truncated_spine_is_one_line(stream_copy):
+    spine = stream_copy / "model.safetensors"
+    data = bytearray(spine.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    garbled = bytearray(data)
+    garbled[8:header] = os.urandom(header - 8)
+    spine.write_bytes(garbled)
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, "spine")
+    spine.write_bytes(data[: len(data) // 2])
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, "spine file .*model.safetensors")
+
+
+# -- verification -----------------------------------------------------------
+
+def spine_tensor_offset(spine: Path, name: str) -> int:
+    data = spine.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    return 8 + n + header[name]["data_offsets"][0]
+
+
+def test_verify_catches_an_altered_router(stream_copy):
+    spine = stream_copy / "model.safetensors"
+    offset = spine_tensor_offset(spine, "model.layers.1.mlp.gate.weight")
+    with open(spine, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+    proc = run("mlx_streaming.verify", str(stream_copy), check_ok=False)
+    assert_one_line_error(proc, "damaged or missing spine files \\(model.safetensors\\)")
+    with pytest.raises(FormatError, match="fails its checksum"):
+        mlx_streaming.load(stream_copy, verify="always")
+
+
+def test_manifest_without_spine_checksums_still_loads(stream_copy, qwen):
+    edit_manifest(stream_copy, lambda d: d.pop("spine"))
+    assert read_manifest(stream_copy).spine == ()
+    proc = run("mlx_streaming.verify", str(stream_copy))
+    assert "predates spine checksums" in proc.stdout
+    check_matches_resident(qwen[0], stream_copy, slots_per_layer=4)
+
+
+@pytest.mark.parametrize("verify", ["first-read", "always"])
+def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, verify):
+    import mlx_lm
+
+    reference = logits_trace(mlx_lm.load(str(qwen[0]))[0], steps=12)
+    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=4, verify=verify)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = model(mx.array([PROMPT]), cache=cache)[:, -1]
+    assert mx.array_equal(out, reference[0]).item()
+    for spec in read_manifest(stream_copy).layers:
+        blob = stream_copy / "experts" / spec.file
+        with open(blob, "r+b") as f:  # rewritten in place: same inode
+            for e in range(spec.num_experts):
+                f.seek(e * spec.stride + 3)
+                f.write(b"\x5a\xa5")
+    with pytest.raises(CorruptExpertError, match="checksum mismatch"):
+        for step in range(1, 13):
+            token = mx.argmax(out, axis=-1, keepdims=True)
+            out = model(token, cache=cache)[:, -1]
+            assert mx.array_equal(out, reference[step]).item(), f"wrong logits at {step}"
+
+
+# -- options and command lines -----------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-gb", "0"], "cache_gb must be above 0"),
+    (["--cache-gb", "-1"], "cache_gb must be above 0"),
+    (["--cache-gb", "nan"], "cache_gb must be a finite number"),
+    (["--cache-gb", "inf"], "cache_gb must be a finite number"),
+    (["--slots-per-layer", "0"], "slots_per_layer must be at least 1"),
+    (["--slots-per-layer", "-3"], "slots_per_layer must be at least 1"),
+    (["--io-threads", "0"], "io_threads must be between 1 and 64"),
+    (["--io-threads", "100000"], "io_threads must be between 1 and 64"),
+    (["--max-tokens", "-5"], "max-tokens must be 0 or more"),
+    (["--prompt", ""], "prompt is empty"),
+])
+def test_bad_flags_are_one_line_errors(qwen, flags, message):
+    proc = run("mlx_streaming.generate", "--model", str(qwen[1]), *flags, check_ok=False)
+    assert_one_line_error(proc, message)
+
+
+def test_config_errors_are_value_errors_and_streaming_errors():
+    for bad in (dict(cache_gb=float("nan")), dict(io_threads=10**5), dict(verify="sometimes"),
+                dict(slots_per_layer=2.5), dict(direct_io="yes")):
+        with pytest.raises(ConfigError):
+            StreamConfig(**bad)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_load_takes_mlx_lm_load_arguments(qwen):
+    model, tokenizer, config = mlx_streaming.load(str(qwen[1]), None, None, None, False, True,
+                                                  slots_per_layer=4)
+    assert config["model_type"] == "qwen3_moe"
+    with pytest.raises(ConfigError, match="adapter_path"):
+        mlx_streaming.load(qwen[1], adapter_path="adapters")
+    with pytest.raises(ConfigError, match="unknown option 'cache_size'"):
+        mlx_streaming.load(qwen[1], cache_size=3)
+
+
+def test_sigint_during_start_up_is_one_line(qwen):
+    import signal
+    import time
+
+    for delay in (0.15, 0.4, 0.8, 1.5):
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_streaming.generate", "--model",
+                                 str(qwen[1]), "--max-tokens", "50"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert "Traceback" not in err, f"after {delay} s:\n{err}"
+        # 130: our handler's exit; -SIGINT: Python re-raising the signal at exit.
+        assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)
+
+
+# -- paths and names ----------------------------------------------------------
+
+def test_tilde_paths_are_expanded(tmp_path, qwen, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    dst = convert(qwen[0], "~/models/q", progress=False)
+    assert Path(dst) == tmp_path / "models" / "q"
+    assert not Path("~").exists()
+    model, _ = mlx_streaming.load("~/models/q", slots_per_layer=4)
+    model.streaming.close()
+    proc = run("mlx_streaming.verify", "~/models/q")
+    assert "match their checksums" in proc.stdout
+
+
+def test_importing_the_convert_module_keeps_convert_callable(tmp_path, qwen):
+    script = f"""
+import mlx_streaming.convert
+import mlx_streaming
+out = mlx_streaming.convert({str(qwen[0])!r}, {str(tmp_path / 's')!r}, progress=False)
+print(mlx_streaming.format.read_manifest(out).layers[0].file)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "layer000.blob"
+
+
+# -- memory --------------------------------------------------------------------
+
+def test_explicit_pool_beyond_available_memory_is_refused(qwen):
+    manifest = read_manifest(qwen[1])
+    per_slot = budget.bytes_per_slot(manifest)
+    spine = 10_000
+    available = lambda: spine + 6 * per_slot + 100  # noqa: E731
+    assert budget.plan_slots(manifest, StreamConfig(slots_per_layer=6), spine, available) == 6
+    with pytest.raises(BudgetError, match="only .* GB of memory is available: use "
+                                          "--slots-per-layer 6 "):
+        budget.plan_slots(manifest, StreamConfig(slots_per_layer=8), spine, available)
+    with pytest.raises(BudgetError, match="--slots-per-layer 6 "):
+        budget.plan_slots(manifest, StreamConfig(cache_gb=8 * per_slot / 1e9), spine, available)
+
+
+def test_explicit_pool_beyond_the_cgroup_is_refused_not_killed(tmp_path, tokenizer_dir):
+    """A 0.5 GB memory cgroup, 1.2 GB of experts, all asked to be resident."""
+    from mlx_streaming import synthetic
+    from mlx_streaming.bench.common import BenchError, MemoryLimit
+
+    stream = synthetic.make_synthetic(
+        tmp_path / "big", tokenizer_dir, hidden_size=1024, num_hidden_layers=2,
+        num_experts=64, num_experts_per_tok=2, moe_intermediate_size=4096)
+    assert read_manifest(stream).expert_nbytes > 2 * 0.5e9
+    try:
+        limit = MemoryLimit(0.5)
+    except BenchError as e:
+        pytest.skip(str(e))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlx_streaming.generate", "--model", str(stream),
+             "--slots-per-layer", "64", "--max-tokens", "2"],
+            capture_output=True, text=True, preexec_fn=limit.enter, timeout=300)
+        assert limit.oom_kills() == 0
+    finally:
+        limit.close()
+    assert_one_line_error(proc, r"slots_per_layer=64 needs .* use --slots-per-layer \d+")
