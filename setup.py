@@ -19,7 +19,9 @@ NANOBIND_SERIES = "3.0."
 
 class CMakeExtension(Extension):
     def __init__(self, name: str, sourcedir: Path):
-        super().__init__(name, sources=[])
+        # optional: an editable install copies the built library into the
+        # source tree, which must not fail when the build was skipped.
+        super().__init__(name, sources=[], optional=True)
         self.sourcedir = str(sourcedir)
 
 

@@ -22,6 +22,8 @@ DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 
 DEFAULT_RESERVE_GB = 2.0
 DEFAULT_PREFETCH_MAX_TOKENS = 8
+# A bound on sizes in GB: beyond it float arithmetic on bytes loses meaning.
+MAX_GB = 1e6
 # More reader threads than this only add contention: an NVMe queue is kept
 # full by far fewer, and each thread holds a bounce buffer.
 MAX_IO_THREADS = 64
@@ -77,12 +79,13 @@ class StreamConfig:
         _check_choice("verify", self.verify, VERIFY_CHOICES)
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
-        _check_number("cache_gb", self.cache_gb, float, low=0, open_low=True, optional=True)
+        _check_number("cache_gb", self.cache_gb, float, low=0, high=MAX_GB, open_low=True,
+                      optional=True)
         _check_number("slots_per_layer", self.slots_per_layer, int, low=1, optional=True)
         _check_number("io_threads", self.io_threads, int, low=1, high=MAX_IO_THREADS)
         _check_number("prefetch_width", self.prefetch_width, int, low=1, optional=True)
         _check_number("prefetch_max_tokens", self.prefetch_max_tokens, int, low=1)
-        _check_number("reserve_gb", self.reserve_gb, float, low=0)
+        _check_number("reserve_gb", self.reserve_gb, float, low=0, high=MAX_GB)
 
 
 def _check_choice(name, value, choices):
@@ -95,14 +98,15 @@ def _check_number(name, value, kind, low, high=None, open_low=False, optional=Fa
         return
     is_int = isinstance(value, int) and not isinstance(value, bool)
     ok_type = is_int or (kind is float and isinstance(value, float))
-    if not ok_type or (kind is float and not math.isfinite(value)):
+    if not ok_type or (isinstance(value, float) and not math.isfinite(value)):
         raise ConfigError(f"{name} must be a finite {'integer' if kind is int else 'number'}, "
                           f"got {value!r}")
     too_low = value <= low if open_low else value < low
     if too_low or (high is not None and value > high):
         bound = f"above {low:g}" if open_low else f"at least {low:g}"
         if high is not None:
-            bound = f"between {low:g} and {high:g}"
+            bound = f"{bound} and at most {high:g}" if open_low else \
+                f"between {low:g} and {high:g}"
         raise ConfigError(f"{name} must be {bound}, got {value!r}")
 
 

@@ -36,6 +36,7 @@ from .discover import (
 from .errors import ConversionError, FormatError
 from .format import (
     CONVERT_STATE_NAME,
+    MANIFEST_NAME,
     FORMAT_VERSION,
     LayerSpec,
     Manifest,
@@ -133,13 +134,13 @@ class _State:
         self.path = dst / CONVERT_STATE_NAME
         self.fingerprint = fingerprint
         self.layers: Dict[str, dict] = {}
-        if self.path.exists():
-            try:
-                saved = json.loads(self.path.read_text())
-            except json.JSONDecodeError:
-                saved = {}
-            if saved.get("fingerprint") == fingerprint:
-                self.layers = saved.get("layers", {})
+        saved = _read_json(self.path)
+        if saved.get("fingerprint") == fingerprint and isinstance(saved.get("layers"), dict):
+            self.layers = saved["layers"]
+
+    def start(self) -> None:
+        """Mark the directory as this conversion's before anything is written."""
+        write_json_atomic(self.path, {"fingerprint": self.fingerprint, "layers": self.layers})
 
     def done(self, file: str, dst: Path) -> Optional[LayerSpec]:
         d = self.layers.get(file)
@@ -157,6 +158,15 @@ class _State:
     def record(self, spec: LayerSpec) -> None:
         self.layers[spec.file] = asdict(spec)
         write_json_atomic(self.path, {"fingerprint": self.fingerprint, "layers": self.layers})
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or {} when it is missing or damaged."""
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
 
 
 def _expert_tensors(block, num: int):
@@ -271,20 +281,23 @@ def _fsync_written(dst: Path) -> None:
     fsync_dir(dst)
 
 
-def _written_by_us(dst: Path):
-    """The files a stream directory consists of (what --force replaces)."""
-    names = {"model.safetensors.index.json", CONVERT_STATE_NAME, "config.json"}
-    for pattern in (*TOKENIZER_PATTERNS, "*.safetensors", "*.tmp"):
-        names.update(f.name for f in dst.glob(pattern) if f.is_file())
-    return [dst / n for n in sorted(names) if (dst / n).is_file()]
-
-
 def _clear_dst(dst: Path) -> None:
+    """Remove the model files of a stream or mlx-lm model directory that
+    ``--force`` replaces; any other file stays."""
     # The manifest goes first: from here on the directory never looks complete.
     manifest_path(dst).unlink(missing_ok=True)
-    shutil.rmtree(experts_dir(dst), ignore_errors=True)
-    for f in _written_by_us(dst):
-        f.unlink()
+    experts = experts_dir(dst)
+    if experts.is_dir():
+        for f in experts.iterdir():
+            if f.is_file() and (f.suffix in (".blob", ".tmp") or f.name == MANIFEST_NAME):
+                f.unlink()
+        if not any(experts.iterdir()):
+            experts.rmdir()
+    names = {"model.safetensors.index.json", CONVERT_STATE_NAME, "config.json"}
+    for pattern in (*TOKENIZER_PATTERNS, "model*.safetensors", "*.tmp*"):
+        names.update(f.name for f in dst.glob(pattern) if f.is_file())
+    for name in names:
+        (dst / name).unlink(missing_ok=True)
     fsync_dir(dst)
 
 
@@ -296,39 +309,42 @@ def _check_not_source(src: Path, dst: Path) -> None:
         )
 
 
-def _prepare_dst(dst: Path, fingerprint: str, force: bool) -> bool:
-    """Returns True when ``dst`` already holds this exact conversion.
-
-    A directory is written into only when it is empty, an interrupted
-    conversion, or (with ``force``) anything else: then every file a stream
-    directory consists of is removed first, so nothing stale survives.
-    """
+def _dst_state(dst: Path, fingerprint: str) -> str:
+    """What ``dst`` holds: ``"done"`` (this conversion), ``"resume"`` (this
+    conversion, interrupted), ``"empty"``, ``"stream"`` (another converted
+    or interrupted model), ``"model"`` (an mlx-lm model) or ``"foreign"``."""
+    if not dst.exists():
+        return "empty"
     if manifest_path(dst).is_file():
-        try:
-            state = json.loads(manifest_path(dst).read_text()).get("source", {})
-        except (ValueError, AttributeError, UnicodeDecodeError):
-            state = {}
-        if isinstance(state, dict) and state.get("fingerprint") == fingerprint and not force:
-            return True
-        if not force:
-            raise ConversionError(
-                f"{dst} already holds a different converted model; pass --force "
-                "to overwrite it or choose another --out"
-            )
-        _clear_dst(dst)
-    elif (dst / CONVERT_STATE_NAME).exists():
-        pass  # resumed: _State keeps the finished layers of this same conversion
-    elif any(dst.iterdir()):
-        if not force:
-            what = ("an mlx-lm model" if (dst / "config.json").exists()
-                    else "files that are not a stream directory")
-            raise ConversionError(
-                f"{dst} already holds {what}; choose an empty --out, or pass --force "
-                "to replace its model files"
-            )
-        _clear_dst(dst)
-    experts_dir(dst).mkdir(parents=True, exist_ok=True)
-    return False
+        source = _read_json(manifest_path(dst)).get("source")
+        done = isinstance(source, dict) and source.get("fingerprint") == fingerprint
+        return "done" if done else "stream"
+    if (dst / CONVERT_STATE_NAME).exists():
+        same = _read_json(dst / CONVERT_STATE_NAME).get("fingerprint") == fingerprint
+        return "resume" if same else "stream"
+    if (dst / "config.json").exists():
+        return "model"
+    others = [f for f in dst.iterdir() if f != experts_dir(dst)]
+    if others or (experts_dir(dst).is_dir() and any(experts_dir(dst).iterdir())):
+        return "foreign"
+    return "empty"
+
+
+def _check_dst(dst: Path, state: str, force: bool) -> None:
+    """Refuse to write where it would destroy something not asked for.
+
+    ``--force`` replaces another converted model or an mlx-lm model
+    directory; a directory of anything else is never written into.
+    """
+    if state == "foreign":
+        raise ConversionError(
+            f"{dst} holds files that are not a model; choose an empty or new --out"
+        )
+    if state in ("stream", "model") and not force:
+        what = ("a different converted model" if state == "stream" else "an mlx-lm model")
+        raise ConversionError(
+            f"{dst} already holds {what}; pass --force to replace it or choose another --out"
+        )
 
 
 def _disk_error(e: OSError, dst: Path) -> ConversionError:
@@ -378,31 +394,44 @@ def convert(
         ConversionError: the model cannot be converted (not found, not MoE,
             already quantized and ``quantize`` asked, ...).
     """
-    src_path = resolve_source(str(src))
     dst = Path(dst).expanduser()
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
     options = dict(
         quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode, dtype=dtype
     )
-    _check_not_source(src_path, dst)
-    fingerprint = _fingerprint(src_path, options)
+    src_path = None
     try:
-        dst.mkdir(parents=True, exist_ok=True)
-        if _prepare_dst(dst, fingerprint, force):
+        src_path = resolve_source(str(src))
+        _check_not_source(src_path, dst)
+        fingerprint = _fingerprint(src_path, options)
+        holds = _dst_state(dst, fingerprint)
+        if holds == "done" and not force:
             print(f"{dst} is already converted from {src}", file=sys.stderr)
             return dst
+        _check_dst(dst, holds, force)
+        # Everything that can refuse the source runs before dst is touched.
         model, config = _load_source(src, src_path)
-        return _convert_model(model, config, src, src_path, dst, fingerprint, options,
-                              quantize, q_bits, q_group_size, q_mode, dtype, progress, on_layer)
+        model, config, blocks = _prepare_model(model, config, src, quantize, q_bits,
+                                               q_group_size, q_mode, dtype)
+        if holds in ("done", "stream", "model"):
+            _clear_dst(dst)
+        experts_dir(dst).mkdir(parents=True, exist_ok=True)
+        state = _State(dst, fingerprint)
+        state.start()
+        return _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprint,
+                               options, progress, on_layer)
     except OSError as e:
-        failed = Path(e.filename).absolute() if e.filename is not None else None
-        if (failed is not None and failed.is_relative_to(src_path.absolute())
-                and not failed.is_relative_to(dst.absolute())):
-            raise ConversionError(
-                f"cannot read {e.filename} of the source model ({e.strerror})"
-            ) from None
-        raise _disk_error(e, dst) from None
+        raise _os_error(e, src_path, dst) from None
+
+
+def _os_error(e: OSError, src_path: Optional[Path], dst: Path) -> ConversionError:
+    failed = Path(e.filename).absolute() if e.filename is not None else None
+    if (src_path is not None and failed is not None
+            and failed.is_relative_to(src_path.absolute())
+            and not failed.is_relative_to(dst.absolute())):
+        return ConversionError(f"cannot read {e.filename} of the source model ({e.strerror})")
+    return _disk_error(e, dst)
 
 
 def _load_source(src, src_path: Path):
@@ -432,8 +461,8 @@ def _load_source(src, src_path: Path):
         raise ConversionError(f"mlx-lm cannot load {src}: {e}") from None
 
 
-def _convert_model(model, config, src, src_path, dst, fingerprint, options, quantize,
-                   q_bits, q_group_size, q_mode, dtype, progress, on_layer) -> Path:
+def _prepare_model(model, config, src, quantize, q_bits, q_group_size, q_mode, dtype):
+    """Cast and quantize as asked; returns ``(model, config, expert blocks)``."""
     blocks = find_expert_blocks(model)
     if not blocks:
         raise ConversionError(
@@ -446,9 +475,15 @@ def _convert_model(model, config, src, src_path, dst, fingerprint, options, quan
     if quantize:
         if "quantization" in config:
             raise ConversionError(f"{src} is already quantized; convert it without -q")
-        model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
+        try:
+            model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
+        except ValueError as e:
+            raise ConversionError(f"cannot quantize with these settings: {e}") from None
+    return model, config, blocks
 
-    state = _State(dst, fingerprint)
+
+def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprint, options,
+                    progress, on_layer) -> Path:
     layers, streamed = [], set()
     total = sum(num_experts(b) for _, b in blocks)
     bar = _progress_bar(total, progress)

@@ -2,12 +2,14 @@
 
     python -m mlx_streaming.demo [--prompt "..."] [--max-tokens N]
 
-The first run trains a BPE tokenizer and a small qwen3_moe (a real mlx-lm
-architecture) on the Python standard library's sources for a short while,
-quantizes it to 4 bits with float32 scales (the fast kind on MLX's CPU
-backend), converts it to a stream directory and caches it. Every run then
-generates from it with half of each layer's experts resident, so experts
-really are read from the blob files.
+The first run trains a BPE tokenizer on the Python standard library's
+sources and a small qwen3_moe (a real mlx-lm architecture) to recite one
+short passage, the Zen of Python (``import this``), which it learns by
+heart in about a minute; quantizes it to 4 bits with float32 scales (the
+fast kind on MLX's CPU backend), converts it to a stream directory and
+caches it. Every run then generates greedily from the passage's opening
+words with half of each layer's experts resident, so experts really are
+read from the blob files, and the text that comes out is recognisable.
 """
 
 import argparse
@@ -19,8 +21,8 @@ from pathlib import Path
 from .cli import run_main
 from .format import manifest_path
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlx_streaming" / "demo-v1"
-DEFAULT_PROMPT = "def main("
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlx_streaming" / "demo-v2"
+DEFAULT_PROMPT = "Beautiful is better than"
 DEMO_FAMILY = "qwen3_moe"
 DEMO_VOCAB = 512
 DEMO_CONFIG = dict(
@@ -28,12 +30,18 @@ DEMO_CONFIG = dict(
     head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
     intermediate_size=256,
 )
-DEMO_TRAIN_STEPS = 80
-DEMO_LEARNING_RATE = 2e-3
-DEMO_TEMPERATURE = 0.7
+# 200 steps take the loss on the passage from 6.4 to ~0.1: recited verbatim.
+DEMO_TRAIN_STEPS = 200
+DEMO_LEARNING_RATE = 3e-3
+DEMO_TEMPERATURE = 0.0
 DEMO_SEQ_LEN = 64
 DEMO_BATCH = 8
 DEMO_CORPUS_CHARS = 1_500_000
+DEMO_MAX_TOKENS = 120
+WHAT_IT_IS = (
+    "[demo] The demo model is a tiny qwen3_moe (4 layers, 16 experts of which 4 per "
+    "token) trained for about a minute to recite the Zen of Python; it knows nothing "
+    "else. Prompted with the passage's opening words it should continue it verbatim.")
 
 
 def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) -> Path:
@@ -48,7 +56,8 @@ def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) 
     tok = tiny.train_tokenizer(work / "tokenizer", DEMO_VOCAB, DEMO_CORPUS_CHARS)
     config = tiny.tiny_config(DEMO_FAMILY, DEMO_VOCAB, **DEMO_CONFIG)
     model = tiny.build_model(config)
-    batches = tiny.token_batches(tok, DEMO_SEQ_LEN, DEMO_BATCH, DEMO_CORPUS_CHARS)
+    batches = tiny.token_batches(tok, DEMO_SEQ_LEN, DEMO_BATCH, DEMO_CORPUS_CHARS,
+                                 text=tiny.zen_of_python())
 
     def report(i, loss):
         if i % 10 == 0 or i == steps - 1:
@@ -56,7 +65,7 @@ def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) 
                 f"({time.perf_counter() - start:.0f} s)")
 
     log(f"[demo] training a {DEMO_FAMILY} MoE ({config['num_experts']} experts, "
-        f"top-{config['num_experts_per_tok']}) for {steps} steps")
+        f"top-{config['num_experts_per_tok']}) for {steps} steps on the Zen of Python")
     tiny.train(model, batches, steps, lr=DEMO_LEARNING_RATE, on_step=report)
     src = tiny.save_mlx_model(model, config, work / "mlx", tok, quantize=True)
     stream_dir = cache_dir / "stream"
@@ -83,9 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--rebuild", action="store_true", help="rebuild the demo model")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=60)
+    p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS)
     p.add_argument("--temp", type=float, default=DEMO_TEMPERATURE,
-                   help="sampling temperature (a briefly trained model repeats itself greedily)")
+                   help="sampling temperature (0: greedy, which recites the passage)")
     p.add_argument("--train-steps", type=int, default=DEMO_TRAIN_STEPS,
                    help="training steps when the model is built")
     args = p.parse_args(argv)
@@ -96,8 +105,10 @@ def main(argv=None) -> int:
         stream_dir = demo_model(args.cache_dir, args.rebuild, args.train_steps,
                                 log=lambda m: print(m, file=sys.stderr))
         half = DEMO_CONFIG["num_experts"] // 2
+        print(WHAT_IT_IS, file=sys.stderr)
         print(f"[demo] generating with {half} of {DEMO_CONFIG['num_experts']} experts "
               "per layer resident", file=sys.stderr)
+        print(args.prompt, end="", flush=True)  # generate prints the continuation
         return generate.main([
             "--model", str(stream_dir), "--prompt", args.prompt,
             "--max-tokens", str(args.max_tokens), "--slots-per-layer", str(half),

@@ -3,7 +3,11 @@ do next. The command-line entry points print them without a traceback."""
 
 
 class StreamingError(Exception):
-    """Base class of every error this package reports to the user."""
+    """Base class of every error this package reports to the user. Its
+    message is one line by construction, whatever it quotes."""
+
+    def __str__(self) -> str:
+        return " ".join(super().__str__().split())
 
 
 class FormatError(StreamingError):

@@ -174,6 +174,10 @@ def manifest_path(path) -> Path:
     return experts_dir(path) / MANIFEST_NAME
 
 
+# MLX shapes are int32: a larger dimension is damage, never a model.
+MAX_DIM = 2**31
+
+
 class _Malformed(Exception):
     """A manifest field of the wrong type or out of range (internal)."""
 
@@ -205,8 +209,9 @@ def _segment_from_dict(d, where: str) -> Segment:
     if dtype not in _DTYPES:
         raise _Malformed(f"{where} has unknown dtype {dtype!r}")
     shape = _get(d, "shape", list, where)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        raise _Malformed(f"{where}.shape is not a list of non-negative integers")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < MAX_DIM
+               for n in shape):
+        raise _Malformed(f"{where}.shape is not a list of integers from 1 to {MAX_DIM - 1}")
     offset = _nonneg(_get(d, "offset", int, where), f"{where}.offset")
     nbytes = _nonneg(_get(d, "nbytes", int, where), f"{where}.nbytes")
     if math.prod(shape) * _DTYPES[dtype].size != nbytes:
@@ -263,13 +268,19 @@ def layer_from_dict(d, where: str = "layer") -> LayerSpec:
     file = _get(d, "file", str, where)
     if Path(file).name != file or file in ("", ".", ".."):
         raise _Malformed(f"{where}.file {file!r} must be a plain file name")
+    layer = _nonneg(_get(d, "layer", int, where), f"{where}.layer")
+    if layer >= MAX_DIM:
+        raise _Malformed(f"{where}.layer {layer} is too large")
+    top_k = _nonneg(_get(d, "top_k", int, where), f"{where}.top_k", 1)
+    if top_k > num:
+        raise _Malformed(f"{where}.top_k {top_k} exceeds num_experts {num}")
     return LayerSpec(
-        layer=_nonneg(_get(d, "layer", int, where), f"{where}.layer"),
+        layer=layer,
         module=_get(d, "module", str, where),
         kind=_get(d, "kind", str, where),
         file=file,
         num_experts=num,
-        top_k=_nonneg(_get(d, "top_k", int, where), f"{where}.top_k", 1),
+        top_k=top_k,
         stride=stride,
         segments=segments,
         quantization=_quantization_from_dict(d.get("quantization"), where),
@@ -284,7 +295,7 @@ def _spine_from_list(entries) -> Tuple[SpineFile, ...]:
     for i, e in enumerate(entries):
         w = f"spine[{i}]"
         name = _get(e, "name", str, w)
-        if Path(name).name != name:
+        if Path(name).name != name or name in ("", ".", ".."):
             raise _Malformed(f"{w}.name {name!r} must be a plain file name")
         out.append(SpineFile(name, _nonneg(_get(e, "nbytes", int, w), f"{w}.nbytes"),
                              _nonneg(_get(e, "crc32", int, w), f"{w}.crc32")))
@@ -420,10 +431,10 @@ def check_blob_size(path, spec: LayerSpec) -> None:
         )
 
 
-# safetensors dtypes and their item sizes.
+# safetensors dtypes that MLX loads, and their item sizes.
 _SAFETENSORS_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
-    "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
 }
 # A header larger than this is damage, not a model (safetensors' own cap).
 MAX_SAFETENSORS_HEADER = 100 << 20
@@ -454,6 +465,10 @@ def check_safetensors(path: Path) -> None:
             raise _Malformed("the header is not a JSON object")
         for name, t in header.items():
             if name == "__metadata__":
+                meta = {} if t is None else t  # MLX writes null when there is none
+                if not isinstance(meta, dict) or not all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+                    raise _Malformed("__metadata__ is not a map of strings")
                 continue
             dtype = _get(t, "dtype", str, name)
             if dtype not in _SAFETENSORS_ITEMSIZE:
@@ -463,6 +478,8 @@ def check_safetensors(path: Path) -> None:
             ints = shape + offsets
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
                 raise _Malformed(f"{name} has a negative or non-integer shape or offset")
+            if any(n >= MAX_DIM for n in shape):
+                raise _Malformed(f"{name} has a dimension of {max(shape)}")
             if len(offsets) != 2 or not offsets[0] <= offsets[1] <= data:
                 raise _Malformed(f"{name}'s bytes {offsets} lie outside the file")
             if offsets[1] - offsets[0] != math.prod(shape) * _SAFETENSORS_ITEMSIZE[dtype]:
@@ -508,8 +525,15 @@ def check_spine_files(path, manifest: Manifest, checksums: bool) -> None:
         if size != s.nbytes:
             raise FormatError(f"spine file {f} has {size} bytes, the manifest records "
                               f"{s.nbytes}; re-convert the model")
-        if checksums and file_crc32(f) != s.crc32:
+        if checksums and _crc_or_none(f) != s.crc32:
             raise FormatError(f"spine file {f} fails its checksum; re-convert the model")
+
+
+def _crc_or_none(path: Path) -> Optional[int]:
+    try:
+        return file_crc32(path)
+    except OSError:
+        return None
 
 
 def verify_spine(path, manifest: Manifest) -> List[str]:
@@ -517,7 +541,7 @@ def verify_spine(path, manifest: Manifest) -> List[str]:
     bad = []
     for s in manifest.spine:
         f = Path(path) / s.name
-        if not f.exists() or f.stat().st_size != s.nbytes or file_crc32(f) != s.crc32:
+        if not f.is_file() or f.stat().st_size != s.nbytes or _crc_or_none(f) != s.crc32:
             bad.append(s.name)
     return bad
 

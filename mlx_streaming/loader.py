@@ -66,6 +66,7 @@ class Runtime:
         # A trace needs each call's ids, which only paged blocks sync for.
         self.paged = slots < budget.max_slots(manifest) or config.trace is not None
         self.stores: List[ExpertStore] = []
+        self.residencies: List[Paged] = []
         self.stats = Stats([l.layer for l in manifest.layers])
         self.trace = TraceWriter(config.trace) if config.trace else None
         observers = [self.stats] + ([self.trace] if self.trace else [])
@@ -85,12 +86,21 @@ class Runtime:
         """Release the model's files, reader threads and staging; waits for
         prefetch reads in flight. Idempotent; also runs when the model is
         garbage collected."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.trace is not None:
-            self.trace.close()
-        self.reader.close()
+        with self.lock:  # never under a forward pass of another thread
+            if self.closed:
+                return
+            self.closed = True
+            if self.trace is not None:
+                self.trace.close()
+            self.reader.close()
+
+    def finish_pending(self) -> None:
+        """Evaluate every computation that still reads a pool, so that the
+        next call, from any thread, may overwrite slots."""
+        pending = [y for p in self.residencies for y in p.pending]
+        mx.eval(pending)
+        for p in self.residencies:
+            p.pending = []
 
 
 def load(
@@ -195,9 +205,11 @@ def _serialize_calls(model: nn.Module) -> None:
     """Make calls of ``model`` from several threads run one at a time.
 
     A paged pool is rewritten in place between calls, so two forward passes
-    must not interleave. Each call holds the model's lock until its output
-    is evaluated: then no computation still reads the pool when the next
-    call (maybe another thread's) starts overwriting slots.
+    must not interleave. Each call holds the model's lock until the layers'
+    pool readers are evaluated (not the output: mlx-lm discards prefill
+    logits and overlaps the next step with this one's head): then no
+    computation still reads a pool when the next call, maybe another
+    thread's, starts overwriting slots.
     """
     base = type(model)
     cls = _SERIALIZED.get(base)
@@ -206,7 +218,7 @@ def _serialize_calls(model: nn.Module) -> None:
         def __call__(self, *args, **kwargs):
             with self.streaming.lock:
                 out = base.__call__(self, *args, **kwargs)
-                mx.eval(out)
+                self.streaming.finish_pending()
             return out
 
         cls = type(base.__name__, (base,), {"__call__": __call__,
@@ -223,7 +235,7 @@ def _load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_
         model, model_config = load_model(path, lazy=True, strict=False,
                                          model_config=model_config or {},
                                          trust_remote_code=trust_remote_code)
-    except (ValueError, FileNotFoundError, KeyError, TypeError) as e:
+    except (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError) as e:
         raise FormatError(f"cannot build the model in {path}: {e}") from None
     blocks = dict(find_expert_blocks(model))
     for spec in manifest.layers:
@@ -254,7 +266,14 @@ def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> N
         # Lazy arrays: whatever sanitize computes is never evaluated.
         weights = model.sanitize(weights)
     loaded = set(weights)
-    expected = {k for k, _ in tree_flatten(model.parameters())} - streamed
+    params = dict(tree_flatten(model.parameters()))
+    expected = set(params) - streamed
+    for k in sorted(expected & loaded):
+        if tuple(weights[k].shape) != tuple(params[k].shape):
+            raise FormatError(
+                f"spine tensor {k} is {tuple(weights[k].shape)} but the model expects "
+                f"{tuple(params[k].shape)}; re-convert the model"
+            )
     missing = sorted(expected - loaded)
     if missing:
         raise FormatError(
@@ -342,6 +361,7 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
     for store in runtime.stores:
         if runtime.paged:
             residency = Paged(store, runtime.events, prefetchers.get(store.layer))
+            runtime.residencies.append(residency)
         else:
             store.preload()
             residency = Resident(store.layer, runtime.events)
@@ -409,8 +429,11 @@ def _bind_pool(inner: nn.Module, spec: LayerSpec, pool: SlotPool) -> None:
         for key in record:
             array, want = pool.arrays[f"{name}.{key}"], proj[key]
             floating = mx.issubdtype(array.dtype, mx.floating)
-            if array.shape[1:] != want.shape[1:] or floating != mx.issubdtype(
-                    want.dtype, mx.floating):
+            # Floating tensors may be stored in another float type than the
+            # model's init; integer ones (packed weights) must match exactly.
+            same_kind = (floating and mx.issubdtype(want.dtype, mx.floating)) or \
+                array.dtype == want.dtype
+            if array.shape[1:] != want.shape[1:] or not same_kind:
                 raise FormatError(
                     f"layer {spec.layer}: {name}.{key} is {array.dtype} "
                     f"{tuple(array.shape[1:])} per expert in the manifest but {want.dtype} "

@@ -107,13 +107,26 @@ def train_tokenizer(out: Path, vocab_size: int = 512, max_chars: int = 2_000_000
     return out
 
 
+def zen_of_python() -> str:
+    """The Zen of Python, read from the standard library's ``this`` module
+    (stored ROT13-encoded there; importing it would print it)."""
+    import codecs
+    import importlib.util
+    import re
+
+    source = Path(importlib.util.find_spec("this").origin).read_text()
+    return codecs.decode(re.search(r's = """(.*?)"""', source, re.S).group(1), "rot13")
+
+
 def token_batches(tokenizer_dir: Path, seq_len: int, batch: int, max_chars: int,
-                  seed: int = 0) -> Iterator[mx.array]:
-    """Endless random batches ``[batch, seq_len + 1]`` of tokenized local text."""
+                  seed: int = 0, text: Optional[str] = None) -> Iterator[mx.array]:
+    """Endless random batches ``[batch, seq_len + 1]`` of tokenized ``text``
+    (default: local text, ``max_chars`` of it)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    ids = mx.array(tok.encode(corpus_text(max_chars)).ids, dtype=mx.int32)
+    text = corpus_text(max_chars) if text is None else text
+    ids = mx.array(tok.encode(text).ids, dtype=mx.int32)
     key = mx.random.key(seed)
     while True:
         key, sub = mx.random.split(key)

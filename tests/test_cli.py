@@ -33,6 +33,7 @@ def test_generate_prints_numbers_and_writes_json(qwen, tmp_path):
     proc = run("mlx_streaming.generate", "--model", str(stream_dir), "--prompt", "def f(x):",
                "--max-tokens", "12", "--slots-per-layer", "6", "--stats-json", str(out))
     assert "decode: 12 tokens" in proc.stderr
+    assert "reader: native (native extension)" in proc.stderr
     assert "hit rate" in proc.stderr and "GB read" in proc.stderr and "peak memory" in proc.stderr
     summary = json.loads(out.read_text())["summary"]
     for key in ("prompt_tps", "generation_tps", "hit_rate", "gb_read", "read_gb_per_s",
@@ -107,6 +108,15 @@ sys.exit(run_main(lambda: mx.eval(model(mx.array([[1, 2, 3]])))))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert_one_line_error(proc, "short read of .*layer000.blob at offset")
+
+
+def test_demo_recites_the_zen_of_python(tmp_path):
+    """The demo's output must read as working, not as noise: its model,
+    trained as the demo trains it, recites the passage it learned."""
+    proc = run("mlx_streaming.demo", "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "40")
+    assert "recite the Zen of Python" in proc.stderr
+    assert proc.stdout.startswith("Beautiful is better than ugly.\nExplicit is better than "
+                                  "implicit.\nSimple is better than complex."), proc.stdout
 
 
 def test_demo_builds_and_generates_offline(tmp_path):

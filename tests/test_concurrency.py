@@ -21,7 +21,7 @@ from mlx_streaming.native import load_extension
 IO_PATHS = ["python"] + (["native"] if load_extension()[0] is not None else [])
 
 THREADED = textwrap.dedent("""
-    import sys, threading
+    import os, sys, threading
     import mlx_lm, mlx_streaming
 
     path, io, prefetch = sys.argv[1:4]
@@ -47,7 +47,11 @@ THREADED = textwrap.dedent("""
             if a != b:
                 print(f"WRONG trial {trial} prompt {i}: {a!r} != {b!r}", flush=True)
                 sys.exit(4)
-    print("OK")
+    print("OK", flush=True)
+    # mlx-lm itself, without mlx_streaming, aborts at interpreter exit after
+    # threaded generation ("terminate called without an active exception",
+    # 1 run in 6 here): skip that teardown, it is not what is tested.
+    os._exit(0)
 """)
 
 

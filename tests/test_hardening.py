@@ -67,8 +67,9 @@ def test_out_over_an_mlx_lm_model_needs_force(tmp_path, models, src_copy):
     assert tree_digest(other) == before
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
-    with pytest.raises(ConversionError, match="not a stream directory.*--force"):
-        convert(src_copy, tmp_path / "notes", progress=False)
+    for force in (False, True):  # never written into, even with --force
+        with pytest.raises(ConversionError, match="holds files that are not a model"):
+            convert(src_copy, tmp_path / "notes", force=force, progress=False)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     convert(src_copy, other, force=True, progress=False)
     check_matches_resident(src_copy, other, slots_per_layer=4)
@@ -144,6 +145,31 @@ def test_missing_source_shard_is_one_line(tmp_path, qwen):
     proc = run("mlx_streaming.convert", "--model", str(src), "--out", str(tmp_path / "s"),
                check_ok=False)
     assert_one_line_error(proc, "lacks 1 weight shard.*model-00002-of-00002")
+
+
+def test_force_never_clears_before_the_source_is_accepted(tmp_path, qwen, models):
+    dst = convert(qwen[0], tmp_path / "s", progress=False)
+    before = tree_digest(dst)
+    with pytest.raises(ConversionError, match="already quantized"):
+        convert(qwen[0], dst, quantize=True, force=True, progress=False)
+    f32_src = models.get("qwen3_moe", quantized=False)[0]
+    with pytest.raises(ConversionError, match="cannot quantize with these settings"):
+        convert(f32_src, dst, quantize=True, q_mode="mxfp4", force=True, progress=False)
+    assert tree_digest(dst) == before
+
+
+def test_interrupted_before_the_first_layer_resumes(tmp_path, qwen, monkeypatch):
+    import mlx_streaming.converter as converter
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(converter, "_convert_layer", crash)
+    with pytest.raises(KeyboardInterrupt):
+        convert(qwen[0], tmp_path / "s", progress=False)
+    monkeypatch.undo()
+    convert(qwen[0], tmp_path / "s", progress=False)  # not refused as a foreign directory
+    check_matches_resident(qwen[0], tmp_path / "s", slots_per_layer=4)
 
 
 def test_fsync_before_the_manifest(tmp_path, qwen, monkeypatch):
@@ -430,3 +456,35 @@ def test_explicit_pool_beyond_the_cgroup_is_refused_not_killed(tmp_path, tokeniz
     finally:
         limit.close()
     assert_one_line_error(proc, r"slots_per_layer=64 needs .* use --slots-per-layer \d+")
+
+
+# -- install without the native extension --------------------------------------
+
+def test_failed_native_build_leaves_a_working_install(tmp_path, monkeypatch, capsys):
+    import runpy
+
+    from setuptools import Distribution
+
+    root = Path(__file__).resolve().parents[1]
+    setup = runpy.run_path(str(root / "setup.py"), run_name="setup_under_test")
+    ext = setup["CMakeExtension"]("mlx_streaming._ext", tmp_path / "no-native-sources")
+    cmd = setup["CMakeBuild"](Distribution({"name": "mlx_streaming", "ext_modules": [ext]}))
+    cmd.build_lib, cmd.build_temp = str(tmp_path / "lib"), str(tmp_path / "tmp")
+    cmd.ensure_finalized()
+    monkeypatch.delenv("MLX_STREAMING_REQUIRE_NATIVE", raising=False)
+    cmd.build_extension(ext)  # a failed build is a warning, not a failed install
+    assert "native extension failed to build" in capsys.readouterr().err
+    monkeypatch.setenv("MLX_STREAMING_REQUIRE_NATIVE", "1")
+    with pytest.raises(Exception):
+        cmd.build_extension(ext)
+
+
+def test_without_the_extension_load_warns_and_reads_in_python(qwen, monkeypatch):
+    import mlx_streaming.loader as loader
+
+    monkeypatch.setattr(loader, "load_extension", lambda: (None, "not built (no compiler)"))
+    with pytest.warns(RuntimeWarning, match="not built .*slower Python reader"):
+        model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4)
+    assert mlx_streaming.stats(model)["io"] == "python"
+    assert "not built" in mlx_streaming.stats(model)["io_reason"]
+    check_matches_resident(qwen[0], qwen[1], slots_per_layer=4, io="python")
