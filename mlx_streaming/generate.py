@@ -33,6 +33,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--echo-prompt", action="store_true",
+                   help="print the prompt before the text generated after it")
     p.add_argument("--stats-json", default=None, help="write the run's numbers here")
     add_config_flags(p)
     return p
@@ -114,10 +116,17 @@ def main(argv=None) -> int:
         if not (tokenizer.encode(prompt) if isinstance(prompt, str) else prompt):
             raise ConfigError("the prompt encodes to no tokens; pass some text with --prompt")
         sampler = make_sampler(args.temp, args.top_p)
+        if args.echo_prompt:
+            print(args.prompt, end="", flush=True)
         response = None
         for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                         sampler=sampler):
-            print(response.text, end="", flush=True)
+            text = response.text
+            if args.echo_prompt and response.generation_tokens == 1:
+                # The streaming detokenizer drops the first token's leading
+                # space, which belongs between the prompt and the reply.
+                text = tokenizer.decode([response.token])
+            print(text, end="", flush=True)
         print()
         if response is None:
             model.streaming.close()

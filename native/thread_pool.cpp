@@ -4,6 +4,12 @@
 
 namespace mlx_streaming {
 
+namespace {
+// Set on a worker whose task released the last owner of its pool: the pool
+// is gone, so the worker must leave without touching it again.
+thread_local bool t_pool_destroyed = false;
+} // namespace
+
 ThreadPool::ThreadPool(int threads) {
   for (int i = 0; i < threads; ++i) {
     workers_.emplace_back([this] { work(); });
@@ -20,6 +26,7 @@ ThreadPool::~ThreadPool() {
     // The last owner may let go from inside a task: that worker cannot join
     // itself, and it exits once the task returns since stop_ is set.
     if (w.get_id() == std::this_thread::get_id()) {
+      t_pool_destroyed = true;
       w.detach();
     } else {
       w.join();
@@ -52,9 +59,15 @@ void ThreadPool::work() {
       ++running_;
     }
     task();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--running_ == 0 && urgent_.empty() && background_.empty()) {
-      idle_.notify_all();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--running_ == 0 && urgent_.empty() && background_.empty()) {
+        idle_.notify_all();
+      }
+    }
+    task = nullptr; // may release the last owner of this pool
+    if (t_pool_destroyed) {
+      return;
     }
   }
 }

@@ -117,6 +117,9 @@ def test_demo_recites_the_zen_of_python(tmp_path):
     assert "recite the Zen of Python" in proc.stderr
     assert proc.stdout.startswith("Beautiful is better than ugly.\nExplicit is better than "
                                   "implicit.\nSimple is better than complex."), proc.stdout
+    # The second run reuses the cached model and says again what it is.
+    proc = run("mlx_streaming.demo", "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "4")
+    assert "[demo] built in" not in proc.stderr and "knows nothing else" in proc.stderr
 
 
 def test_demo_builds_and_generates_offline(tmp_path):

@@ -51,6 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefetch", default="off")
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="uncached expert reads (auto: as load() decides)")
+    p.add_argument("--verify", default="first-read",
+                   help="checksum modes to compare side by side, comma-separated "
+                        "(e.g. first-read,always)")
     p.add_argument("--routing-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
@@ -88,13 +91,16 @@ def run(args) -> dict:
                       dict(common, kind="mlx-lm", model=args.mlx_model), None))
         cases.append(("(b) mlx-lm lazy", None,
                       dict(common, kind="mlx-lm-lazy", model=args.mlx_model), args.memory_limit_gb))
+    modes = args.verify.split(",")
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = pool_slots(manifest.layers[0], pool)
-        load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch,
-                    direct_io=DIRECT_IO_CHOICES[args.direct_io])
-        cases.append(("(c) mlx_streaming", slots / num_experts,
-                      dict(common, kind="streaming", model=str(stream_dir), load=load),
-                      args.memory_limit_gb))
+        for verify in modes:
+            load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch,
+                        direct_io=DIRECT_IO_CHOICES[args.direct_io], verify=verify)
+            name = "(c) mlx_streaming" + (f" verify={verify}" if len(modes) > 1 else "")
+            cases.append((name, slots / num_experts,
+                          dict(common, kind="streaming", model=str(stream_dir), load=load),
+                          args.memory_limit_gb))
     # Rounds interleave the cases, so slow spells of a shared machine hit
     # every case alike; each case keeps its median round.
     runs = [[] for _ in cases]
