@@ -5,6 +5,7 @@
     mlx_streaming demo
     mlx_streaming bench {decode,cache,verify,prefill,io} ...
     mlx_streaming verify   DIR
+    mlx_streaming serve    --model DIR [--port 8080] [--max-queue N] [--memo-mb M]
 """
 
 import importlib
@@ -19,6 +20,7 @@ COMMANDS = {
     "demo": "mlx_streaming.demo",
     "bench": "mlx_streaming.bench.__main__",
     "verify": "mlx_streaming.verify",
+    "serve": "mlx_streaming.server",
 }
 
 

@@ -1,0 +1,451 @@
+"""An OpenAI-compatible server on a streamed model.
+
+    python -m mlx_streaming.server --model DIR [--cache-gb X | --slots-per-layer N]
+        [--host 127.0.0.1] [--port 8080] [--max-queue 4] [--memo-mb 64] [...]
+
+This is mlx-lm's own server (``mlx_lm.server``: HTTP handling, request
+parsing, chat templates, SSE streaming, stop strings, logprobs, tool calls,
+its prompt cache) with the streaming loader plugged in where it loads
+models. On top of it:
+
+- one generation at a time on the model's pools, requests served in
+  arrival order; beyond ``--max-queue`` waiting requests the answer is 429
+  with ``Retry-After``, never a hang;
+- OpenAI-style 4xx errors for bad JSON, bad parameters, an unknown model id
+  and a prompt longer than the model's context;
+- ``GET /v1/stats``: the model's streaming counters and recent requests;
+- ``--memo-mb N``: greedy (temperature 0) requests equal to an earlier one
+  are answered from a bounded in-memory LRU of responses, marked by the
+  ``X-MLX-Streaming-Memo: hit`` header; sampled requests never are.
+
+Every mlx-lm server flag is accepted too (``--temp``, ``--max-tokens``,
+``--chat-template`` ...), and every ``load`` option (``--prefetch`` ...).
+"""
+
+import argparse
+import collections
+import io
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+from unittest import mock
+
+from .cli import run_main
+from .config import add_config_flags, config_from_args
+from .errors import ConfigError
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+DEFAULT_MAX_QUEUE = 4
+MEMO_HEADER = "X-MLX-Streaming-Memo"
+RECENT_REQUESTS = 32
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming serve", description=__doc__, add_help=True,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait while one runs; more get HTTP 429")
+    p.add_argument("--memo-mb", type=float, default=0,
+                   help="memory for memoised greedy responses, in MB (0: off)")
+    add_config_flags(p)
+    return p
+
+
+def mlx_lm_server_args(argv) -> argparse.Namespace:
+    """mlx-lm's server options for ``argv``, parsed by mlx-lm's own parser.
+
+    mlx-lm builds its parser inside ``main()``; running that main with its
+    ``run`` replaced yields the namespace without starting anything, so
+    every flag mlx-lm's server reads has its default.
+    """
+    import mlx_lm.server as mlx_server
+
+    captured = {}
+    with mock.patch.object(mlx_server, "run",
+                           lambda host, port, provider: captured.update(args=provider)), \
+            mock.patch.object(mlx_server, "ModelProvider", lambda args: args), \
+            mock.patch.object(mlx_server, "maybe_set_recommended_wired_limit", lambda: None), \
+            mock.patch.object(sys, "argv", ["mlx_streaming serve", *argv]):
+        mlx_server.main()
+    return captured["args"]
+
+
+class Admission:
+    """At most one running request and ``max_queue`` waiting ones."""
+
+    def __init__(self, max_queue: int):
+        self.limit = 1 + max_queue
+        self.active = 0
+        self.lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self.lock:
+            if self.active >= self.limit:
+                return False
+            self.active += 1
+            return True
+
+    def leave(self) -> None:
+        with self.lock:
+            self.active -= 1
+
+
+class Memo:
+    """A bounded LRU of whole HTTP responses (status line, headers, body)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: "collections.OrderedDict[str, bytes]" = collections.OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> Optional[bytes]:
+        with self.lock:
+            data = self.entries.get(key)
+            if data is not None:
+                self.entries.move_to_end(key)
+                self.hits += 1
+            return data
+
+    def put(self, key: str, data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            return
+        with self.lock:
+            if key in self.entries:
+                self.nbytes -= len(self.entries.pop(key))
+            self.entries[key] = data
+            self.nbytes += len(data)
+            while self.nbytes > self.max_bytes:
+                self.nbytes -= len(self.entries.popitem(last=False)[1])
+
+
+class Service:
+    """What the handlers share: the served model's identity, admission,
+    the memo and the record of recent requests."""
+
+    def __init__(self, provider, max_queue: int, memo_mb: float):
+        self.provider = provider
+        self.path = str(provider.cli_args.model)
+        self.model_id = Path(self.path).name
+        self.admission = Admission(max_queue)
+        self.memo = Memo(int(memo_mb * 1e6)) if memo_mb > 0 else None
+        self.recent = collections.deque(maxlen=RECENT_REQUESTS)
+        self.lock = threading.Lock()
+
+    def known_model(self, name) -> bool:
+        return name in ("default_model", self.model_id, self.path)
+
+    def context_length(self) -> Optional[int]:
+        args = getattr(self.provider.model, "args", None)
+        return getattr(args, "max_position_embeddings", None)
+
+    def record(self, tokens: int, seconds: float, first_token_s: Optional[float]) -> None:
+        with self.lock:
+            self.recent.append(dict(tokens=tokens, seconds=seconds, ttft_s=first_token_s))
+
+    def stats(self) -> dict:
+        from .stats import stats
+
+        with self.lock:
+            recent = list(self.recent)
+        tokens = sum(r["tokens"] for r in recent)
+        seconds = sum(r["seconds"] for r in recent)
+        report = stats(self.provider.model) if self.provider.model is not None else {}
+        return dict(
+            model=self.model_id,
+            streaming=report,
+            recent_requests=len(recent),
+            recent_tokens_per_s=tokens / seconds if seconds else None,
+            memo=None if self.memo is None else dict(
+                entries=len(self.memo.entries), bytes=self.memo.nbytes, hits=self.memo.hits),
+            queue=dict(active=self.admission.active, limit=self.admission.limit),
+        )
+
+
+def _counting(service: Service, generate):
+    """Wrap ``ResponseGenerator.generate`` to record each request's tokens,
+    time to first token and duration."""
+
+    def wrapped(request, args, progress_callback=None):
+        start = time.perf_counter()
+        ctx, response = generate(request, args, progress_callback)
+
+        def tokens():
+            n, first = 0, None
+            try:
+                for item in response:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    n += 1
+                    yield item
+            finally:
+                service.record(n, time.perf_counter() - start, first)
+
+        return ctx, tokens()
+
+    return wrapped
+
+
+class _Tee:
+    """A write-through copy of what a handler sends, for the memo."""
+
+    def __init__(self, out):
+        self.out = out
+        self.data = io.BytesIO()
+
+    def write(self, b):
+        self.data.write(b)
+        return self.out.write(b)
+
+    def flush(self):
+        return self.out.flush()
+
+    @property
+    def closed(self):
+        return self.out.closed
+
+    def close(self):
+        return self.out.close()
+
+
+def make_handler(base):
+    """The request handler: mlx-lm's ``APIHandler`` with admission,
+    validation, the memo and the extra endpoints."""
+
+    class StreamingAPIHandler(base):
+        service: Service = None  # set on the class by ``serve``
+
+        def do_GET(self):
+            if self.path == "/v1/stats":
+                return self._json(200, self.service.stats())
+            if self.path.rstrip("/") == "/v1/models":
+                return self._json(200, {"object": "list", "data": [
+                    {"id": self.service.model_id, "object": "model", "created": self.created,
+                     "owned_by": "mlx_streaming"}]})
+            return super().do_GET()
+
+        def do_POST(self):
+            if self.path not in COMPLETION_PATHS:
+                return super().do_POST()
+            raw = self._read_body()
+            if raw is None:
+                return
+            body = self._parse(raw)
+            if body is None or not self._valid(body):
+                return
+            memo = self.service.memo
+            key = self._memo_key(body) if memo is not None else None
+            cached = memo.get(key) if key is not None else None
+            if cached is not None:  # answered without the model, so without queueing
+                self.wfile.write(cached.replace(
+                    b"\r\n", f"\r\n{MEMO_HEADER}: hit\r\n".encode(), 1))
+                self.wfile.flush()
+                return
+            if not self.service.admission.enter():
+                return self._error(429, "the server is busy: too many requests are waiting; "
+                                   "retry later", "rate_limit_exceeded",
+                                   headers={"Retry-After": "1"})
+            try:
+                self._serve(raw, body, key)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client left; mlx-lm has stopped its generation
+            finally:
+                self.service.admission.leave()
+
+        def _serve(self, raw: bytes, body: dict, key: Optional[str]):
+            memo = self.service.memo
+            self.memo_status = "miss" if key is not None else "off"
+            self.rfile = io.BytesIO(raw)
+            tee = self.wfile = _Tee(self.wfile) if key is not None else self.wfile
+            super().do_POST()
+            if key is not None:
+                data = tee.data.getvalue()
+                if data.startswith(b"HTTP/1.1 200") or data.startswith(b"HTTP/1.0 200"):
+                    head, _, rest = data.partition(f"{MEMO_HEADER}: miss\r\n".encode())
+                    memo.put(key, head + rest)
+
+        def _memo_key(self, body: dict) -> Optional[str]:
+            default = self.response_generator.cli_args.temp
+            if float(body.get("temperature", default)) != 0:
+                return None  # sampled: never memoised
+            return self.path + "\n" + json.dumps(body, sort_keys=True)
+
+        def _set_completion_headers(self, status_code: int = 200):
+            super()._set_completion_headers(status_code)
+            self._memo_header()
+
+        def _set_stream_headers(self, status_code: int = 200):
+            super()._set_stream_headers(status_code)
+            self._memo_header()
+
+        def _memo_header(self):
+            status = getattr(self, "memo_status", "off")
+            if status != "off":
+                self.send_header(MEMO_HEADER, status)
+
+        # -- validation: OpenAI-style 4xx errors -----------------------------
+
+        def _read_body(self) -> Optional[bytes]:
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self._error(411, "a Content-Length header with the body size is required")
+                return None
+            if length < 0:
+                self._error(400, "Content-Length must not be negative")
+                return None
+            return self.rfile.read(length)
+
+        def _parse(self, raw: bytes) -> Optional[dict]:
+            try:
+                body = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                self._error(400, f"the request body is not valid JSON ({e})")
+                return None
+            if not isinstance(body, dict):
+                self._error(400, "the request body must be a JSON object")
+                return None
+            return body
+
+        def _valid(self, body: dict) -> bool:
+            model = body.get("model", "default_model")
+            if not isinstance(model, str) or not self.service.known_model(model):
+                self._error(404, f"the model {model!r} does not exist; this server serves "
+                            f"{self.service.model_id!r}", "model_not_found", param="model")
+                return False
+            for name in ("max_tokens", "max_completion_tokens"):
+                value = body.get(name)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                          or value < 1):
+                    self._error(400, f"{name} must be a positive integer, got {value!r}",
+                                param=name)
+                    return False
+            temperature = body.get("temperature", 0)
+            if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
+                    or not math.isfinite(temperature) or temperature < 0:
+                self._error(400, f"temperature must be a number of 0 or more, got "
+                            f"{temperature!r}", param="temperature")
+                return False
+            field = "prompt" if self.path == "/v1/completions" else "messages"
+            if field not in body:
+                self._error(400, f"'{field}' is required", param=field)
+                return False
+            return self._fits_context(body, field)
+
+        def _fits_context(self, body: dict, field: str) -> bool:
+            tokenizer = self.service.provider.tokenizer
+            limit = self.service.context_length()
+            if tokenizer is None or limit is None:
+                return True
+            try:
+                if field == "prompt":
+                    prompt = body["prompt"]
+                    n = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+                else:
+                    n = len(tokenizer.apply_chat_template(
+                        body["messages"], tools=body.get("tools"), add_generation_prompt=True))
+            except Exception:
+                return True  # mlx-lm's own parsing reports what is wrong
+            if n > limit:
+                self._error(400, f"the prompt has {n} tokens, more than the model's context of "
+                            f"{limit}; shorten it", "context_length_exceeded", param=field)
+                return False
+            return True
+
+        def _error(self, status: int, message: str, code: Optional[str] = None,
+                   param: Optional[str] = None, headers: Optional[dict] = None):
+            kind = {429: "rate_limit_error", 404: "invalid_request_error"}.get(
+                status, "invalid_request_error")
+            self._json(status, {"error": {"message": message, "type": kind, "param": param,
+                                          "code": code}}, headers)
+
+        def _json(self, status: int, obj, headers: Optional[dict] = None):
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self._set_cors_headers()
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+
+        def log_message(self, format, *args):
+            pass  # one line per request on stderr is noise for a local tool
+
+    return StreamingAPIHandler
+
+
+def make_provider(mlx_args: argparse.Namespace, config):
+    """mlx-lm's ``ModelProvider`` loading with ``mlx_streaming.load``."""
+    import mlx_lm.server as mlx_server
+
+    from .loader import load
+
+    class StreamingModelProvider(mlx_server.ModelProvider):
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            if adapter_path is not None or draft_model_path is not None:
+                raise ValueError("adapters and draft models are not supported on a streamed "
+                                 "model")
+            self.reset()
+            model, tokenizer, model_config = load(
+                model_path, tokenizer_config=self._tokenizer_config, return_config=True,
+                trust_remote_code=self.cli_args.trust_remote_code, config=config)
+            if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+                tokenizer.chat_template = tokenizer.default_chat_template
+            self.model_key = (model_path, adapter_path, draft_model_path)
+            self.model, self.tokenizer = model, tokenizer
+            self.processor = mlx_server.load_processor(model, model_config)
+            self.draft_model = None
+            # One generation at a time: requests are never batched onto the
+            # pools together (mlx-lm then serves them in arrival order).
+            self.is_batchable = False
+
+    return StreamingModelProvider(mlx_args)
+
+
+def serve(args, mlx_args) -> None:
+    import mlx_lm.server as mlx_server
+    from mlx_lm.models.cache import LRUPromptCache
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if not 0 <= args.memo_mb <= 1e6:
+        raise ConfigError(f"--memo-mb must be between 0 and 1e6, got {args.memo_mb}")
+    config = config_from_args(args)
+    provider = make_provider(mlx_args, config)
+    provider.load_default()  # load errors are one line, before the port opens
+    service = Service(provider, args.max_queue, args.memo_mb)
+    generator = mlx_server.ResponseGenerator(
+        provider, LRUPromptCache(mlx_args.prompt_cache_size))
+    generator.generate = _counting(service, generator.generate)
+    handler = make_handler(mlx_server.APIHandler)
+    handler.service = service
+    print(f"[mlx_streaming] serving {service.model_id} on http://{mlx_args.host}:"
+          f"{mlx_args.port} (reader: {provider.model.streaming.reader.name}, "
+          f"max queue {args.max_queue})", file=sys.stderr, flush=True)
+    mlx_server._run_http_server(mlx_args.host, mlx_args.port, generator,
+                                handler_class=handler)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ours, rest = setup_arg_parser().parse_known_args(argv)
+
+    def body():
+        mlx_args = mlx_lm_server_args(["--model", ours.model, *rest])
+        serve(ours, mlx_args)
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The OpenAI-compatible server, driven as a user's tools drive it: a real
+server process on a free port, the real ``openai`` client."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import mlx_lm
+import openai
+import pytest
+
+MEMO = "X-MLX-Streaming-Memo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, stream_dir, *flags):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_streaming.server", "--model", str(stream_dir),
+             "--port", str(self.port), *flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def post(self, path, body, raw: bytes = None):
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, dict(r.headers), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), json.loads(e.read())
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    s = Server(stream_dir, "--slots-per-layer", "4", "--max-queue", "0", "--memo-mb", "4")
+    yield s
+    err = s.stop()
+    assert "Traceback" not in err, err
+
+
+def test_chat_and_completions_stream_and_not(server):
+    c = server.client
+    chat = c.chat.completions.create(model="default_model", max_tokens=6, temperature=0,
+                                     messages=[{"role": "user", "content": "def f(x):"}])
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 6
+    pieces = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="default_model", max_tokens=6, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "def f(x):"}])]
+    assert "".join(pieces) == chat.choices[0].message.content
+    text = c.completions.create(model="default_model", prompt="import os", max_tokens=5,
+                                temperature=0)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 5
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="default_model", prompt="import os", max_tokens=5, temperature=0, stream=True))
+    assert streamed == text.choices[0].text
+
+
+def test_greedy_token_ids_equal_mlx_lm_resident(server, models):
+    src, _ = models.get("qwen3_moe", quantized=True)
+    model, tokenizer = mlx_lm.load(str(src))
+    prompt = "class Foo:"
+    expected = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=12)]
+    status, _, body = server.post("/v1/completions", dict(
+        prompt=prompt, max_tokens=12, temperature=0, logprobs=True, seed=1))
+    assert status == 200
+    assert [t["id"] for t in body["choices"][0]["logprobs"]["content"]] == expected
+
+
+def test_stop_strings(server, models):
+    """mlx-lm matches stop strings on tokens: stop at a whole token of the
+    greedy continuation."""
+    _, tokenizer = mlx_lm.load(str(models.get("qwen3_moe", quantized=True)[0]))
+    request = dict(prompt="for i in range(", max_tokens=16, temperature=0)
+    _, _, body = server.post("/v1/completions", dict(request, logprobs=True))
+    full = body["choices"][0]["text"]
+    ids = [t["id"] for t in body["choices"][0]["logprobs"]["content"]]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    at = next(i for i, p in enumerate(pieces)
+              if i >= 2 and p.strip() and p.isascii() and p.isprintable())
+    cut = server.client.completions.create(model="default_model", stop=[pieces[at]],
+                                           **request).choices[0]
+    assert cut.finish_reason == "stop"
+    assert full.startswith(cut.text) and len(cut.text) < len(full)
+
+
+@pytest.mark.parametrize("body, raw, status, code", [
+    (None, b"{not json", 400, None),
+    ({"prompt": "x", "max_tokens": -5}, None, 400, None),
+    ({"prompt": "x", "max_tokens": 0}, None, 400, None),
+    ({"prompt": "x", "model": "gpt-4"}, None, 404, "model_not_found"),
+    ({"prompt": "x", "temperature": "hot"}, None, 400, None),
+    ({"max_tokens": 3}, None, 400, None),
+    ({"prompt": "def " * 1100, "max_tokens": 3}, None, 400, "context_length_exceeded"),
+])
+def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
+    got, _, reply = server.post("/v1/completions", body, raw)
+    assert got == status, reply
+    error = reply["error"]
+    assert isinstance(error["message"], str) and error["type"] == "invalid_request_error"
+    assert error["code"] == code
+
+
+def test_openai_client_sees_the_errors(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model="default_model", prompt="x", max_tokens=-1)
+
+
+def test_busy_server_answers_429_then_serves(server):
+    """--max-queue 0: while one request runs, another is refused at once."""
+    started = threading.Event()
+    done = []
+
+    def long_request():
+        stream = server.client.completions.create(model="default_model", prompt="def ",
+                                                  max_tokens=300, temperature=0.7, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                started.set()
+        done.append(True)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert started.wait(60)
+    status, headers, reply = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                             "temperature": 0.5})
+    assert status == 429 and headers.get("Retry-After") == "1", reply
+    assert reply["error"]["type"] == "rate_limit_error"
+    t.join(120)
+    assert done
+    status, _, _ = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                   "temperature": 0.5})
+    assert status == 200
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    body = json.dumps({"prompt": "def ", "max_tokens": 500, "temperature": 0.7,
+                       "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    received = b""
+    while received.count(b"data: ") < 2:  # chunks are flowing: the generation runs
+        received += sock.recv(4096)
+    assert received.startswith(b"HTTP/1.0 200")
+    sock.close()
+    deadline, status = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        status, _, _ = server.post("/v1/completions", {"prompt": "x", "max_tokens": 3,
+                                                       "temperature": 0.5})
+        if status == 200:
+            break
+        time.sleep(0.2)  # the generator notices at its next token
+    assert status == 200, "the abandoned request still holds the model"
+
+
+def test_memo_serves_repeated_greedy_requests_only(server):
+    c = server.client.with_options(max_retries=0)
+    body = dict(model="default_model", prompt="while True:", max_tokens=7, temperature=0)
+    first = c.completions.with_raw_response.create(**body)
+    second = c.completions.with_raw_response.create(**body)
+    assert first.headers[MEMO] == "miss" and second.headers[MEMO] == "hit"
+    assert first.parse().choices[0].text == second.parse().choices[0].text
+    heads, texts = [], []
+    for _ in range(2):  # streamed: the memo replays the whole event stream
+        raw = c.completions.with_raw_response.create(**body, stream=True)
+        heads.append(raw.headers[MEMO])
+        texts.append("".join(chunk.choices[0].text for chunk in raw.parse()))
+    assert heads == ["miss", "hit"] and texts[0] == texts[1] == first.parse().choices[0].text
+    sampled = [c.completions.with_raw_response.create(**dict(body, temperature=0.9))
+               for _ in range(2)]
+    assert all(MEMO not in s.headers for s in sampled)
+
+
+def test_models_and_stats(server, models):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    assert [m.id for m in server.client.models.list().data] == [stream_dir.name]
+    with urllib.request.urlopen(server.url + "/v1/stats") as r:
+        stats = json.loads(r.read())
+    assert stats["streaming"]["slots_per_layer"] == 4
+    assert stats["streaming"]["total"]["hits"] + stats["streaming"]["total"]["misses"] > 0
+    assert stats["recent_requests"] > 0 and stats["recent_tokens_per_s"] > 0
+
+
+def test_bad_model_dir_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mlx_streaming.server", "--model",
+                           str(tmp_path / "nope"), "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
