@@ -46,7 +46,7 @@ RECENT_REQUESTS = 32
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mlx_streaming serve", description=__doc__, add_help=True,
+        prog="mlx_streaming serve", description=__doc__, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,

@@ -115,3 +115,15 @@ def test_bench_io_prefetch_decode_runs(models, tmp_path):
     assert off["issued"] == 0 and on["issued"] > 0
     # Prefetch adds no host sync: at most one per MoE layer per token.
     assert on["syncs_per_token"] == off["syncs_per_token"]
+
+
+def test_bench_serve_compares_with_mlx_lm_server(models, tmp_path):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    _run(["serve", "--model", str(stream_dir), "--mlx-model", str(src), "--clients", "1,2",
+          "--requests", "2", "--max-tokens", "4", "--rounds", "1"], tmp_path / "serve")
+    rows = json.loads((tmp_path / "serve" / "serve.json").read_text())["rows"]
+    assert sorted((r["server"].split()[0], r["clients"]) for r in rows) == [
+        ("mlx_lm.server", 1), ("mlx_lm.server", 2), ("mlx_streaming", 1), ("mlx_streaming", 2)]
+    assert all(r["requests"] == 2 and r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0
+               for r in rows)
+    assert (tmp_path / "serve" / "serve.png").exists()

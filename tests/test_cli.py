@@ -46,6 +46,8 @@ def test_generate_prints_numbers_and_writes_json(qwen, tmp_path):
 def test_console_script_dispatches(qwen):
     proc = run("mlx_streaming", "verify", str(qwen[1]))
     assert "match their checksums" in proc.stdout
+    proc = run("mlx_streaming", "serve", "--help")
+    assert "--max-queue" in proc.stdout and "--memo-mb" in proc.stdout
     proc = run("mlx_streaming", "frobnicate", check_ok=False)
     assert proc.returncode == 2 and "unknown command" in proc.stderr
 

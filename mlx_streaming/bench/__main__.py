@@ -7,6 +7,7 @@ PNG plot into --out.
     python -m mlx_streaming.bench verify  --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench prefill --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench io      [--model STREAM]
+    python -m mlx_streaming.bench serve   --model STREAM --mlx-model MLX [--clients 1,4]
 """
 
 import argparse
@@ -15,7 +16,7 @@ import sys
 
 from ..cli import run_main
 
-SUBCOMMANDS = ("decode", "cache", "verify", "prefill", "io")
+SUBCOMMANDS = ("decode", "cache", "verify", "prefill", "io", "serve")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
