@@ -42,8 +42,7 @@ from .format import (
     Manifest,
     dtype_name,
     experts_dir,
-    fsync_dir,
-    fsync_file,
+    fsync_path,
     layer_from_dict,
     layout_record,
     manifest_path,
@@ -255,7 +254,7 @@ def _write_spine(model, streamed: set, dst: Path) -> None:
             raise ConversionError(
                 f"cannot write {tmp} ({e}); check that the disk has room and is writable"
             ) from None
-        fsync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, dst / name)
         weight_map.update({k: name for k in shard})
         # Free the shard's evaluated tensors before the next one.
@@ -277,8 +276,8 @@ def _fsync_written(dst: Path) -> None:
     for pattern in (*TOKENIZER_PATTERNS, "*.safetensors"):
         for f in dst.glob(pattern):
             if f.is_file():
-                fsync_file(f)
-    fsync_dir(dst)
+                fsync_path(f)
+    fsync_path(dst)
 
 
 def _clear_dst(dst: Path) -> None:
@@ -298,7 +297,7 @@ def _clear_dst(dst: Path) -> None:
         names.update(f.name for f in dst.glob(pattern) if f.is_file())
     for name in names:
         (dst / name).unlink(missing_ok=True)
-    fsync_dir(dst)
+    fsync_path(dst)
 
 
 def _check_not_source(src: Path, dst: Path) -> None:
