@@ -14,6 +14,7 @@ read from the blob files, and the text that comes out is recognisable.
 
 import argparse
 import contextlib
+import os
 import shutil
 import sys
 import time
@@ -88,6 +89,21 @@ def demo_model(cache_dir: Path = DEFAULT_CACHE_DIR, rebuild: bool = False,
     return stream_dir
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Send file descriptor 1 to stderr: native code (the Rust tokenizer
+    trainer) writes there without going through ``sys.stdout``."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mlx_streaming demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,8 +120,9 @@ def main(argv=None) -> int:
     def body():
         from . import generate
 
-        # mlx-lm prints while it quantizes: stdout is for the generated text.
-        with contextlib.redirect_stdout(sys.stderr):
+        # mlx-lm and the tokenizer trainer print while the model is built:
+        # stdout is for the generated text.
+        with _stdout_to_stderr():
             stream_dir = demo_model(args.cache_dir, args.rebuild, args.train_steps,
                                     log=lambda m: print(m, file=sys.stderr))
         half = DEMO_CONFIG["num_experts"] // 2
