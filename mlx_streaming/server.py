@@ -27,6 +27,7 @@ import collections
 import io
 import json
 import math
+import socket
 import sys
 import threading
 import time
@@ -42,6 +43,8 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completion
 DEFAULT_MAX_QUEUE = 4
 MEMO_HEADER = "X-MLX-Streaming-Memo"
 RECENT_REQUESTS = 32
+MAX_BODY_BYTES = 32 << 20
+CLIENT_TIMEOUT_S = 120
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -115,15 +118,16 @@ class Memo:
             return data
 
     def put(self, key: str, data: bytes) -> None:
-        if len(data) > self.max_bytes:
+        if len(key) + len(data) > self.max_bytes:
             return
         with self.lock:
             if key in self.entries:
-                self.nbytes -= len(self.entries.pop(key))
+                self.nbytes -= len(key) + len(self.entries.pop(key))
             self.entries[key] = data
-            self.nbytes += len(data)
+            self.nbytes += len(key) + len(data)
             while self.nbytes > self.max_bytes:
-                self.nbytes -= len(self.entries.popitem(last=False)[1])
+                old_key, old = self.entries.popitem(last=False)
+                self.nbytes -= len(old_key) + len(old)
 
 
 class Service:
@@ -193,15 +197,25 @@ def _counting(service: Service, generate):
     return wrapped
 
 
-class _Tee:
-    """A write-through copy of what a handler sends, for the memo."""
+class _Output:
+    """What a handler writes, passed through. It turns mlx-lm's own error
+    responses (``{"error": "text"}``, a 404 for any request it cannot
+    serve) into OpenAI-style 400s, and keeps a copy for the memo."""
 
-    def __init__(self, out):
+    def __init__(self, out, record: bool):
         self.out = out
-        self.data = io.BytesIO()
+        self.copy = io.BytesIO() if record else None
+        self.held = None
 
     def write(self, b):
-        self.data.write(b)
+        b = bytes(b)
+        if self.held is None and b.startswith(b"HTTP/") and b.split(b" ", 2)[1][:1] == b"4":
+            self.held = b  # an error's status line and headers: wait for its body
+            return len(b)
+        if self.held is not None:
+            b, self.held = _openai_error(self.held, b), None
+        if self.copy is not None:
+            self.copy.write(b)
         return self.out.write(b)
 
     def flush(self):
@@ -215,6 +229,70 @@ class _Tee:
         return self.out.close()
 
 
+def _openai_error(head: bytes, body: bytes) -> bytes:
+    try:
+        message = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip()
+    if not isinstance(message, str):
+        return head + body
+    # The model was already checked: what mlx-lm refuses is the request.
+    status_line, _, rest = head.partition(b"\r\n")
+    version = status_line.split(b" ", 1)[0]
+    head = version + b" 400 Bad Request\r\n" + rest
+    return head + json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                        "param": None, "code": None}}).encode()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _check_fields(body: dict, completion: bool, vocab: Optional[int]):
+    """The first problem with the request's fields as ``(field, message)``,
+    or None. Checked here because mlx-lm lets some through to a crash."""
+    if completion:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) and prompt) and not (
+                isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+            return "prompt", "'prompt' must be a non-empty string or a list of token ids"
+        if isinstance(prompt, list) and vocab and not all(0 <= t < vocab for t in prompt):
+            return "prompt", f"token ids must be from 0 to {vocab - 1}"
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            return "messages", "'messages' must be a non-empty list of objects with a 'role'"
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and len(stop) <= 16 and all(isinstance(x, str) for x in stop)):
+        return "stop", "'stop' must be a string or a list of at most 16 strings"
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(
+                isinstance(k, str) and k.lstrip("-").isdigit() and _is_number(v)
+                for k, v in bias.items()):
+            return "logit_bias", "'logit_bias' must map token ids to numbers"
+        if vocab and not all(0 <= int(k) < vocab for k in bias):
+            return "logit_bias", f"'logit_bias' token ids must be from 0 to {vocab - 1}"
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**63):
+        return "seed", "'seed' must be an integer from 0 to 2**63 - 1"
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(
+            options.get("include_usage", False), bool)):
+        return "stream_options", "'stream_options' must be an object like {\"include_usage\": true}"
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        value = body.get(name)
+        if value is not None and not (_is_int(value) and 0 <= value <= 1 << 20):
+            return name, f"'{name}' must be an integer from 0 to {1 << 20}"
+    return None
+
+
 def make_handler(base):
     """The request handler: mlx-lm's ``APIHandler`` with admission,
     validation, the memo and the extra endpoints."""
@@ -223,17 +301,30 @@ def make_handler(base):
         service: Service = None  # set on the class by ``serve``
 
         def do_GET(self):
-            if self.path == "/v1/stats":
+            path = self.path.split("?", 1)[0].rstrip("/")
+            if path == "/v1/stats":
                 return self._json(200, self.service.stats())
-            if self.path.rstrip("/") == "/v1/models":
-                return self._json(200, {"object": "list", "data": [
-                    {"id": self.service.model_id, "object": "model", "created": self.created,
-                     "owned_by": "mlx_streaming"}]})
+            if path == "/v1/models":
+                return self._json(200, {"object": "list", "data": [self._model_card()]})
+            if path.startswith("/v1/models/"):
+                if self.service.known_model(path[len("/v1/models/"):]):
+                    return self._json(200, self._model_card())
+                return self._error(404, "no such model", "model_not_found")
             return super().do_GET()
+
+        def _model_card(self):
+            return {"id": self.service.model_id, "object": "model", "created": self.created,
+                    "owned_by": "mlx_streaming"}
 
         def do_POST(self):
             if self.path not in COMPLETION_PATHS:
                 return super().do_POST()
+            try:
+                self._post()
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                pass  # the client left; mlx-lm stops a generation it was streaming
+
+        def _post(self):
             raw = self._read_body()
             if raw is None:
                 return
@@ -253,23 +344,26 @@ def make_handler(base):
                                    "retry later", "rate_limit_exceeded",
                                    headers={"Retry-After": "1"})
             try:
-                self._serve(raw, body, key)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client left; mlx-lm has stopped its generation
+                self._generate(raw, key)
             finally:
                 self.service.admission.leave()
 
-        def _serve(self, raw: bytes, body: dict, key: Optional[str]):
-            memo = self.service.memo
+        def _generate(self, raw: bytes, key: Optional[str]):
             self.memo_status = "miss" if key is not None else "off"
             self.rfile = io.BytesIO(raw)
-            tee = self.wfile = _Tee(self.wfile) if key is not None else self.wfile
+            out = self.wfile = _Output(self.wfile, record=key is not None)
             super().do_POST()
             if key is not None:
-                data = tee.data.getvalue()
-                if data.startswith(b"HTTP/1.1 200") or data.startswith(b"HTTP/1.0 200"):
+                data = out.copy.getvalue()
+                if data.split(b" ", 2)[1:2] == [b"200"] and self._complete(data):
                     head, _, rest = data.partition(f"{MEMO_HEADER}: miss\r\n".encode())
-                    memo.put(key, head + rest)
+                    self.service.memo.put(key, head + rest)
+
+        def _complete(self, data: bytes) -> bool:
+            """A whole answer, not one cut short by a failure mid-stream."""
+            if b"text/event-stream" in data.split(b"\r\n\r\n", 1)[0]:
+                return data.rstrip().endswith(b"data: [DONE]")
+            return True
 
         def _memo_key(self, body: dict) -> Optional[str]:
             default = self.response_generator.cli_args.temp
@@ -301,7 +395,11 @@ def make_handler(base):
             if length < 0:
                 self._error(400, "Content-Length must not be negative")
                 return None
-            return self.rfile.read(length)
+            if length > MAX_BODY_BYTES:
+                self._error(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MB")
+                return None
+            raw = self.rfile.read(length)
+            return raw if len(raw) == length else None  # the client left mid-body
 
         def _parse(self, raw: bytes) -> Optional[dict]:
             try:
@@ -333,11 +431,22 @@ def make_handler(base):
                 self._error(400, f"temperature must be a number of 0 or more, got "
                             f"{temperature!r}", param="temperature")
                 return False
-            field = "prompt" if self.path == "/v1/completions" else "messages"
-            if field not in body:
-                self._error(400, f"'{field}' is required", param=field)
+            problem = _check_fields(body, self.path == "/v1/completions", self._vocab_size())
+            if problem is not None:
+                self._error(400, problem[1], param=problem[0])
                 return False
+            field = "prompt" if self.path == "/v1/completions" else "messages"
+            limit = self.service.context_length()
+            for name in ("max_tokens", "max_completion_tokens"):
+                if limit is not None and (body.get(name) or 0) > limit:
+                    self._error(400, f"{name} {body[name]} exceeds the model's context of "
+                                f"{limit} tokens", "context_length_exceeded", param=name)
+                    return False
             return self._fits_context(body, field)
+
+        def _vocab_size(self) -> Optional[int]:
+            args = getattr(self.service.provider.model, "args", None)
+            return getattr(args, "vocab_size", None)
 
         def _fits_context(self, body: dict, field: str) -> bool:
             tokenizer = self.service.provider.tokenizer
@@ -381,6 +490,9 @@ def make_handler(base):
         def log_message(self, format, *args):
             pass  # one line per request on stderr is noise for a local tool
 
+        # A client that stops sending is dropped instead of holding a thread.
+        timeout = CLIENT_TIMEOUT_S
+
     return StreamingAPIHandler
 
 
@@ -421,6 +533,7 @@ def serve(args, mlx_args) -> None:
     if not 0 <= args.memo_mb <= 1e6:
         raise ConfigError(f"--memo-mb must be between 0 and 1e6, got {args.memo_mb}")
     config = config_from_args(args)
+    _check_address(mlx_args.host, mlx_args.port)
     provider = make_provider(mlx_args, config)
     provider.load_default()  # load errors are one line, before the port opens
     service = Service(provider, args.max_queue, args.memo_mb)
@@ -434,6 +547,22 @@ def serve(args, mlx_args) -> None:
           f"max queue {args.max_queue})", file=sys.stderr, flush=True)
     mlx_server._run_http_server(mlx_args.host, mlx_args.port, generator,
                                 handler_class=handler)
+
+
+def _check_address(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on, before the model
+    loads and the generation thread starts (which would keep the process)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be from 0 to 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
+                          "choose another --host or --port") from None
 
 
 def main(argv=None) -> int:

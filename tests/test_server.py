@@ -125,6 +125,15 @@ def test_stop_strings(server, models):
     ({"prompt": "x", "temperature": "hot"}, None, 400, None),
     ({"max_tokens": 3}, None, 400, None),
     ({"prompt": "def " * 1100, "max_tokens": 3}, None, 400, "context_length_exceeded"),
+    ({"prompt": "x", "max_tokens": 10**12}, None, 400, "context_length_exceeded"),
+    ({"prompt": "x", "logit_bias": {"99999999": 5}}, None, 400, None),  # was a segfault
+    ({"prompt": "x", "logit_bias": {"1": [1]}}, None, 400, None),
+    ({"prompt": ""}, None, 400, None),
+    ({"prompt": "x", "stop": 5}, None, 400, None),
+    ({"prompt": "x", "seed": 10**30, "temperature": 1}, None, 400, None),
+    ({"prompt": "x", "stream": True, "stream_options": "x"}, None, 400, None),
+    ({"prompt": "x", "top_p": 5}, None, 400, None),  # refused by mlx-lm, reworded here
+    ({"prompt": "x", "top_k": -1}, None, 400, None),
 ])
 def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
     got, _, reply = server.post("/v1/completions", body, raw)
@@ -132,6 +141,50 @@ def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
     error = reply["error"]
     assert isinstance(error["message"], str) and error["type"] == "invalid_request_error"
     assert error["code"] == code
+
+
+@pytest.mark.parametrize("messages", ["hi", [], [{"content": "no role"}], None])
+def test_invalid_chat_messages(server, messages):
+    got, _, reply = server.post("/v1/chat/completions", {"messages": messages})
+    assert got == 400 and reply["error"]["param"] == "messages"
+
+
+def test_oversized_or_truncated_bodies(server):
+    for length in (10**12, 10**30):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                     b"\r\n\r\n{" % length)
+        assert sock.recv(100).startswith(b"HTTP/1.0 413"), length
+        sock.close()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100"
+                 b"\r\n\r\n{\"prompt\": ")
+    sock.close()  # gone mid-body: nothing to answer, nothing logged
+    assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_memo_stays_bounded_with_large_requests(models):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    s = Server(stream_dir, "--slots-per-layer", "4", "--memo-mb", "0.5")
+    try:
+        for i in range(6):
+            body = {"prompt": f"x{i}", "max_tokens": 1, "temperature": 0, "junk": "j" * 200_000}
+            assert s.post("/v1/completions", body)[0] == 200
+        with urllib.request.urlopen(s.url + "/v1/stats") as r:
+            memo = json.loads(r.read())["memo"]
+        assert memo["bytes"] <= 0.5e6 and memo["entries"] <= 2
+    finally:
+        assert "Traceback" not in s.stop()
+
+
+def test_port_in_use_is_one_line(server, models):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    for port in (str(server.port), "99999"):
+        proc = subprocess.run([sys.executable, "-m", "mlx_streaming.server", "--model",
+                               str(stream_dir), "--port", port], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "--port" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_openai_client_sees_the_errors(server):
