@@ -28,7 +28,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="tokens to generate at most (0 or more)")
+                   help="tokens to generate at most (1 or more)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -42,14 +42,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Generation flags out of range are one-line errors."""
-    if args.max_tokens < 0:
-        raise ConfigError(f"--max-tokens must be 0 or more, got {args.max_tokens}")
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be 1 or more, got {args.max_tokens}")
     if not args.prompt:
         raise ConfigError("the prompt is empty; pass some text with --prompt")
     if not 0 <= args.temp < float("inf"):
         raise ConfigError(f"--temp must be 0 or a positive number, got {args.temp}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
 
 
 def format_prompt(tokenizer, prompt: str, ignore_template: bool):
@@ -135,8 +137,12 @@ def main(argv=None) -> int:
         summary = summarize(response, report)
         print_summary(summary)
         if args.stats_json:
-            with open(args.stats_json, "w") as f:
-                json.dump({"summary": summary, "stats": report}, f, indent=1)
+            try:
+                with open(args.stats_json, "w") as f:
+                    json.dump({"summary": summary, "stats": report}, f, indent=1)
+            except OSError as e:
+                raise ConfigError(f"cannot write --stats-json {args.stats_json} "
+                                  f"({e.strerror})") from None
         model.streaming.close()
 
     return run_main(body)

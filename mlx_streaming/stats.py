@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Dict, List
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:  # numpy is imported where used: the package imports this module
     import numpy as np
 
@@ -158,7 +160,10 @@ class TraceWriter(Observer):
 
     def __init__(self, path: str):
         self.path = path
-        self._file = open(path, "w")
+        try:
+            self._file = open(path, "w")
+        except OSError as e:
+            raise ConfigError(f"cannot write the trace to {path} ({e.strerror})") from None
 
     def on_route(self, layer, ids, experts):
         ids = ids.reshape(-1, ids.shape[-1])

@@ -352,8 +352,12 @@ def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, 
     (["--slots-per-layer", "-3"], "slots_per_layer must be at least 1"),
     (["--io-threads", "0"], "io_threads must be between 1 and 64"),
     (["--io-threads", "100000"], "io_threads must be between 1 and 64"),
-    (["--max-tokens", "-5"], "max-tokens must be 0 or more"),
+    (["--max-tokens", "-5"], "max-tokens must be 1 or more"),
+    (["--max-tokens", "0"], "max-tokens must be 1 or more"),
     (["--prompt", ""], "prompt is empty"),
+    (["--seed", str(10**30)], "seed must be from 0"),
+    (["--trace", "/"], "cannot write the trace to /"),
+    (["--stats-json", "/", "--max-tokens", "2"], "cannot write --stats-json /"),
 ])
 def test_bad_flags_are_one_line_errors(qwen, flags, message):
     proc = run("mlx_streaming.generate", "--model", str(qwen[1]), *flags, check_ok=False)
