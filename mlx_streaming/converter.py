@@ -281,8 +281,10 @@ def _fsync_written(dst: Path) -> None:
 
 
 def _clear_dst(dst: Path) -> None:
-    """Remove the model files of a stream or mlx-lm model directory that
-    ``--force`` replaces; any other file stays."""
+    """Remove what ``--force`` replaces in a stream or mlx-lm model
+    directory: blobs and manifest, spine and index, config, and every file
+    of the tokenizer patterns (``*.json``, ``*.txt``, ``*.model``, ...), since
+    a stale one would be the new model's. Other files stay."""
     # The manifest goes first: from here on the directory never looks complete.
     manifest_path(dst).unlink(missing_ok=True)
     experts = experts_dir(dst)

@@ -124,10 +124,11 @@ def main(argv=None) -> int:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                         sampler=sampler):
             text = response.text
-            if args.echo_prompt and response.generation_tokens == 1:
+            if args.echo_prompt and response.generation_tokens == 1 and text and \
+                    not text[0].isspace() and tokenizer.decode([response.token]).startswith(" "):
                 # The streaming detokenizer drops the first token's leading
                 # space, which belongs between the prompt and the reply.
-                text = tokenizer.decode([response.token])
+                text = " " + text
             print(text, end="", flush=True)
         print()
         if response is None:

@@ -37,7 +37,7 @@ from unittest import mock
 
 from .cli import run_main
 from .config import add_config_flags, config_from_args
-from .errors import ConfigError
+from .errors import ConfigError, StreamingError
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 DEFAULT_MAX_QUEUE = 4
@@ -118,16 +118,20 @@ class Memo:
             return data
 
     def put(self, key: str, data: bytes) -> None:
-        if len(key) + len(data) > self.max_bytes:
+        size = len(key.encode()) + len(data)
+        if size > self.max_bytes:
             return
         with self.lock:
             if key in self.entries:
-                self.nbytes -= len(key) + len(self.entries.pop(key))
+                self.nbytes -= self._size(key, self.entries.pop(key))
             self.entries[key] = data
-            self.nbytes += len(key) + len(data)
+            self.nbytes += size
             while self.nbytes > self.max_bytes:
-                old_key, old = self.entries.popitem(last=False)
-                self.nbytes -= len(old_key) + len(old)
+                self.nbytes -= self._size(*self.entries.popitem(last=False))
+
+    @staticmethod
+    def _size(key: str, data: bytes) -> int:
+        return len(key.encode()) + len(data)
 
 
 class Service:
@@ -179,7 +183,14 @@ def _counting(service: Service, generate):
 
     def wrapped(request, args, progress_callback=None):
         start = time.perf_counter()
-        ctx, response = generate(request, args, progress_callback)
+        _faults.server = None
+        try:
+            ctx, response = generate(request, args, progress_callback)
+        except (StreamingError, RuntimeError) as e:
+            # mlx-lm answers any failure here with a 404; these are ours
+            # (a read error, a dead generation thread), not the request's.
+            _faults.server = e
+            raise
 
         def tokens():
             n, first = 0, None
@@ -197,6 +208,10 @@ def _counting(service: Service, generate):
     return wrapped
 
 
+# Per handler thread: the server-side failure behind mlx-lm's error reply.
+_faults = threading.local()
+
+
 class _Output:
     """What a handler writes, passed through. It turns mlx-lm's own error
     responses (``{"error": "text"}``, a 404 for any request it cannot
@@ -206,9 +221,11 @@ class _Output:
         self.out = out
         self.copy = io.BytesIO() if record else None
         self.held = None
+        self.started = False
 
     def write(self, b):
         b = bytes(b)
+        self.started = True
         if self.held is None and b.startswith(b"HTTP/") and b.split(b" ", 2)[1][:1] == b"4":
             self.held = b  # an error's status line and headers: wait for its body
             return len(b)
@@ -236,12 +253,24 @@ def _openai_error(head: bytes, body: bytes) -> bytes:
         message = body.decode("utf-8", "replace").strip()
     if not isinstance(message, str):
         return head + body
-    # The model was already checked: what mlx-lm refuses is the request.
     status_line, _, rest = head.partition(b"\r\n")
     version = status_line.split(b" ", 1)[0]
-    head = version + b" 400 Bad Request\r\n" + rest
-    return head + json.dumps({"error": {"message": message, "type": "invalid_request_error",
+    if getattr(_faults, "server", None) is not None:
+        status, kind = b"503 Service Unavailable", "server_error"
+    else:  # the model was already checked: what mlx-lm refuses is the request
+        status, kind = b"400 Bad Request", "invalid_request_error"
+    head = version + b" " + status + b"\r\n" + rest
+    return head + json.dumps({"error": {"message": message, "type": kind,
                                         "param": None, "code": None}}).encode()
+
+
+def _without_request_headers(data: bytes) -> bytes:
+    """A response to store: without the headers that belong to one request
+    (the memo marker, CORS for its origin, its date)."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    skip = (MEMO_HEADER.lower().encode(), b"access-control-", b"vary:", b"date:")
+    lines = [l for l in head.split(b"\r\n") if not l.lower().startswith(skip)]
+    return b"\r\n".join(lines) + sep + body
 
 
 def _is_int(v) -> bool:
@@ -323,6 +352,24 @@ def make_handler(base):
                 self._post()
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
                 pass  # the client left; mlx-lm stops a generation it was streaming
+            except Exception as e:  # a read error mid-generation, say
+                self._failed(e)
+
+        def _failed(self, error: Exception):
+            message = " ".join(str(error).split()) or type(error).__name__
+            print(f"[mlx_streaming] request failed: {message}", file=sys.stderr, flush=True)
+            out = self.wfile
+            try:
+                if isinstance(out, _Output) and out.started:
+                    # Headers went out: end the stream with an error event.
+                    event = {"error": {"message": message, "type": "server_error"}}
+                    out.write(f"data: {json.dumps(event)}\n\n".encode())
+                    out.flush()
+                else:
+                    self._headers_buffer = []  # a 200 may be pending in it
+                    self._error(500, message, "server_error")
+            except OSError:
+                pass
 
         def _post(self):
             raw = self._read_body()
@@ -335,8 +382,11 @@ def make_handler(base):
             key = self._memo_key(body) if memo is not None else None
             cached = memo.get(key) if key is not None else None
             if cached is not None:  # answered without the model, so without queueing
-                self.wfile.write(cached.replace(
-                    b"\r\n", f"\r\n{MEMO_HEADER}: hit\r\n".encode(), 1))
+                self._headers_buffer = []
+                self._set_cors_headers()  # this request's origin, not the first one's
+                extra = f"{MEMO_HEADER}: hit\r\n".encode() + b"".join(self._headers_buffer)
+                self._headers_buffer = []
+                self.wfile.write(cached.replace(b"\r\n", b"\r\n" + extra, 1))
                 self.wfile.flush()
                 return
             if not self.service.admission.enter():
@@ -344,7 +394,10 @@ def make_handler(base):
                                    "retry later", "rate_limit_exceeded",
                                    headers={"Retry-After": "1"})
             try:
-                self._generate(raw, key)
+                # Tokenizing a long prompt is work: only admitted requests do it.
+                field = "prompt" if self.path == "/v1/completions" else "messages"
+                if self._fits_context(body, field):
+                    self._generate(raw, key)
             finally:
                 self.service.admission.leave()
 
@@ -356,8 +409,7 @@ def make_handler(base):
             if key is not None:
                 data = out.copy.getvalue()
                 if data.split(b" ", 2)[1:2] == [b"200"] and self._complete(data):
-                    head, _, rest = data.partition(f"{MEMO_HEADER}: miss\r\n".encode())
-                    self.service.memo.put(key, head + rest)
+                    self.service.memo.put(key, _without_request_headers(data))
 
         def _complete(self, data: bytes) -> bool:
             """A whole answer, not one cut short by a failure mid-stream."""
@@ -435,14 +487,18 @@ def make_handler(base):
             if problem is not None:
                 self._error(400, problem[1], param=problem[0])
                 return False
-            field = "prompt" if self.path == "/v1/completions" else "messages"
+            for name in ("draft_model", "adapters"):
+                if body.get(name, "default_model") != "default_model":
+                    self._error(400, f"'{name}' is not supported on a streamed model",
+                                param=name)
+                    return False
             limit = self.service.context_length()
             for name in ("max_tokens", "max_completion_tokens"):
                 if limit is not None and (body.get(name) or 0) > limit:
                     self._error(400, f"{name} {body[name]} exceeds the model's context of "
                                 f"{limit} tokens", "context_length_exceeded", param=name)
                     return False
-            return self._fits_context(body, field)
+            return True
 
         def _vocab_size(self) -> Optional[int]:
             args = getattr(self.service.provider.model, "args", None)
@@ -498,16 +554,31 @@ def make_handler(base):
 
 def make_provider(mlx_args: argparse.Namespace, config):
     """mlx-lm's ``ModelProvider`` loading with ``mlx_streaming.load``."""
+    import gc
+
+    import mlx.core as mx
     import mlx_lm.server as mlx_server
 
     from .loader import load
 
     class StreamingModelProvider(mlx_server.ModelProvider):
+        def __init__(self, cli_args):
+            super().__init__(cli_args)
+            # Requests may name the model by its directory name or path:
+            # the same model, never a reload.
+            served = cli_args.model
+            for name in (Path(served).name, str(served)):
+                self._model_map[name] = served
+                self._adapter_map[name] = None
+                self._draft_model_map[name] = None
+
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            if adapter_path is not None or draft_model_path is not None:
-                raise ValueError("adapters and draft models are not supported on a streamed "
-                                 "model")
+            if model_path != self.cli_args.model or adapter_path or draft_model_path:
+                raise ConfigError(f"this server serves only {self.cli_args.model}, without "
+                                  "adapters or draft models")
             self.reset()
+            gc.collect()
+            mx.clear_cache()
             model, tokenizer, model_config = load(
                 model_path, tokenizer_config=self._tokenizer_config, return_config=True,
                 trust_remote_code=self.cli_args.trust_remote_code, config=config)
@@ -532,6 +603,9 @@ def serve(args, mlx_args) -> None:
         raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if not 0 <= args.memo_mb <= 1e6:
         raise ConfigError(f"--memo-mb must be between 0 and 1e6, got {args.memo_mb}")
+    if mlx_args.adapter_path or mlx_args.draft_model:
+        raise ConfigError("--adapter-path and --draft-model are not supported on a streamed "
+                          "model")
     config = config_from_args(args)
     _check_address(mlx_args.host, mlx_args.port)
     provider = make_provider(mlx_args, config)
@@ -539,14 +613,21 @@ def serve(args, mlx_args) -> None:
     service = Service(provider, args.max_queue, args.memo_mb)
     generator = mlx_server.ResponseGenerator(
         provider, LRUPromptCache(mlx_args.prompt_cache_size))
-    generator.generate = _counting(service, generator.generate)
-    handler = make_handler(mlx_server.APIHandler)
-    handler.service = service
-    print(f"[mlx_streaming] serving {service.model_id} on http://{mlx_args.host}:"
-          f"{mlx_args.port} (reader: {provider.model.streaming.reader.name}, "
-          f"max queue {args.max_queue})", file=sys.stderr, flush=True)
-    mlx_server._run_http_server(mlx_args.host, mlx_args.port, generator,
-                                handler_class=handler)
+    try:
+        generator.generate = _counting(service, generator.generate)
+        handler = make_handler(mlx_server.APIHandler)
+        handler.service = service
+        print(f"[mlx_streaming] serving {service.model_id} on http://{mlx_args.host}:"
+              f"{mlx_args.port} (reader: {provider.model.streaming.reader.name}, "
+              f"max queue {args.max_queue})", file=sys.stderr, flush=True)
+        mlx_server._run_http_server(mlx_args.host, mlx_args.port, generator,
+                                    handler_class=handler)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {mlx_args.host}:{mlx_args.port} "
+                          f"({e.strerror or e}); choose another --host or --port") from None
+    finally:
+        # Its thread is not a daemon: the process would otherwise never exit.
+        generator.stop_and_join()
 
 
 def _check_address(host: str, port: int) -> None:

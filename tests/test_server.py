@@ -2,6 +2,7 @@
 server process on a free port, the real ``openai`` client."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -87,6 +88,17 @@ def test_chat_and_completions_stream_and_not(server):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model="default_model", prompt="import os", max_tokens=5, temperature=0, stream=True))
     assert streamed == text.choices[0].text
+
+
+def test_the_model_may_be_named_by_its_id(server):
+    model_id = server.client.models.list().data[0].id
+    request = dict(prompt="import os", max_tokens=4, temperature=0.5, seed=3)
+    by_id = server.client.completions.create(model=model_id, **request)
+    default = server.client.completions.create(model="default_model", **request)
+    assert by_id.choices[0].text == default.choices[0].text
+    for field in ("draft_model", "adapters"):
+        status, _, reply = server.post("/v1/completions", {"prompt": "x", field: "/tmp"})
+        assert status == 400 and reply["error"]["param"] == field
 
 
 def test_greedy_token_ids_equal_mlx_lm_resident(server, models):
@@ -276,3 +288,25 @@ def test_bad_model_dir_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_read_error_mid_generation_is_a_500_not_a_traceback(models, tmp_path):
+    import shutil
+
+    from mlx_streaming.format import read_manifest
+
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    copy = tmp_path / "stream"
+    shutil.copytree(stream_dir, copy)
+    s = Server(copy, "--slots-per-layer", "4")
+    try:
+        for spec in read_manifest(copy).layers:
+            os.truncate(copy / "experts" / spec.file, 0)  # the disk goes away
+        status, _, reply = s.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 20})
+        assert status in (500, 503), reply
+        assert "short read" in reply["error"]["message"]
+        with urllib.request.urlopen(s.url + "/health") as r:
+            assert r.status == 200
+    finally:
+        err = s.stop()
+    assert "Traceback" not in err and "request failed" in err

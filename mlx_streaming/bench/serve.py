@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -51,12 +52,16 @@ class _Process:
 
     def __init__(self, command, port):
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+        # A file, not a pipe: a server logging per request would fill a pipe
+        # nobody reads and block.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log,
+                                     text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BenchError(f"server {command[2]} exited: {self.proc.stderr.read()[-500:]}")
+                self.log.seek(0)
+                raise BenchError(f"server {command[2]} exited: {self.log.read()[-500:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1):
                     return
@@ -71,6 +76,7 @@ class _Process:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 def _one_request(url: str, prompt: str, max_tokens: int) -> dict:
