@@ -196,18 +196,6 @@ MORE_FAMILIES: Dict[str, dict] = {
         mla_scale_q_lora=True, mla_scale_kv_lora=True, attention_bias=False,
         norm_topk_prob=False, router_bias=False,
     ),
-    "longcat_flash_ngram": dict(
-        model_type="longcat_flash_ngram", hidden_size=128, ffn_hidden_size=256,
-        moe_topk=4, expert_ffn_hidden_size=64, n_routed_experts=16,
-        zero_expert_num=4, num_layers=2, vocab_size=512,
-        max_position_embeddings=1024, num_attention_heads=4, kv_lora_rank=64,
-        q_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
-        routed_scaling_factor=6.0, rms_norm_eps=1e-5, rope_theta=10000.0,
-        mla_scale_q_lora=True, mla_scale_kv_lora=True, attention_bias=False,
-        zero_expert_type="identity", ngram_vocab_size_ratio=4,
-        emb_neighbor_num=2, emb_split_num=2, norm_topk_prob=False,
-        router_bias=False,
-    ),
     "mellum": dict(
         _BASE, model_type="mellum", intermediate_size=256, num_experts=16,
         num_experts_per_tok=4, moe_intermediate_size=64, head_dim=32,
@@ -366,13 +354,11 @@ MORE_FAMILIES: Dict[str, dict] = {
         n_routed_experts=16, num_experts_per_tok=4, first_k_dense_replace=1,
         num_hidden_layers=4,
     ),
+    # DeepSeek-V3's tiny config with V2's router and a rope_scaling dict,
+    # which V2's code reads unconditionally.
     "deepseek_v2": dict(
-        _BASE, model_type="deepseek_v2", intermediate_size=256,
-        moe_intermediate_size=64, num_key_value_heads=4, n_shared_experts=1,
-        n_routed_experts=16, routed_scaling_factor=1.0, kv_lora_rank=64,
-        q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=32,
-        topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        num_experts_per_tok=4, first_k_dense_replace=1, num_hidden_layers=4,
+        CORE_FAMILIES["deepseek_v3"], model_type="deepseek_v2", routed_scaling_factor=1.0,
+        topk_method="group_limited_greedy",
         rope_scaling=dict(type="yarn", factor=1.0, original_max_position_embeddings=1024,
                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0),
     ),
@@ -456,6 +442,12 @@ MORE_FAMILIES: Dict[str, dict] = {
         num_hidden_layers=4,
     ),
 }
+
+# LongCat-Flash with n-gram embeddings.
+MORE_FAMILIES["longcat_flash_ngram"] = dict(
+    MORE_FAMILIES["longcat_flash"], model_type="longcat_flash_ngram", ngram_vocab_size_ratio=4,
+    emb_neighbor_num=2, emb_split_num=2,
+)
 
 # Extra variants of families above, for code paths their main config skips.
 VARIANTS: Dict[str, dict] = {
