@@ -67,32 +67,40 @@ class Paged:
     computation that reads the pool is pending or in flight.
     """
 
-    def __init__(self, store: ExpertStore, events: Events, prefetch=None):
+    def __init__(self, store: ExpertStore, events: Events, prefetch=None, router=None):
         self.store = store
         self.layer = store.layer
         self.events = events
         self.prefetch = prefetch or NoPrefetch()
+        # This layer's own router scorer, applied again to the block's input
+        # when the policy or a trace wants the router's probabilities.
+        self.router = router
         self.pending = []
 
     def __call__(self, inner, x, indices):
         tokens = _tokens(indices)
+        pool = self.store.pool
         predicted = self.prefetch.predict(x, tokens)
+        probs = () if self.router is None else (self.router.probabilities(x),)
+        # Start the router (and the prediction) computing, and build the
+        # expert call on the table while they run: the table is written in
+        # place below, before the call is evaluated.
+        mx.async_eval(indices, *predicted, *probs)
+        y = inner(x, pool.table[indices])
         # The one host sync of this call: the ids, the prediction for the
         # next layer, and every earlier reader of this pool.
-        mx.eval(indices, *self.pending, *predicted)
+        mx.eval(indices, *self.pending, *predicted, *probs)
         self.pending = []
-        self.events.on_sync(self.layer)
-        self.events.on_call(self.layer, tokens)
         self.prefetch.issue(predicted)
 
         ids = np.array(indices)
         experts = distinct(ids)
-        self.events.on_route(self.layer, ids, experts)
-        hits = int(np.count_nonzero(self.store.resident(ids)))
-        self.events.on_lookup(self.layer, hits, ids.size - hits)
-        if len(experts) <= self.store.pool.slots:
+        probs = np.array(probs[0]).reshape(-1, probs[0].shape[-1]) if probs else None
+        hits = int(np.count_nonzero(pool.slot_of_expert[ids] >= 0))
+        self.events.on_paged_call(self.layer, tokens, ids, experts, hits, probs)
+        self.store.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
+        if len(experts) <= pool.slots:
             self.store.ensure(experts)
-            y = inner(x, self.store.pool.table[indices])
             # Start the experts now: they compute while Python builds the
             # next layer's graph, which the sync would otherwise serialize.
             mx.async_eval(y)

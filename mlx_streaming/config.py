@@ -16,6 +16,9 @@ from .errors import ConfigError
 
 IO_CHOICES = ("auto", "native", "python")
 PREFETCH_CHOICES = ("off", "next-layer", "auto")
+# Eviction policies (mlx_streaming.policy.POLICIES); bench cache compares them.
+POLICY_CHOICES = ("lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
+DEFAULT_POLICY = "lru"
 VERIFY_CHOICES = ("first-read", "always", "off")
 # Command-line spelling of StreamConfig.direct_io.
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
@@ -65,6 +68,9 @@ class StreamConfig:
     prefetch_max_tokens: int = _option(
         DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",
         type=int)
+    policy: str = _option(
+        DEFAULT_POLICY, "which resident experts a miss evicts (bench cache compares them)",
+        choices=POLICY_CHOICES)
     verify: str = _option(
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
         "(and again after its blob changes on disk), on every read, or never",
@@ -77,6 +83,7 @@ class StreamConfig:
         _check_choice("io", self.io, IO_CHOICES)
         _check_choice("prefetch", self.prefetch, PREFETCH_CHOICES)
         _check_choice("verify", self.verify, VERIFY_CHOICES)
+        _check_choice("policy", self.policy, POLICY_CHOICES)
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
         _check_number("cache_gb", self.cache_gb, float, low=0, high=MAX_GB, open_low=True,

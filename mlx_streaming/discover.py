@@ -95,6 +95,11 @@ class RouterScorer:
         bias = self.bias_owner["e_score_correction_bias"]
         return mx.sigmoid(logits.astype(mx.float32)) + bias
 
+    def probabilities(self, x: mx.array) -> mx.array:
+        """Softmax of the scores: for softmax routers the router's own
+        probabilities; for the others a normalised ranking signal."""
+        return mx.softmax(self(x).astype(mx.float32), axis=-1)
+
 
 def find_router(
     model: nn.Module, block_path: str, num_experts: int, input_dims: int

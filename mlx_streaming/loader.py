@@ -35,11 +35,13 @@ from .format import (
     spine_files,
 )
 from .native import NativeReader, load_extension
+from .policy import make_policy
 from .pool import SlotPool
 from .prefetch import (
     AlwaysOn,
     NativeLauncher,
     NextLayerPrefetch,
+    PrefetchBudget,
     PrefetchSwitch,
     PythonLauncher,
 )
@@ -70,12 +72,18 @@ class Runtime:
         self.stats = Stats([l.layer for l in manifest.layers])
         self.trace = TraceWriter(config.trace) if config.trace else None
         observers = [self.stats] + ([self.trace] if self.trace else [])
+        first = manifest.layers[0].layer
         if config.prefetch == "auto":
-            first = manifest.layers[0].layer
             self.prefetch_switch = PrefetchSwitch(first, config.prefetch_max_tokens)
             observers.append(self.prefetch_switch)
         else:
             self.prefetch_switch = AlwaysOn()
+        self.prefetch_budget = None
+        if config.prefetch != "off" and self.paged:
+            self.prefetch_budget = PrefetchBudget(
+                first, len(manifest.layers), max(l.stride for l in manifest.layers),
+                config.prefetch_max_tokens)
+            observers.append(self.prefetch_budget)
         self.events = Events(observers)
 
     @property
@@ -355,12 +363,17 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
         _bind_pool(blocks[spec.module], spec, pool)
         blob = blob_path(path, spec)
         file = runtime.reader.open(str(blob))
+        policy = make_policy(config.policy, spec.num_experts)
         runtime.stores.append(ExpertStore(spec, pool, runtime.reader, file, runtime.events,
-                                          config.verify, staging, blob))
+                                          config.verify, staging, blob, policy))
     prefetchers = _make_prefetchers(model, runtime, blocks, staging) if staging else {}
     for store in runtime.stores:
         if runtime.paged:
-            residency = Paged(store, runtime.events, prefetchers.get(store.layer))
+            router = None
+            if store.policy.router or config.trace:
+                router = find_router(model, store.spec.module, store.spec.num_experts,
+                                     input_dims_of(blocks[store.spec.module]))
+            residency = Paged(store, runtime.events, prefetchers.get(store.layer), router)
             runtime.residencies.append(residency)
         else:
             store.preload()
@@ -373,14 +386,18 @@ def _make_prefetchers(model, runtime: Runtime, blocks, staging) -> Dict[int, Nex
     """One prefetcher per layer whose successor's router takes its input."""
     config = runtime.config
     native = isinstance(runtime.reader, NativeReader)
-    launcher = NativeLauncher(runtime.reader.ext) if native else PythonLauncher()
+    budget = runtime.prefetch_budget
+    launcher = NativeLauncher(runtime.reader.ext) if native else PythonLauncher(budget)
     prefetchers = {}
     for store, nxt in zip(runtime.stores, runtime.stores[1:]):
         dims = input_dims_of(blocks[store.spec.module])
         scorer = find_router(model, nxt.spec.module, nxt.spec.num_experts, dims)
         if scorer is None:
             continue
-        target = staging.target(nxt.layer, nxt.file, nxt.spec.stride) if native else None
+        target = None
+        if native:
+            target = staging.target(nxt.layer, nxt.file, nxt.spec.stride)
+            budget.targets.append(target)
         prefetchers[store.layer] = NextLayerPrefetch(
             scorer,
             nxt,

@@ -2,78 +2,271 @@
 ones a call needs. ``mlx_streaming bench cache`` replays routing traces
 through the same classes, so the live policy and the studied one agree.
 
-A policy sees slots only: ``fill`` when a slot receives a new expert,
-``touch`` when a call uses it, ``victims`` when slots must be freed."""
+A policy keeps its state by expert id, not by slot, so that what it learned
+about an expert survives the expert's eviction. Each call it is told
+``observe(experts, ids, probs)``: the distinct experts the call routed to,
+the ``[tokens, k]`` routing, and, for policies that ask for it
+(``router = True``), the router's ``[tokens, num_experts]`` probabilities.
+``victims(n, protected)`` names the slots to overwrite, reading which
+expert each slot holds from the pool's host table (``bind``). ``filled``
+reports the experts just read in.
+"""
+
+from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 
 
-class LRU:
-    """Least recently used: evict the slots touched longest ago."""
+class Policy:
+    """Base: a keep-score per expert; the victims are the resident experts
+    with the lowest scores (empty slots first, protected slots never)."""
+
+    name = "policy"
+    router = False  # wants the router's probabilities in observe()
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.clock = 0
+        self.last_use = np.full(num_experts, -1, dtype=np.int64)
+        self.expert_of_slot: Optional[np.ndarray] = None
+
+    def bind(self, expert_of_slot: np.ndarray) -> "Policy":
+        """Read slot contents from this array (the pool updates it in place)."""
+        self.expert_of_slot = expert_of_slot
+        return self
+
+    def observe(self, experts: np.ndarray, ids: np.ndarray, probs=None) -> None:
+        self.clock += 1
+        self.last_use[experts] = self.clock
+
+    def filled(self, experts: np.ndarray) -> None:
+        pass
+
+    def hint(self, experts: np.ndarray) -> None:
+        """Experts predicted for this layer's next call (prefetch's guess)."""
+
+    def keep_score(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _recency(self) -> np.ndarray:
+        # In [0, 1): breaks ties of a coarser score in favour of the recent.
+        return (self.last_use + 1) / (self.clock + 2)
+
+    def victims(self, n: int, protected: np.ndarray) -> np.ndarray:
+        held = self.expert_of_slot
+        key = np.full(len(held), -np.inf)
+        full = held >= 0
+        key[full] = self.keep_score()[held[full]]
+        key[protected] = np.inf
+        if n >= len(key):
+            return np.argsort(key, kind="stable")[:n]
+        return np.argpartition(key, n - 1)[:n]
+
+
+class LRU(Policy):
+    """Least recently used."""
 
     name = "lru"
 
-    def __init__(self, slots: int):
-        self.last_use = np.full(slots, -1, dtype=np.int64)
-        self.clock = 0
-
-    def touch(self, slots: np.ndarray) -> None:
-        self.clock += 1
-        self.last_use[slots] = self.clock
-
-    def fill(self, slots: np.ndarray) -> None:
-        self.touch(slots)
-
-    def victims(self, n: int, protected: np.ndarray) -> np.ndarray:
-        """``n`` slots to overwrite, never one of ``protected``.
-
-        Empty slots (never touched) go first since their age is -1.
-        """
-        age = self.last_use.copy()
-        age[protected] = np.iinfo(np.int64).max
-        if n >= len(age):
-            return np.argsort(age, kind="stable")[:n]
-        return np.argpartition(age, n - 1)[:n]
+    def keep_score(self):
+        return self.last_use
 
 
-class LFU:
-    """Least frequently used while resident; ties go to the least recent."""
+class LFU(Policy):
+    """Least frequently used while resident (the count restarts when an
+    expert is read back in); ties go to the least recent."""
 
     name = "lfu"
 
-    def __init__(self, slots: int):
-        self.count = np.zeros(slots, dtype=np.int64)
-        self.recency = LRU(slots)
+    def __init__(self, num_experts):
+        super().__init__(num_experts)
+        self.count = np.zeros(num_experts)
 
-    def touch(self, slots: np.ndarray) -> None:
-        self.count[slots] += 1
-        self.recency.touch(slots)
+    def observe(self, experts, ids, probs=None):
+        super().observe(experts, ids, probs)
+        self.count[experts] += 1
 
-    def fill(self, slots: np.ndarray) -> None:
-        self.count[slots] = 1
-        self.recency.fill(slots)
+    def filled(self, experts):
+        self.count[experts] = 1
 
-    def victims(self, n: int, protected: np.ndarray) -> np.ndarray:
-        # Frequency first, recency breaks ties: one combined sort key.
-        key = self.count * (self.recency.clock + 2) + self.recency.last_use
-        key[protected] = np.iinfo(np.int64).max
-        return np.argsort(key, kind="stable")[:n]
+    def keep_score(self):
+        return self.count + self._recency()
 
 
-class Pinned:
-    """Some slots hold experts that never leave (the hot ones, chosen by
-    the caller); the others follow ``inner``."""
+def _decay(half_life: float) -> float:
+    return 0.5 ** (1.0 / half_life)
 
-    def __init__(self, inner, pinned: np.ndarray):
+
+class DecayedLFU(Policy):
+    """LFU with aging: each expert's use count decays by half every
+    ``half_life`` calls and is kept while the expert is evicted, so an
+    expert that was popular a while ago outranks one used once just now."""
+
+    def __init__(self, num_experts, half_life: float = 32):
+        super().__init__(num_experts)
+        self.half_life = half_life
+        self.decay = _decay(half_life)
+        self.score = np.zeros(num_experts)
+        self.name = f"lfu-decay{half_life:g}"
+
+    def observe(self, experts, ids, probs=None):
+        super().observe(experts, ids, probs)
+        self.score *= self.decay
+        self.score[experts] += 1
+
+    def keep_score(self):
+        return self.score + 1e-3 * self._recency()
+
+
+class LRUK(Policy):
+    """LRU-K with K=2: evict the expert whose second-to-last use is oldest
+    (one-off uses go first), ties to the least recent."""
+
+    name = "lru-2"
+
+    def __init__(self, num_experts):
+        super().__init__(num_experts)
+        self.previous = np.full(num_experts, -1, dtype=np.int64)
+
+    def observe(self, experts, ids, probs=None):
+        self.previous[experts] = self.last_use[experts]
+        super().observe(experts, ids, probs)
+
+    def keep_score(self):
+        return self.previous + self._recency()
+
+
+class RouterEMA(Policy):
+    """Decayed sum of the router's probabilities over every expert, chosen
+    or not: an expert the router nearly picked is likely to be picked soon.
+    ``chosen_only`` sums only the weights of the experts a token used."""
+
+    router = True
+
+    def __init__(self, num_experts, half_life: float = 16, chosen_only: bool = False):
+        super().__init__(num_experts)
+        self.decay = _decay(half_life)
+        self.chosen_only = chosen_only
+        self.score = np.zeros(num_experts)
+        self.name = f"{'gate' if chosen_only else 'router'}-ema{half_life:g}"
+
+    def observe(self, experts, ids, probs=None):
+        super().observe(experts, ids, probs)
+        self.score *= self.decay
+        if probs is None:  # e.g. a router we could not find: plain decayed counts
+            self.score[experts] += 1
+        elif self.chosen_only:
+            rows = np.arange(len(ids))[:, None]
+            np.add.at(self.score, ids, probs[rows, ids])
+        else:
+            self.score += probs.sum(axis=0)
+
+    def keep_score(self):
+        return self.score + 1e-3 * self._recency()
+
+
+class ARC(Policy):
+    """Adaptive Replacement Cache (Megiddo & Modha, 2003) over expert ids:
+    a recency list (used once) and a frequency list (used again), ghost lists
+    of the recently evicted of each, and a target size of the recency list
+    that each ghost hit moves toward the list that would have kept it."""
+
+    name = "arc"
+
+    def __init__(self, num_experts):
+        super().__init__(num_experts)
+        self.t1, self.t2 = OrderedDict(), OrderedDict()
+        self.b1, self.b2 = OrderedDict(), OrderedDict()
+        self.p = 0.0
+
+    def observe(self, experts, ids, probs=None):
+        super().observe(experts, ids, probs)
+        slots = len(self.expert_of_slot)
+        for e in experts.tolist():
+            if e in self.t1:
+                del self.t1[e]
+                self.t2[e] = True
+            elif e in self.t2:
+                self.t2.move_to_end(e)
+            elif e in self.b1:
+                self.p = min(slots, self.p + max(1.0, len(self.b2) / len(self.b1)))
+                del self.b1[e]
+                self.t2[e] = True
+            elif e in self.b2:
+                self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+                del self.b2[e]
+                self.t2[e] = True
+            else:
+                self.t1[e] = True
+
+    def victims(self, n, protected):
+        held = self.expert_of_slot
+        slot_of = {int(e): s for s, e in enumerate(held.tolist()) if e >= 0}
+        keep = set(held[protected].tolist())
+        out = [s for s, e in enumerate(held.tolist()) if e < 0][:n]
+        while len(out) < n:
+            # ARC's REPLACE: take from T1 while it is above its target.
+            first = self.t1 if len(self.t1) > max(self.p, 0) else self.t2
+            victim = next((e for e in first if e not in keep and e in slot_of), None)
+            if victim is None:
+                first = self.t2 if first is self.t1 else self.t1
+                victim = next((e for e in first if e not in keep and e in slot_of), None)
+            if victim is None:  # only protected experts are listed
+                rest = [s for s in range(len(held)) if s not in out and held[s] not in keep]
+                out.extend(rest[: n - len(out)])
+                break
+            ghost = self.b1 if first is self.t1 else self.b2
+            del first[victim]
+            ghost[victim] = True
+            keep.add(victim)
+            out.append(slot_of[victim])
+        for ghost in (self.b1, self.b2):
+            while len(ghost) > len(held):
+                ghost.popitem(last=False)
+        return np.array(out, dtype=np.int64)
+
+
+class Predicted(Policy):
+    """Wraps a policy: experts the prefetch prediction named for this layer
+    (beyond the ones the call needs) are evicted last."""
+
+    def __init__(self, inner: Policy):
+        super().__init__(inner.num_experts)
         self.inner = inner
-        self.pinned = np.asarray(pinned, dtype=np.int64)
-        self.name = f"pinned+{inner.name}"
+        self.router = inner.router
+        self.predicted = np.zeros(inner.num_experts, dtype=bool)
+        self.name = f"predicted+{inner.name}"
 
-    def touch(self, slots: np.ndarray) -> None:
-        self.inner.touch(slots)
+    def bind(self, expert_of_slot):
+        self.inner.bind(expert_of_slot)
+        return super().bind(expert_of_slot)
 
-    def fill(self, slots: np.ndarray) -> None:
-        self.inner.fill(slots)
+    def observe(self, experts, ids, probs=None):
+        self.inner.observe(experts, ids, probs)
 
-    def victims(self, n: int, protected: np.ndarray) -> np.ndarray:
-        return self.inner.victims(n, np.concatenate([protected, self.pinned]))
+    def filled(self, experts):
+        self.inner.filled(experts)
+
+    def hint(self, experts):
+        self.predicted[:] = False
+        self.predicted[experts] = True
+
+    def keep_score(self):
+        score = self.inner.keep_score()
+        return score + self.predicted * (np.abs(score).max() + 1)
+
+
+POLICIES = {
+    "lru": LRU,
+    "lfu": LFU,
+    "lfu-decay": DecayedLFU,
+    "lru-2": LRUK,
+    "arc": ARC,
+    "router-ema": RouterEMA,
+    "gate-ema": lambda n: RouterEMA(n, chosen_only=True),
+}
+
+
+def make_policy(name: str, num_experts: int) -> Policy:
+    return POLICIES[name](num_experts)

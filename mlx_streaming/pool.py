@@ -55,8 +55,15 @@ class SlotPool:
             [(s.offset, s.nbytes) for s in spec.segments], dtype=np.int64
         )
         self.expert_of_slot = np.full(slots, -1, dtype=np.int64)
-        self.slot_of_expert = np.full(spec.num_experts, -1, dtype=np.int32)
-        self.table = mx.array(self.slot_of_expert)
+        # The expert-to-slot table lives in one device array whose memory the
+        # host writes through a numpy view, as the slots are: no new array per
+        # change, and a graph may be built on it before the call's sync. The
+        # same rule covers it: nothing that reads it is pending while it is
+        # written (the layer's sync evaluated every earlier reader).
+        self.table = mx.array(np.full(spec.num_experts, -1, dtype=np.int32))
+        mx.eval(self.table)
+        self.slot_of_expert = np.array(self.table, copy=False)
+        assert self.slot_of_expert.flags.c_contiguous and self.slot_of_expert.flags.writeable
 
     @property
     def nbytes(self) -> int:
@@ -64,20 +71,13 @@ class SlotPool:
 
     def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
         """Record that ``experts`` now live in ``slots`` (evicting whatever
-        those slots held) and publish a new device table."""
+        those slots held), in the host and device tables at once."""
         self.evict(slots)
         self.expert_of_slot[slots] = experts
         self.slot_of_expert[experts] = slots
-        self.publish()
 
     def evict(self, slots: np.ndarray) -> None:
-        """Forget the content of ``slots`` in the host tables; ``assign`` or
-        ``publish`` tells the device."""
+        """Forget the content of ``slots``."""
         old = self.expert_of_slot[slots]
         self.slot_of_expert[old[old >= 0]] = -1
         self.expert_of_slot[slots] = -1
-
-    def publish(self) -> None:
-        # A fresh array, never an in-place update: graphs already built keep
-        # the table they were built with.
-        self.table = mx.array(self.slot_of_expert)

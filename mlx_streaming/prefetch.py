@@ -58,9 +58,10 @@ class NextLayerPrefetch:
         if tokens > self.max_tokens or not self.switch.enabled:
             return ()
         scores = self.scorer(x)  # [..., E]
-        # The best `width` experts come first in each row; no slice, no cast:
-        # every op added here is paid per layer and token.
-        ranked = mx.argpartition(-scores, kth=self.width - 1, axis=-1)  # [..., E]
+        # Best first in each row, so that a bandwidth budget reads the
+        # likeliest experts; no slice, no cast: every op added here is paid
+        # per layer and token.
+        ranked = mx.argsort(-scores, axis=-1)  # [..., E]
         return self.launcher.launch(ranked, self.width, self.next_store, self.target)
 
     def issue(self, predicted) -> None:
@@ -73,13 +74,24 @@ class NextLayerPrefetch:
         self.events.on_prefetch(layer, issued=issued)
 
 
+def rank_order(ids: np.ndarray) -> np.ndarray:
+    """Distinct ids of ``[rows, width]`` predictions, every row's first
+    choice before any row's second (the native primitive's order)."""
+    order = np.ascontiguousarray(ids.reshape(-1, ids.shape[-1]).T).ravel()
+    _, first = np.unique(order, return_index=True)
+    return order[np.sort(first)].astype(np.int64)
+
+
 class PythonLauncher:
+    def __init__(self, budget: "PrefetchBudget"):
+        self.budget = budget
+
     def launch(self, ranked, width, store, target):
         return (ranked,)
 
     def after_sync(self, ids, predicted, store) -> int:
-        ids = distinct(ids)
-        ids = ids[~store.resident(ids)]
+        ids = rank_order(ids)
+        ids = ids[~store.resident(ids)][: self.budget.records]
         offsets = ids * store.spec.stride
         return store.staging.stage(store.layer, store.file, ids, offsets)
 
@@ -96,6 +108,62 @@ class NativeLauncher:
     def after_sync(self, ids, predicted, store) -> int:
         # The primitive ran inside the sync that just returned.
         return store.staging.pop_issued(store.layer)
+
+
+class PrefetchBudget(Observer):
+    """Bandwidth-aware prefetch: stage per layer at most the records the
+    disk, at its measured rate, reads within one layer's compute time, so
+    that prefetch never queues reads the next layer would wait behind.
+
+    The rate is that of demand reads (bytes over their wall time, a decayed
+    mean); a layer's compute time is a token's time less its stalls, over
+    the layers. Until both are measured the budget is unlimited. Native
+    targets get the new budget as it changes; the Python launcher reads it.
+    """
+
+    UNLIMITED = 1 << 30
+
+    def __init__(self, first_layer: int, layers: int, record_bytes: int, max_tokens: int,
+                 clock=time.perf_counter, smoothing: float = 0.2):
+        self.first_layer = first_layer
+        self.layers = layers
+        self.record_bytes = record_bytes
+        self.max_tokens = max_tokens
+        self.clock = clock
+        self.smoothing = smoothing
+        self.records = self.UNLIMITED
+        self.targets = []
+        self.rate = None  # bytes per second
+        self.layer_compute = None  # seconds
+        self._last = None
+        self._stall = 0.0
+
+    def _mean(self, old, new):
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def on_read(self, layer, records, nbytes, seconds):
+        if seconds > 0:
+            self.rate = self._mean(self.rate, nbytes / seconds)
+
+    def on_stall(self, layer, seconds):
+        self._stall += seconds
+
+    def on_call(self, layer, tokens):
+        if layer != self.first_layer or tokens > self.max_tokens:
+            return
+        now = self.clock()
+        if self._last is not None:
+            compute = max(0.0, now - self._last - self._stall) / self.layers
+            self.layer_compute = self._mean(self.layer_compute, compute)
+        self._last, self._stall = now, 0.0
+        if self.rate is not None and self.layer_compute is not None:
+            self._set(int(self.rate * self.layer_compute // self.record_bytes))
+
+    def _set(self, records: int) -> None:
+        if records != self.records:
+            self.records = records
+            for t in self.targets:
+                t.budget = records
 
 
 class PrefetchSwitch(Observer):

@@ -251,13 +251,18 @@ class PythonStaging:
 
         Returns:
             The record's CRC-32 (0 if not asked), or None when the expert was
-            not staged or its read failed (the caller then reads it itself).
+            not staged, its read failed, or had not started (it is cancelled):
+            the caller then reads it itself.
         """
         with self._lock:
             entry = self._entries.pop((layer, expert), None)
         if entry is None:
             return None
         slot, future = entry
+        if future.cancel():
+            # Not started: the caller's demand read goes first instead.
+            self._release(slot)
+            return None
         try:
             future.result()
         except Exception:
@@ -280,7 +285,9 @@ class PythonStaging:
             keys = [k for k in self._entries if k[0] == layer]
             entries = [self._entries.pop(k) for k in keys]
         for slot, future in entries:
-            # A buffer is reusable only once its read has finished.
+            # Reads not started are cancelled; a buffer is reusable only once
+            # its read has finished (or was cancelled).
+            future.cancel()
             future.add_done_callback(lambda _, s=slot: self._release(s))
         return len(entries)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .errors import ConfigError
 
@@ -26,9 +26,19 @@ class Observer:
     def on_read(self, layer: int, records: int, nbytes: int, seconds: float) -> None: ...
     def on_stall(self, layer: int, seconds: float) -> None: ...
     def on_sync(self, layer: int) -> None: ...
-    def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray) -> None: ...
+    def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray,
+                 probs: Optional[np.ndarray] = None) -> None: ...
     def on_predict(self, layer: int, ids: np.ndarray) -> None: ...
     def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
+
+    def on_paged_call(self, layer: int, tokens: int, ids: np.ndarray, experts: np.ndarray,
+                      hits: int, probs: Optional[np.ndarray] = None) -> None:
+        """A paged call after its sync: one event for the hot path, which
+        an observer may count at once; by default the four finer ones."""
+        self.on_sync(layer)
+        self.on_call(layer, tokens)
+        self.on_route(layer, ids, experts, probs)
+        self.on_lookup(layer, hits, ids.size - hits)
 
 
 class Events:
@@ -125,13 +135,27 @@ class Stats(Observer):
     def on_sync(self, layer):
         self.counters[layer].syncs += 1
 
+    def on_paged_call(self, layer, tokens, ids, experts, hits, probs=None):
+        c = self.counters[layer]
+        c.syncs += 1
+        c.calls += 1
+        c.tokens += tokens
+        c.hits += hits
+        c.misses += ids.size - hits
+        c.distinct_experts += len(experts)
+        if self._predicted:
+            self._count_predicted(c, layer, experts)
+
     def on_predict(self, layer, ids):
         # Sets, not np.isin: on a few ids np.isin costs ~150 us a call.
         self._predicted[layer] = set(ids.ravel().tolist())
 
-    def on_route(self, layer, ids, experts):
+    def on_route(self, layer, ids, experts, probs=None):
         c = self.counters[layer]
         c.distinct_experts += len(experts)
+        self._count_predicted(c, layer, experts)
+
+    def _count_predicted(self, c, layer, experts):
         predicted = self._predicted.pop(layer, None)
         if predicted is None:
             return
@@ -155,19 +179,30 @@ class Stats(Observer):
 
 
 class TraceWriter(Observer):
-    """Writes one JSON line per MoE call: the layer and the expert ids each
-    token was routed to (``mlx_streaming bench cache`` replays them)."""
+    """Writes one JSON line per MoE call: the layer, the expert ids each
+    token was routed to, the previous layer's prediction of them when
+    prefetch made one, and the router's probabilities when the policy asks
+    for them (``mlx_streaming bench cache`` replays them)."""
 
     def __init__(self, path: str):
         self.path = path
+        self._predicted = {}
         try:
             self._file = open(path, "w")
         except OSError as e:
             raise ConfigError(f"cannot write the trace to {path} ({e.strerror})") from None
 
-    def on_route(self, layer, ids, experts):
-        ids = ids.reshape(-1, ids.shape[-1])
-        self._file.write(json.dumps({"layer": layer, "ids": ids.tolist()}) + "\n")
+    def on_predict(self, layer, ids):
+        self._predicted[layer] = ids
+
+    def on_route(self, layer, ids, experts, probs=None):
+        record = {"layer": layer, "ids": ids.reshape(-1, ids.shape[-1]).tolist()}
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            record["predicted"] = predicted.reshape(-1, predicted.shape[-1]).tolist()
+        if probs is not None:
+            record["probs"] = [[round(p, 5) for p in row] for row in probs.tolist()]
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -175,12 +210,24 @@ class TraceWriter(Observer):
 
 def read_trace(path: str):
     """Yield ``(layer, ids[tokens, k])`` from a trace file."""
+    for record in read_trace_records(path):
+        yield record["layer"], record["ids"]
+
+
+def read_trace_records(path: str):
+    """Yield each call of a trace file as a dict: ``layer``, ``ids``
+    ``[tokens, k]``, and where recorded ``predicted`` and ``probs``."""
     import numpy as np
 
     with open(path) as f:
         for line in f:
             d = json.loads(line)
-            yield d["layer"], np.array(d["ids"], dtype=np.int64)
+            d["ids"] = np.array(d["ids"], dtype=np.int64)
+            if "predicted" in d:
+                d["predicted"] = np.array(d["predicted"], dtype=np.int64)
+            if "probs" in d:
+                d["probs"] = np.array(d["probs"], dtype=np.float64)
+            yield d
 
 
 def runtime_of(model):
@@ -214,8 +261,19 @@ def stats(model) -> dict:
         residency="paged" if runtime.paged else "resident",
         prefetch=config.prefetch,
         prefetch_decision=runtime.prefetch_switch.decision if config.prefetch != "off" else "off",
+        prefetch_budget=_budget_of(runtime),
     )
     return report
+
+
+def _budget_of(runtime):
+    """The bandwidth budget of prefetch: records per layer, its inputs."""
+    b = getattr(runtime, "prefetch_budget", None)
+    if b is None:
+        return None
+    return dict(records=None if b.records == b.UNLIMITED else b.records,
+                read_gb_per_s=b.rate / 1e9 if b.rate else None,
+                layer_compute_s=b.layer_compute)
 
 
 def reset_stats(model) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import CorruptExpertError
 from .format import LayerSpec
-from .policy import LRU
+from .policy import LRU, Policy
 from .pool import SlotPool
 from .stats import Events
 
@@ -56,11 +56,12 @@ class ExpertStore:
         verify: str,
         staging=None,
         blob=None,
+        policy: Policy = None,
     ):
         self.spec = spec
         self.layer = spec.layer
         self.pool = pool
-        self.policy = LRU(pool.slots)
+        self.policy = (policy or LRU(spec.num_experts)).bind(pool.expert_of_slot)
         self.reader = reader
         self.file = file
         self.events = events
@@ -77,7 +78,8 @@ class ExpertStore:
         return self.pool.slot_of_expert[experts] >= 0
 
     def ensure(self, experts: np.ndarray) -> None:
-        """Make the distinct ``experts`` resident.
+        """Make the distinct ``experts`` resident (the policy has observed
+        the call they come from).
 
         The caller guarantees that no pending computation reads this pool
         (the layer's host sync evaluated every earlier reader).
@@ -85,31 +87,27 @@ class ExpertStore:
         slots = self.pool.slot_of_expert[experts]
         hit = slots >= 0
         missing = experts[~hit]
-        self.policy.touch(slots[hit])
         if len(missing):
             victims = self.policy.victims(len(missing), protected=slots[hit])
             self.load(missing, victims)
 
     def load(self, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Read ``experts`` into ``slots`` and publish the new table."""
+        """Read ``experts`` into ``slots`` and map them in the table."""
         start = time.perf_counter()
-        # Until the bytes are in and checked, the slots hold nothing valid.
+        # Until the bytes are in and checked, the slots hold nothing valid:
+        # if anything below raises, the table maps nothing to them.
         self.pool.evict(slots)
         want_crc = self._want_crc(experts)
-        try:
+        crcs = self._fill(experts, slots, want_crc)
+        if self.watch is not None and self.watch.changed():
+            # These bytes may come from the new file: check them, and
+            # every later first read from it.
+            self.unverified[:] = True
+            want_crc = self._want_crc(experts)
             crcs = self._fill(experts, slots, want_crc)
-            if self.watch is not None and self.watch.changed():
-                # These bytes may come from the new file: check them, and
-                # every later first read from it.
-                self.unverified[:] = True
-                want_crc = self._want_crc(experts)
-                crcs = self._fill(experts, slots, want_crc)
-            self._check(experts, want_crc, crcs)
-        except BaseException:
-            self.pool.publish()
-            raise
+        self._check(experts, want_crc, crcs)
         self.pool.assign(experts, slots)
-        self.policy.fill(slots)
+        self.policy.filled(experts)
         self.events.on_stall(self.layer, time.perf_counter() - start)
 
     def _want_crc(self, experts: np.ndarray) -> np.ndarray:
@@ -128,6 +126,9 @@ class ExpertStore:
         if self.staging is not None:
             useful = self._take_staged(experts, slots, want_crc, crcs, from_disk)
             self.events.on_prefetch(self.layer, useful=useful)
+            # The rest of this layer's prefetch is wasted: cancel what has not
+            # started before the demand reads queue behind it.
+            self.drop_staged()
         if from_disk.any():
             crcs[from_disk] = self._read(
                 experts[from_disk], slots[from_disk], want_crc[from_disk]

@@ -65,7 +65,11 @@ NB_MODULE(_ext, m) {
   nb::class_<PrefetchTarget>(m, "PrefetchTarget")
       .def_ro("layer", &PrefetchTarget::layer)
       .def_ro("file", &PrefetchTarget::file)
-      .def_ro("stride", &PrefetchTarget::stride);
+      .def_ro("stride", &PrefetchTarget::stride)
+      .def_prop_rw(
+          "budget", [](PrefetchTarget& t) { return t.budget.load(); },
+          [](PrefetchTarget& t, int value) { t.budget.store(value); },
+          "Most records staged per prediction.");
 
   nb::class_<Staging>(m, "Staging")
       .def(

@@ -23,17 +23,19 @@ int stage_predicted(const PrefetchTarget& target, const mx::array& ranked, int w
   const int32_t* slots = table.data<int32_t>();
   // int32 and uint32 ids share their bit patterns for valid expert ids.
   const uint32_t* ids = reinterpret_cast<const uint32_t*>(ranked.data<int32_t>());
+  // Rank by rank: every row's best prediction before any row's second, so
+  // that under a budget the likeliest experts are read first.
+  const size_t budget = std::max(0, target.budget.load(std::memory_order_relaxed));
   std::vector<int64_t> wanted;
-  for (size_t r = 0; r < rows; ++r) {
-    for (size_t j = 0; j < std::min<size_t>(width, cols); ++j) {
+  for (size_t j = 0; j < std::min<size_t>(width, cols) && wanted.size() < budget; ++j) {
+    for (size_t r = 0; r < rows && wanted.size() < budget; ++r) {
       uint32_t e = ids[r * cols + j];
-      if (e < num_experts && slots[e] < 0) {
+      if (e < num_experts && slots[e] < 0 &&
+          std::find(wanted.begin(), wanted.end(), e) == wanted.end()) {
         wanted.push_back(e);
       }
     }
   }
-  std::sort(wanted.begin(), wanted.end());
-  wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
   std::vector<int64_t> offsets(wanted.size());
   for (size_t i = 0; i < wanted.size(); ++i) {
     offsets[i] = wanted[i] * target.stride;

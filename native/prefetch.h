@@ -15,10 +15,10 @@ namespace mlx_streaming {
 
 namespace mx = mlx::core;
 
-// `ranked`: expert ids of the next layer [..., E'] (int32 or uint32), the
-// best `width` first in each row (an argpartition's output, unsliced);
-// `table`: its int32 expert-to-slot table (-1: not resident). Stages every
-// predicted expert that is not resident. Returns an int32 scalar: the
+// `ranked`: expert ids of the next layer [..., E'] (int32 or uint32), best
+// first in each row (an argsort's output, unsliced); `table`: its int32
+// expert-to-slot table (-1: not resident). Stages the predicted experts that
+// are not resident, best ranks first, at most the target's budget. Returns an int32 scalar: the
 // number of reads issued (on the CPU backend; 0 on Metal, where the reads
 // start in a command-buffer completion handler after the value is made).
 mx::array prefetch_on_complete(
@@ -46,7 +46,7 @@ class PrefetchOnComplete : public mx::UnaryPrimitive {
 };
 
 // Stage the first `width` experts of each row of `ranked` ([rows, cols])
-// that the table says are not resident.
+// that the table says are not resident, in rank order, up to the budget.
 int stage_predicted(const PrefetchTarget& target, const mx::array& ranked, int width,
                     const mx::array& table);
 

@@ -26,7 +26,7 @@ int Staging::stage(int layer, int file, const int64_t* experts, const int64_t* o
       }
       b = free_.back();
       free_.pop_back();
-      buffers_[b].state = State::Pending;
+      buffers_[b].state = State::Queued;
       buffers_[b].owned = true;
       entries_[key] = b;
       issued_[layer] += 1;
@@ -35,6 +35,9 @@ int Staging::stage(int layer, int file, const int64_t* experts, const int64_t* o
     uint8_t* memory = buffers_[b].memory->data;
     reader_->pool().submit(
         [self = shared_from_this(), file, offset, memory, b] {
+          if (!self->start(b)) {
+            return; // cancelled before it started
+          }
           bool ok = true;
           try {
             self->reader_->read_record(file, offset, memory, self->stride_);
@@ -47,6 +50,17 @@ int Staging::stage(int layer, int file, const int64_t* experts, const int64_t* o
     ++issued;
   }
   return issued;
+}
+
+bool Staging::start(int b) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!buffers_[b].owned) {
+    release(b);
+    cv_.notify_all();
+    return false;
+  }
+  buffers_[b].state = State::Reading;
+  return true;
 }
 
 void Staging::finish(int b, bool ok) {
@@ -80,7 +94,11 @@ std::optional<uint32_t> Staging::take(
     }
     b = it->second;
     entries_.erase(it);
-    cv_.wait(lock, [&] { return buffers_[b].state != State::Pending; });
+    if (buffers_[b].state == State::Queued) {
+      buffers_[b].owned = false; // start() frees it
+      return std::nullopt;
+    }
+    cv_.wait(lock, [&] { return buffers_[b].state != State::Reading; });
     if (buffers_[b].state == State::Failed) {
       release(b);
       return std::nullopt;
@@ -110,8 +128,8 @@ int Staging::drop(int layer) {
       continue;
     }
     int b = it->second;
-    if (buffers_[b].state == State::Pending) {
-      buffers_[b].owned = false; // finish() frees it
+    if (buffers_[b].state == State::Queued || buffers_[b].state == State::Reading) {
+      buffers_[b].owned = false; // start() or finish() frees it
     } else {
       release(b);
     }

@@ -4,6 +4,7 @@
 // read but never evicts a resident expert.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -28,7 +29,8 @@ class Staging : public std::enable_shared_from_this<Staging> {
 
   // Copies a staged record's segments to `dst_row`, waiting if its read is
   // in flight. Returns its CRC-32 (0 if not asked), or nothing when the
-  // expert is not staged or its read failed.
+  // expert is not staged, its read failed, or its read has not started yet
+  // (it is cancelled: the caller's demand read goes first in the queue).
   std::optional<uint32_t> take(
       int layer,
       int64_t expert,
@@ -36,7 +38,8 @@ class Staging : public std::enable_shared_from_this<Staging> {
       const int64_t* dst_row,
       bool want_crc);
 
-  // Forgets the records staged for `layer`; returns how many there were.
+  // Forgets the records staged for `layer` (reads not started yet are
+  // cancelled); returns how many there were.
   int drop(int layer);
 
   // Reads issued for `layer` since the last call.
@@ -47,13 +50,14 @@ class Staging : public std::enable_shared_from_this<Staging> {
   }
 
  private:
-  enum class State { Free, Pending, Ready, Failed };
+  enum class State { Free, Queued, Reading, Ready, Failed };
   struct Buffer {
     std::unique_ptr<AlignedBuffer> memory;
     State state = State::Free;
     bool owned = false; // still reachable through entries_
   };
 
+  bool start(int buffer);
   void finish(int buffer, bool ok);
   void release(int buffer);
 
@@ -79,6 +83,9 @@ struct PrefetchTarget : std::enable_shared_from_this<PrefetchTarget> {
   int layer;
   int file;
   int64_t stride;
+  // Most records staged per prediction (the bandwidth budget); set from
+  // Python between calls, read on the stream thread.
+  std::atomic<int> budget{1 << 30};
 };
 
 } // namespace mlx_streaming

@@ -14,7 +14,7 @@ from mlx_streaming.bench import cache as bench_cache
 from mlx_streaming.bench.__main__ import main as bench_main
 from mlx_streaming.bench.common import routing_stats
 from mlx_streaming.bench.verify import expected_tokens
-from mlx_streaming.policy import LFU, LRU
+from mlx_streaming.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA
 
 
 def test_lru_replay_matches_the_live_pool(models, tmp_path):
@@ -26,8 +26,8 @@ def test_lru_replay_matches_the_live_pool(models, tmp_path):
         mx.eval(model(mx.array([[t]]), cache=cache))
     live = mlx_streaming.stats(model)["layers"]
     model.streaming.close()
-    for layer, calls in bench_cache.decode_calls(trace).items():
-        simulated = bench_cache.simulate(calls, 6, bench_cache.Live(LRU(6)))
+    for layer, calls in bench_cache.decode_records(trace).items():
+        simulated = bench_cache.simulate(calls, 6, LRU(calls[0].probs.shape[-1]))
         assert simulated == pytest.approx(live[layer]["hit_rate"])
 
 
@@ -36,14 +36,38 @@ def test_belady_is_never_beaten():
     for _ in range(5):
         calls = [np.unique(rng.zipf(1.5, size=3) % 20) for _ in range(300)]
         for capacity in (3, 6, 10):
-            rates = bench_cache.replay(calls, capacity)
+            rates = bench_cache.replay(calls, capacity, 20)
             assert rates["belady"] >= max(rates.values()) - 1e-12
+            assert rates["belady"] >= rates["lookahead16"] - 1e-12
 
 
 def test_lfu_keeps_the_frequent_expert():
     calls = [np.array([0]), np.array([0]), np.array([1]), np.array([2]), np.array([0])]
-    assert bench_cache.simulate(calls, 2, bench_cache.Live(LFU(2))) == pytest.approx(2 / 5)
-    assert bench_cache.simulate(calls, 2, bench_cache.Live(LRU(2))) == pytest.approx(1 / 5)
+    assert bench_cache.simulate(calls, 2, LFU(3)) == pytest.approx(2 / 5)
+    assert bench_cache.simulate(calls, 2, LRU(3)) == pytest.approx(1 / 5)
+    # Decayed counts remember expert 0 across its eviction; in-cache LFU forgets.
+    calls = [np.array([0])] * 3 + [np.array([1]), np.array([2]), np.array([0])]
+    assert bench_cache.simulate(calls, 2, DecayedLFU(3, 32)) == pytest.approx(3 / 6)
+
+
+def test_arc_and_router_policies_replay():
+    rng = np.random.default_rng(1)
+    probs = rng.dirichlet(np.ones(12), size=200)
+    calls = [bench_cache.Call(np.sort(np.argsort(-p)[:2]), np.argsort(-p)[:2][None], p[None])
+             for p in probs]
+    for policy in (ARC(12), RouterEMA(12, 8), RouterEMA(12, 8, chosen_only=True)):
+        rate = bench_cache.simulate(calls, 4, policy)
+        assert 0 < rate <= bench_cache.simulate(calls, 4, bench_cache.Belady(calls, 12))
+
+
+def test_global_allocation_gives_slots_where_they_gain_most():
+    curves = [np.array([0, 5, 9, 10, 10]), np.array([0, 2, 4, 6, 8])]
+    assert bench_cache.allocate(curves, 5, [1, 1]) == [2, 3]
+    # A layer that repeats one expert needs one slot; the other gets the rest.
+    calls = {0: [np.array([0])] * 40, 1: [np.array([i % 3]) for i in range(40)]}
+    calls = {l: bench_cache._as_calls(c) for l, c in calls.items()}
+    assert bench_cache.global_allocation(calls, 2, 4, lambda: LRU(4)) > \
+        np.mean([bench_cache.simulate(c, 2, LRU(4)) for c in calls.values()])
 
 
 def test_expected_tokens_of_a_verify_call():

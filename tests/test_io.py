@@ -1,6 +1,7 @@
 """Expert readers and prefetch: the native extension and the Python path
 read the same bytes, fail clearly, and keep outputs bit-identical."""
 
+import threading
 import time
 import zlib
 
@@ -136,7 +137,7 @@ def test_prefetch_primitive_stages_when_evaluated(blob):
     f = reader.open(str(path))
     staging = reader.staging(8, STRIDE)
     target = staging.target(3, f, STRIDE)
-    # Ranked ids, the best two first in each row (an argpartition's output).
+    # Ranked ids, best first in each row (an argsort's output).
     ranked = mx.array([[1, 4, 6, 5], [6, 2, 0, 3]], dtype=mx.uint32)
     table = mx.array([-1, -1, 0, -1, 1, -1, -1, -1], dtype=mx.int32)  # 2 and 4 resident
     issued = EXT.prefetch_on_complete(ranked, 3, table, target)
@@ -145,7 +146,69 @@ def test_prefetch_primitive_stages_when_evaluated(blob):
     assert issued.item() == 3  # experts 0, 1, 6
     assert staging.pop_issued(3) == 3
     assert staging.drop(3) == 3
+    # Under a budget of two records: every row's first choice (1, 6), not 0.
+    target.budget = 2
+    mx.eval(EXT.prefetch_on_complete(ranked, 3, table, target))
+    assert staging.pop_issued(3) == 2
+    segments = np.array([[0, 64]], dtype=np.int64)
+    row = np.array([np.zeros(64, np.uint8).ctypes.data], np.int64)
+    assert staging.take(3, 0, segments, row, False) is None
+    assert staging.take(3, 6, segments, row, False) is not None
+    staging.drop(3)
     reader.close()
+
+
+def test_python_staging_cancels_reads_not_started(blob):
+    path, data = blob
+    reader = PythonReader(1)
+    f = reader.open(str(path))
+    staging = reader.staging(4, STRIDE)
+    gate = threading.Event()
+    reader.submit(gate.wait, 10)  # holds the one background thread
+    ids = np.array([1, 2, 3], dtype=np.int64)
+    assert staging.stage(0, f, ids, ids * STRIDE) == 3
+    segments = np.array([[0, 64]], dtype=np.int64)
+    dst = np.zeros(64, np.uint8)
+    row = np.array([dst.ctypes.data], np.int64)
+    # Not started: cancelled, so the caller's demand read goes first.
+    assert staging.take(0, 2, segments, row, False) is None
+    assert staging.drop(0) == 2
+    gate.set()
+    # Every buffer came back (cancelled ones at once): four stage again.
+    more = np.array([4, 5, 6, 7], dtype=np.int64)
+    deadline = time.monotonic() + 5
+    while staging.stage(1, f, more[:1], more[:1] * STRIDE) == 0 and time.monotonic() < deadline:
+        pass
+    assert staging.stage(1, f, more[1:], more[1:] * STRIDE) == 3
+    reader.submit(lambda: None).result()  # one thread, in order: every read has run
+    assert staging.take(1, 7, segments, row, False) is not None
+    assert dst.tobytes() == data[7 * STRIDE : 7 * STRIDE + 64].tobytes()
+    reader.close()
+
+
+def test_prefetch_budget_follows_disk_rate_and_compute():
+    from mlx_streaming.prefetch import PrefetchBudget
+
+    class Target:
+        budget = PrefetchBudget.UNLIMITED
+
+    clock = FakeClock()
+    budget = PrefetchBudget(first_layer=0, layers=4, record_bytes=1_000_000, max_tokens=8,
+                            clock=clock, smoothing=1.0)
+    budget.targets.append(Target())
+    assert budget.records == PrefetchBudget.UNLIMITED  # nothing measured yet
+    budget.on_read(0, 2, 2_000_000, 0.01)  # 200 MB/s
+    for _ in range(3):
+        budget.on_call(0, 1)
+        budget.on_stall(0, 0.06)
+        clock.now += 0.1  # 40 ms of compute over 4 layers: 10 ms each
+    budget.on_call(0, 1)
+    assert budget.records == 2 and budget.targets[0].budget == 2  # 200 MB/s x 10 ms / 1 MB
+    budget.on_read(0, 1, 1_000_000, 0.1)  # 10 MB/s: nothing fits in a layer
+    budget.on_call(0, 100)  # prefill calls are not tokens
+    clock.now += 0.1
+    budget.on_call(0, 1)
+    assert budget.records == 0 and budget.targets[0].budget == 0
 
 
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])

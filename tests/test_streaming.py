@@ -10,17 +10,31 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming.errors import BudgetError
 from mlx_streaming.format import read_manifest
-from mlx_streaming.policy import LRU
+from mlx_streaming.config import POLICY_CHOICES
+from mlx_streaming.policy import LRU, make_policy
 from helpers import PROMPT, logits_trace, pool_bytes, record_bytes
 
 
-def test_lru_never_evicts_protected_slots():
-    lru = LRU(6)
-    lru.touch(np.array([0, 1, 2, 3, 4, 5]))
-    lru.touch(np.array([0, 1]))
-    victims = lru.victims(2, protected=np.array([2, 3]))
-    assert sorted(victims.tolist()) == [4, 5]
-    assert 0 not in lru.victims(5, protected=np.array([0])).tolist()
+@pytest.mark.parametrize("name", POLICY_CHOICES)
+def test_policies_never_evict_protected_slots(name):
+    held = np.array([10, 11, 12, 13, 14, 15])
+    policy = make_policy(name, 16).bind(held)
+    for experts in ([10, 11, 12, 13, 14, 15], [10, 11], [12, 13], [10, 11]):
+        experts = np.array(experts)
+        policy.observe(experts, experts[None], np.full((1, 16), 1 / 16))
+    victims = policy.victims(2, protected=np.array([2, 3]))
+    assert len(set(victims.tolist())) == 2 and not {2, 3} & set(victims.tolist())
+    assert 0 not in policy.victims(5, protected=np.array([0])).tolist()
+    held[4] = -1  # an empty slot goes first
+    assert 4 in policy.victims(1, protected=np.array([], dtype=np.int64)).tolist()
+
+
+def test_lru_evicts_the_least_recent():
+    held = np.arange(6)
+    lru = LRU(6).bind(held)
+    lru.observe(np.arange(6), np.arange(6)[None])
+    lru.observe(np.array([0, 1]), np.array([[0, 1]]))
+    assert sorted(lru.victims(2, protected=np.array([2, 3])).tolist()) == [4, 5]
 
 
 def test_slots_hold_the_experts_bytes(qwen):

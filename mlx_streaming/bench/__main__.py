@@ -4,6 +4,7 @@ PNG plot into --out.
 
     python -m mlx_streaming.bench decode  --model STREAM --mlx-model MLX [--memory-limit-gb G --cold]
     python -m mlx_streaming.bench cache   --model STREAM [--tokens N]
+    python -m mlx_streaming.bench overhead --model STREAM
     python -m mlx_streaming.bench verify  --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench prefill --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench io      [--model STREAM]
@@ -16,7 +17,7 @@ import sys
 
 from ..cli import run_main
 
-SUBCOMMANDS = ("decode", "cache", "verify", "prefill", "io", "serve")
+SUBCOMMANDS = ("decode", "cache", "overhead", "verify", "prefill", "io", "serve")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -2,20 +2,28 @@
 
 Records a routing trace from the model reading real text (teacher-forced,
 one token per call, as in decode), then replays each layer's decode calls
-through LRU, LFU, pinned-hot + LRU and Belady's optimal MIN at several
-capacities. Hits count (token, expert) pairs, as ``stats()`` does. Every
-policy starts empty.
+through every live policy (``mlx_streaming.policy``), a few variants, a
+global allocation of slots across layers, a next-call oracle and Belady's
+optimal MIN, at several pool sizes. Hits count (token, expert) pairs, as
+``stats()`` does. Every policy starts empty.
+
+The lookahead oracles know the next 1, 4 or 16 calls (which experts the
+coming tokens need) and are decayed LFU otherwise: they bound what a
+perfect short-range prediction could win, and show how much of Belady's
+lead comes from knowing the far future, which no online policy has.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from ..format import read_manifest
-from ..policy import LFU, LRU, Pinned
+from ..policy import ARC, LFU, LRU, LRUK, DecayedLFU, Policy, Predicted, RouterEMA
+from ..stats import read_trace_records
 from . import routing
-from .common import decode_calls, figure, finish
+from .common import figure, finish
 
 
 def add_arguments(p) -> None:
@@ -27,91 +35,196 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/cache"))
 
 
-def simulate(calls: List[np.ndarray], capacity: int, policy, preload=()) -> float:
+@dataclass
+class Call:
+    """One decode call of one layer, as the live block sees it."""
+
+    experts: np.ndarray  # sorted distinct expert ids
+    ids: np.ndarray  # [tokens, k]
+    probs: Optional[np.ndarray] = None  # [tokens, num_experts]
+    predicted: Optional[np.ndarray] = None  # the previous layer's prediction
+
+
+def decode_records(trace: Path) -> Dict[int, List[Call]]:
+    """Each layer's decode calls (one token each) of a routing trace."""
+    calls: Dict[int, List[Call]] = {}
+    for r in read_trace_records(str(trace)):
+        if r["ids"].shape[0] != 1:
+            continue
+        predicted = r.get("predicted")
+        calls.setdefault(r["layer"], []).append(Call(
+            np.unique(r["ids"]), r["ids"], r.get("probs"),
+            None if predicted is None else np.unique(predicted)))
+    return calls
+
+
+def _as_calls(calls) -> List[Call]:
+    return [c if isinstance(c, Call) else Call(np.unique(c), np.asarray(c)[None]) for c in calls]
+
+
+def simulate(calls, capacity: int, policy: Policy, preload=()) -> float:
     """Hit rate of ``policy`` on one layer's calls with ``capacity`` slots,
     the experts of ``preload`` loaded into the first slots beforehand."""
-    expert_in = np.full(capacity, -1, dtype=np.int64)
-    expert_in[: len(preload)] = preload
-    slot_of = {int(e): i for i, e in enumerate(preload)}
-    hits = total = 0
-    for now, need in enumerate(calls):
-        resident = np.array([slot_of[e] for e in need if e in slot_of], dtype=np.int64)
-        missing = [int(e) for e in need if e not in slot_of]
-        hits += len(resident)
-        total += len(need)
-        policy.touch(resident)
-        if missing:
-            victims = policy.victims(len(missing), resident, now, expert_in)
-            for e, s in zip(missing, victims):
-                slot_of.pop(int(expert_in[s]), None)
-                expert_in[s] = e
-                slot_of[e] = int(s)
-            policy.fill(victims)
-    return hits / total if total else 0.0
+    calls = _as_calls(calls)
+    misses = replay_misses(calls, capacity, policy, preload)
+    total = sum(c.ids.size for c in calls)
+    missed = sum(int(np.isin(c.ids, m).sum()) for c, m in zip(calls, misses) if len(m))
+    return (total - missed) / total if total else 0.0
 
 
-class Live:
-    """A live pool policy (``mlx_streaming.policy``) in the simulator."""
+def replay_misses(calls, capacity: int, policy: Policy, preload=()) -> List[np.ndarray]:
+    """The experts each call missed under ``policy`` with ``capacity``
+    slots. The steps are the live store's: hint, observe, evict, fill."""
+    calls = _as_calls(calls)
+    num_experts = 1 + max(int(c.experts.max()) for c in calls)
+    num_experts = max(num_experts, getattr(policy, "num_experts", 0))
+    expert_of_slot = np.full(capacity, -1, dtype=np.int64)
+    expert_of_slot[: len(preload)] = preload
+    slot_of = np.full(num_experts, -1, dtype=np.int64)
+    slot_of[np.asarray(preload, dtype=np.int64)] = np.arange(len(preload))
+    policy.bind(expert_of_slot)
+    out = []
+    for call in calls:
+        if call.predicted is not None:
+            policy.hint(call.predicted)
+        policy.observe(call.experts, call.ids, call.probs)
+        held = slot_of[call.experts]
+        missing = call.experts[held < 0]
+        out.append(missing)
+        if len(missing):
+            victims = policy.victims(len(missing), held[held >= 0])
+            old = expert_of_slot[victims]
+            slot_of[old[old >= 0]] = -1
+            expert_of_slot[victims] = missing
+            slot_of[missing] = victims
+            policy.filled(missing)
+    return out
 
-    def __init__(self, policy):
-        self.policy = policy
 
-    def touch(self, slots):
-        self.policy.touch(slots)
-
-    def fill(self, slots):
-        self.policy.fill(slots)
-
-    def victims(self, n, protected, now, expert_in):
-        return self.policy.victims(n, protected)
-
-
-class Belady:
+class Belady(Policy):
     """Optimal offline (MIN): evict the expert needed again farthest ahead."""
 
-    def __init__(self, calls: List[np.ndarray]):
+    name = "belady"
+
+    def __init__(self, calls, num_experts: int):
+        super().__init__(num_experts)
         self.uses: Dict[int, List[int]] = {}
-        for t, need in enumerate(calls):
-            for e in need:
-                self.uses.setdefault(int(e), []).append(t)
+        for t, call in enumerate(_as_calls(calls)):
+            for e in call.experts.tolist():
+                self.uses.setdefault(e, []).append(t)
 
-    def touch(self, slots):
-        pass
-
-    def fill(self, slots):
-        pass
-
-    def _next_use(self, expert: int, now: int) -> float:
-        if expert < 0:
-            return np.inf  # an empty slot is the best victim
-        uses = self.uses[expert]
+    def _next_use(self, expert: int) -> float:
+        now = self.clock - 1  # observe() already counted the current call
+        uses = self.uses.get(expert, [])
         i = np.searchsorted(uses, now, side="right")
         return uses[i] if i < len(uses) else np.inf
 
-    def victims(self, n, protected, now, expert_in):
-        key = np.array([self._next_use(int(e), now) for e in expert_in], dtype=float)
-        key[protected] = -np.inf
-        return np.argsort(-key, kind="stable")[:n]
+    def keep_score(self):
+        return -np.array([self._next_use(e) for e in range(self.num_experts)], dtype=float)
 
 
-def hot_experts(calls: List[np.ndarray], count: int) -> np.ndarray:
-    """The experts most used in the first quarter of the trace (a
-    profiling prefix, not an oracle)."""
-    prefix = calls[: max(1, len(calls) // 4)]
-    counts = np.bincount(np.concatenate(prefix))
-    return np.argsort(-counts, kind="stable")[:count]
+class Lookahead(DecayedLFU):
+    """Decayed LFU that also knows the next ``window`` calls: experts needed
+    within them are kept, the soonest-needed first. ``window`` 1 is a
+    perfect next-token prediction; an unbounded window is Belady."""
+
+    def __init__(self, calls, num_experts: int, window: int, half_life: float = 32):
+        super().__init__(num_experts, half_life)
+        self.window = window
+        self.belady = Belady(calls, num_experts)
+        self.name = f"lookahead{window}"
+
+    def observe(self, experts, ids, probs=None):
+        super().observe(experts, ids, probs)
+        self.belady.observe(experts, ids, probs)
+
+    def keep_score(self):
+        base = super().keep_score()
+        soon = -self.belady.keep_score() - (self.clock - 1)  # calls until next use
+        near = soon <= self.window
+        # Needed within the window: above every other, nearest highest.
+        return np.where(near, base.max() + 1 + self.window - soon, base)
 
 
-def replay(calls: List[np.ndarray], capacity: int) -> Dict[str, float]:
-    """Hit rate of each policy; pinned-hot pins half the pool."""
-    hot = hot_experts(calls, capacity // 2)
-    pinned = Pinned(LRU(capacity), np.arange(len(hot)))
-    return {
-        "lru": simulate(calls, capacity, Live(LRU(capacity))),
-        "lfu": simulate(calls, capacity, Live(LFU(capacity))),
-        "pinned-hot+lru": simulate(calls, capacity, Live(pinned), preload=hot),
-        "belady": simulate(calls, capacity, Belady(calls)),
+# Oracles that know the next 1, 4 or 16 calls: how much of Belady's lead a
+# perfect short-range prediction would win.
+LOOKAHEADS = (1, 4, 16)
+ORACLES = tuple(f"lookahead{w}" for w in LOOKAHEADS) + ("belady",)
+
+
+def online_policies(num_experts: int) -> Dict[str, Callable[[], Policy]]:
+    """The candidates, each a factory of a fresh policy."""
+    candidates = {
+        "lru": lambda: LRU(num_experts),
+        "lfu": lambda: LFU(num_experts),
+        "lru-2": lambda: LRUK(num_experts),
+        "arc": lambda: ARC(num_experts),
+        "predicted+lru": lambda: Predicted(LRU(num_experts)),
     }
+    for h in (8, 32, 128):
+        candidates[f"lfu-decay{h}"] = lambda h=h: DecayedLFU(num_experts, h)
+    for h in (4, 16, 64):
+        candidates[f"router-ema{h}"] = lambda h=h: RouterEMA(num_experts, h)
+        candidates[f"gate-ema{h}"] = lambda h=h: RouterEMA(num_experts, h, chosen_only=True)
+    return candidates
+
+
+def allocate(curves: List[np.ndarray], total: int, floor: List[int]) -> List[int]:
+    """Slots per layer from one budget of ``total``: start each layer at its
+    ``floor``, then repeatedly grow the layer whose hit count gains most per
+    added slot, looking past flat stretches (LRU's curve is not concave: a
+    cycle of n experts gains nothing until n slots). ``curves[l][c]`` is
+    layer l's hits with c slots."""
+    alloc = list(floor)
+    left = total - sum(alloc)
+    while left > 0:
+        best = None  # (gain per slot, layer, slots to add)
+        for l, c in enumerate(alloc):
+            for add in range(1, min(left, len(curves[l]) - 1 - c) + 1):
+                rate = (curves[l][c + add] - curves[l][c]) / add
+                if best is None or rate > best[0]:
+                    best = (rate, l, add)
+        if best is None or best[0] <= 0:
+            break
+        alloc[best[1]] += best[2]
+        left -= best[2]
+    return alloc
+
+
+def global_allocation(calls: Dict[int, List[Call]], capacity: int, num_experts: int,
+                      factory: Callable[[], Policy]) -> float:
+    """Hit rate when the layers share ``capacity`` x layers slots, split by
+    the marginal gains measured on the first quarter of the trace (a
+    profiling prefix) with the policy ``factory`` makes."""
+    layers = list(calls)
+    floor = [max(len(c.experts) for c in calls[l]) for l in layers]
+    curves = []
+    for l in layers:
+        prefix = calls[l][: max(1, len(calls[l]) // 4)]
+        lookups = sum(c.ids.size for c in prefix)
+        curves.append(np.array([0.0] + [
+            simulate(prefix, c, factory()) * lookups if c >= floor[len(curves)] else 0.0
+            for c in range(1, num_experts + 1)]))
+    alloc = allocate(curves, capacity * len(layers), floor)
+    hits = total = 0
+    for l, slots in zip(layers, alloc):
+        lookups = sum(c.ids.size for c in calls[l])
+        hits += simulate(calls[l], slots, factory()) * lookups
+        total += lookups
+    return hits / total
+
+
+def replay(calls, capacity: int, num_experts: Optional[int] = None) -> Dict[str, float]:
+    """Hit rate of each policy on one layer's calls."""
+    calls = _as_calls(calls)
+    num_experts = num_experts or 1 + max(int(c.experts.max()) for c in calls)
+    rates = {name: simulate(calls, capacity, make())
+             for name, make in online_policies(num_experts).items()}
+    for window in LOOKAHEADS:
+        rates[f"lookahead{window}"] = simulate(calls, capacity,
+                                               Lookahead(calls, num_experts, window))
+    rates["belady"] = simulate(calls, capacity, Belady(calls, num_experts))
+    return rates
 
 
 def run(args) -> dict:
@@ -124,22 +237,34 @@ def run(args) -> dict:
         trace = args.out / f"routing-trace-w{stats['top_k']}.jsonl"
     else:
         trace = args.trace
-    calls = decode_calls(trace)
+    calls = decode_records(trace)
     num_experts = read_manifest(args.model).layers[0].num_experts if args.model else \
-        max(int(np.concatenate(c).max()) for c in calls.values()) + 1
+        1 + max(int(c.experts.max()) for seq in calls.values() for c in seq)
     rows = []
     for frac in [float(c) for c in args.capacities.split(",")]:
-        capacity = max(max(len(c) for c in seq) for seq in calls.values())
+        capacity = max(max(len(c.experts) for c in seq) for seq in calls.values())
         capacity = max(capacity, round(frac * num_experts))
-        per_layer = [replay(seq, capacity) for seq in calls.values()]
+        per_layer = [replay(seq, capacity, num_experts) for seq in calls.values()]
         row = dict(capacity=capacity, fraction=capacity / num_experts)
         for policy in per_layer[0]:
             row[policy] = float(np.mean([r[policy] for r in per_layer]))
-        row["lru_gap"] = row["belady"] - row["lru"]
+        online = [p for p in per_layer[0] if p not in ORACLES]
+        best = max(online, key=lambda p: row[p])
+        row["best"] = best
+        row[f"global+{best}"] = global_allocation(
+            calls, capacity, num_experts, online_policies(num_experts)[best])
+        row["gap_lru"] = row["belady"] - row["lru"]
+        row["gap_best"] = row["belady"] - max(row[best], row[f"global+{best}"])
         rows.append(row)
-    columns = [("capacity", "slots", "d"), ("fraction", "pool", ".0%"), ("lru", "LRU", ".1%"),
-               ("lfu", "LFU", ".1%"), ("pinned-hot+lru", "pinned+LRU", ".1%"),
-               ("belady", "Belady", ".1%"), ("lru_gap", "MIN-LRU", ".1%")]
+    policies = [k for k in rows[0] if k not in ("capacity", "fraction", "best")
+                and not k.startswith(("gap", "global"))]
+    columns = [("capacity", "slots", "d"), ("fraction", "pool", ".0%")]
+    columns += [(p, p, ".1%") for p in policies]
+    columns += [("best", "best online", "s"), ("gap_best", "MIN-best", ".1%"),
+                ("gap_lru", "MIN-LRU", ".1%")]
+    for row in rows:
+        row["global_best"] = row.pop(f"global+{row['best']}")
+    columns.insert(-2, ("global_best", "global+best", ".1%"))
     title = "bench cache: hit rate of decode calls by policy and pool size"
     if stats:
         title += "\n" + routing.describe(stats)
@@ -152,8 +277,8 @@ def _plot(rows, path, title):
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [r["fraction"] for r in rows]
-    for policy, style in [("belady", "k-"), ("lru", "o-"), ("lfu", "s-"),
-                          ("pinned-hot+lru", "^-")]:
+    for policy, style in [("belady", "k-"), ("lookahead1", "k:"), ("lru", "o-"),
+                          ("lfu", "s-"), ("arc", "v-"), ("global_best", "^-")]:
         ax.plot(x, [r[policy] for r in rows], style, label=policy)
     ax.set_xlabel("pool size (fraction of a layer's experts)")
     ax.set_ylabel("hit rate")

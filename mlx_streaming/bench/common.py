@@ -17,6 +17,7 @@ from ..errors import StreamingError
 from ..stats import read_trace
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 
 
 class BenchError(StreamingError):
@@ -139,20 +140,72 @@ class MemoryLimit:
             pass
 
 
+def disk_of(path: Path) -> str:
+    """``MAJ:MIN`` of the whole disk holding ``path`` (blkio throttles
+    disks, not partitions)."""
+    dev = os.stat(path).st_dev
+    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (node / "partition").exists():
+        return (node.resolve().parent / "dev").read_text().strip()
+    if not node.exists():
+        raise BenchError(f"{path} is not on a block device (tmpfs or overlay?): "
+                         "--read-mbps cannot throttle it")
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+class ReadLimit:
+    """A cgroup v1 blkio limit on read bandwidth: emulates a slower disk.
+    It slows direct and buffered reads alike, but page-cache hits are not
+    reads: measure cold, or with direct I/O."""
+
+    def __init__(self, mbps: float, path: Path):
+        if not BLKIO_ROOT.exists():
+            raise BenchError(f"--read-mbps needs cgroup v1's blkio controller at {BLKIO_ROOT}")
+        self.device = disk_of(path)
+        self.path = BLKIO_ROOT / f"mlx_streaming_bench_{os.getpid()}_{time.monotonic_ns()}"
+        try:
+            self.path.mkdir()
+            (self.path / "blkio.throttle.read_bps_device").write_text(
+                f"{self.device} {int(mbps * 1e6)}\n")
+        except OSError as e:
+            raise BenchError(f"cannot create a blkio cgroup ({e.strerror}); run as root") from None
+        self.mbps = mbps
+
+    def enter(self) -> None:
+        (self.path / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+    def close(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
 def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = False,
-             timeout: float = 3600) -> dict:
+             timeout: float = 3600, read_mbps: Optional[float] = None) -> dict:
     """Run one measurement (``mlx_streaming.bench.case``) in a fresh process,
-    optionally in a memory cgroup and after dropping the page cache."""
+    optionally in a memory cgroup, with its disk reads throttled to
+    ``read_mbps`` MB/s, and after dropping the page cache."""
     if cold:
         drop_page_cache()
     limit = MemoryLimit(memory_limit_gb) if memory_limit_gb else None
+    throttle = ReadLimit(read_mbps, Path(case["model"])) if read_mbps else None
+    cgroups = [c for c in (limit, throttle) if c is not None]
+
+    def enter():
+        for c in cgroups:
+            c.enter()
+
     cmd = [sys.executable, "-m", "mlx_streaming.bench.case", json.dumps(case)]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=limit.enter if limit else None)
+                              preexec_fn=enter if cgroups else None)
     except subprocess.TimeoutExpired:
         return dict(case, status="timeout")
+    finally:
+        if throttle is not None:
+            throttle.close()
     result = dict(case, wall_s=time.perf_counter() - start, returncode=proc.returncode)
     if limit is not None:
         result["cgroup_max_usage_bytes"] = limit.max_usage()
@@ -171,15 +224,24 @@ def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = F
     return result
 
 
-def disk_read_gbps(path: Path, block: int, limit_bytes: int = 1 << 30) -> float:
-    """Throughput of ``dd`` reading ``path`` with direct I/O, in GB/s."""
+def disk_read_gbps(path: Path, block: int, limit_bytes: int = 1 << 30,
+                   read_mbps: Optional[float] = None) -> float:
+    """Throughput of ``dd`` reading ``path`` with direct I/O, in GB/s
+    (under a ``read_mbps`` throttle if given, for at most ~2 s of reads)."""
     size = min(Path(path).stat().st_size, limit_bytes)
+    if read_mbps:
+        size = min(size, int(2 * read_mbps * 1e6))
     count = max(1, size // block)
+    throttle = ReadLimit(read_mbps, Path(path)) if read_mbps else None
     start = time.perf_counter()
-    proc = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", f"bs={block}", f"count={count}", "iflag=direct"],
-        capture_output=True, text=True,
-    )
+    try:
+        proc = subprocess.run(
+            ["dd", f"if={path}", "of=/dev/null", f"bs={block}", f"count={count}", "iflag=direct"],
+            capture_output=True, text=True, preexec_fn=throttle.enter if throttle else None,
+        )
+    finally:
+        if throttle is not None:
+            throttle.close()
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise BenchError(f"dd failed on {path}: {proc.stderr.strip()}")

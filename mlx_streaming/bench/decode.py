@@ -10,6 +10,7 @@ bound: per token max(compute time of (a), missed bytes / disk bandwidth)
 when I/O overlaps compute perfectly, and their sum when it does not.
 """
 
+import itertools
 from pathlib import Path
 
 from ..config import DIRECT_IO_CHOICES
@@ -17,6 +18,7 @@ from ..format import blob_path, read_manifest
 from ..loader import spine_bytes
 from . import routing
 from .common import (
+    BenchError,
     disk_read_gbps,
     drop_page_cache,
     figure,
@@ -31,7 +33,8 @@ COLUMNS = [
     ("decode_tps", "tok/s", ".3g"), ("vs_resident", "x (a)", ".2f"),
     ("hit_rate", "hit", ".0%"), ("gb_per_token", "GB/tok", ".3f"),
     ("bound_overlap_tps", "bound", ".3g"), ("vs_bound", "x bound", ".2f"),
-    ("bound_serial_tps", "no-overlap", ".3g"), ("peak_gb", "peak RSS GB", ".2f"),
+    ("bound_serial_tps", "no-overlap", ".3g"), ("stall_share", "stall", ".0%"),
+    ("vs_belady", "x MIN", ".2f"), ("peak_gb", "peak RSS GB", ".2f"),
     ("mlx_peak_gb", "MLX peak GB", ".3f"), ("spine_pool_gb", "spine+pool GB", ".3f"),
 ]
 
@@ -54,6 +57,13 @@ def add_arguments(p) -> None:
     p.add_argument("--verify", default="first-read",
                    help="checksum modes to compare side by side, comma-separated "
                         "(e.g. first-read,always)")
+    p.add_argument("--policies", default=None,
+                   help="eviction policies to compare side by side, comma-separated "
+                        "(default: load()'s default)")
+    p.add_argument("--read-mbps", type=float, default=None,
+                   help="throttle the cases' disk reads to this many MB/s (cgroup v1 blkio; "
+                        "emulates a slower disk, e.g. a Mac's read/compute ratio; use with "
+                        "--direct-io on or --cold)")
     p.add_argument("--routing-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
@@ -92,12 +102,19 @@ def run(args) -> dict:
         cases.append(("(b) mlx-lm lazy", None,
                       dict(common, kind="mlx-lm-lazy", model=args.mlx_model), args.memory_limit_gb))
     modes = args.verify.split(",")
+    policies = args.policies.split(",") if args.policies else [None]
+    prefetches = args.prefetch.split(",")
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = pool_slots(manifest.layers[0], pool)
-        for verify in modes:
-            load = dict(slots_per_layer=slots, io=args.io, prefetch=args.prefetch,
+        for verify, policy, prefetch in itertools.product(modes, policies, prefetches):
+            load = dict(slots_per_layer=slots, io=args.io, prefetch=prefetch,
                         direct_io=DIRECT_IO_CHOICES[args.direct_io], verify=verify)
-            name = "(c) mlx_streaming" + (f" verify={verify}" if len(modes) > 1 else "")
+            if policy:
+                load["policy"] = policy
+            name = "(c) mlx_streaming" + "".join(
+                f" {label}={value}" for label, value, choices in
+                [("verify", verify, modes), ("policy", policy, policies),
+                 ("prefetch", prefetch, prefetches)] if len(choices) > 1)
             cases.append((name, slots / num_experts,
                           dict(common, kind="streaming", model=str(stream_dir), load=load),
                           args.memory_limit_gb))
@@ -106,20 +123,24 @@ def run(args) -> dict:
     runs = [[] for _ in cases]
     for _ in range(args.repeats):
         for i, (_, _, case, limit) in enumerate(cases):
-            runs[i].append(run_case(case, memory_limit_gb=limit, cold=args.cold))
+            throttle = args.read_mbps if case["kind"] == "streaming" else None
+            runs[i].append(run_case(case, memory_limit_gb=limit, cold=args.cold,
+                                    read_mbps=throttle))
     rows, raw = [], {}
     spine_gb = spine_bytes(stream_dir) / 1e9
     for (name, pool, _, _), results in zip(cases, runs):
         raw[f"{name} {pool or ''}".strip()] = results
         row = _summary(name, median_run(results), pool, spine_gb)
+        row["load"] = results[0].get("load")
         row["runs_tps"] = [x.get("decode_tps") for x in results]
         rows.append(row)
 
     if args.cold:
         drop_page_cache()
     blob = blob_path(stream_dir, manifest.layers[0])
-    disk_gbps = disk_read_gbps(blob, manifest.layers[0].stride)
+    disk_gbps = disk_read_gbps(blob, manifest.layers[0].stride, read_mbps=args.read_mbps)
     resident_tps = rows[0].get("decode_tps") if args.mlx_model else None
+    belady = _belady_gb_per_token(common, stream_dir, manifest, args) if args.mlx_model else {}
     for row in rows:
         if resident_tps and row.get("decode_tps"):
             row["vs_resident"] = row["decode_tps"] / resident_tps
@@ -129,15 +150,48 @@ def run(args) -> dict:
             row["bound_overlap_tps"] = 1 / max(compute, io)
             row["bound_serial_tps"] = 1 / (compute + io)
             row["vs_bound"] = row["decode_tps"] / row["bound_overlap_tps"]
+            if row["pool"] in belady:
+                # Belady's misses read at this disk's rate, serial with compute:
+                # what the best possible eviction would take without prefetch.
+                row["belady_gb_per_token"] = belady[row["pool"]]
+                row["belady_serial_tps"] = 1 / (compute + belady[row["pool"]] / disk_gbps)
+                row["vs_belady"] = row["decode_tps"] / row["belady_serial_tps"]
 
     stats = routing.measure(stream_dir, args.out, tokens=args.routing_tokens)
     result = dict(rows=rows, disk_direct_read_gbps=disk_gbps, routing=stats,
+                  read_mbps=args.read_mbps,
                   memory_limit_gb=args.memory_limit_gb, cold=args.cold,
                   model_expert_gb=manifest.expert_nbytes / 1e9, cases=raw)
+    throttled = f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else ""
     title = (f"bench decode: experts {manifest.expert_nbytes / 1e9:.2f} GB, memory limit "
              f"{args.memory_limit_gb or 'none'} GB, {'cold' if args.cold else 'warm'} page cache, "
-             f"disk {disk_gbps:.2f} GB/s (dd, direct)\n{routing.describe(stats)}")
+             f"disk {disk_gbps:.3g} GB/s (dd, direct){throttled}\n{routing.describe(stats)}")
     return finish(args.out, "decode", result, rows, COLUMNS, title, _plot)
+
+
+def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
+    """GB per decode token that Belady's MIN would read at each pool size,
+    replayed on the routing of these very decode runs (every case decodes
+    the same tokens: the output is exact), recorded in one more run."""
+    from .cache import Belady, decode_records, simulate
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    trace = Path(args.out) / "decode-trace.jsonl"
+    spec = manifest.layers[0]
+    case = dict(common, kind="streaming", model=str(stream_dir),
+                load=dict(slots_per_layer=spec.num_experts, trace=str(trace)))
+    r = run_case(case)
+    if r["status"] != "ok":
+        raise BenchError(f"recording the decode routing failed: {r.get('error', r['status'])}")
+    calls = decode_records(trace)
+    tokens = len(next(iter(calls.values())))
+    out = {}
+    for pool in [float(p) for p in args.pools.split(",")]:
+        slots = pool_slots(spec, pool)
+        misses = sum((1 - simulate(seq, slots, Belady(seq, spec.num_experts))) *
+                     sum(c.ids.size for c in seq) for seq in calls.values())
+        out[slots / spec.num_experts] = misses * spec.expert_nbytes / tokens / 1e9
+    return out
 
 
 def _plot(rows, path, title):

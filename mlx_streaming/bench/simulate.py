@@ -1,0 +1,290 @@
+"""bench simulate: project decode tok/s from a routing trace and a
+hardware profile, and check the projection against this machine.
+
+The model of one decode token (one token per MoE call):
+
+    compute                 the token's work with every expert resident: the
+                            bytes of weights it touches over the bandwidth the
+                            compute reaches (or, on this machine, measured)
+    + moe_layers x sync     one host sync per paged MoE call, with its
+                            bookkeeping (``bench overhead`` measures it)
+    + reads                 per call with m missed experts: latency + m x
+                            expert bytes / SSD bandwidth, not overlapped
+                            with compute (demand reads wait for the sync)
+
+With prefetch, the previous layer's prediction (recorded in the trace) is
+read while that layer computes: the part of its read time that fits in one
+layer's compute is hidden, the rest and the misses it did not predict stall.
+Misses come from replaying the trace through the eviction policy at the
+pool size.
+
+Two modes:
+
+  --validate   this machine: measure its profile (resident decode, sync
+               cost, throttled disk rate), project each pool x policy case of
+               a model, run those cases with ``bench decode`` in the same run
+               and report the error of each projection.
+  --project    Apple Silicon profiles (published figures, sources in
+               PROFILES) x large MoE models at 4 bits: projected tok/s at the
+               largest pool each machine's memory allows. Hit rates come from
+               the given trace at the same pool fraction: a proxy, since no
+               trace of those models was recorded here.
+"""
+
+import argparse
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..format import read_manifest
+from ..policy import make_policy
+from .cache import Call, decode_records, replay_misses
+from .common import BenchError, figure, finish
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the projection needs of a machine."""
+
+    name: str
+    ssd_gbps: float  # sustained random reads of expert-sized records
+    ssd_latency_s: float  # added once per call that reads
+    weight_gbps: float  # bandwidth the compute reaches on weights (decode)
+    sync_s: float  # one host sync of a paged MoE call, with its bookkeeping
+    memory_gb: float = 0.0
+    sources: Dict[str, str] = field(default_factory=dict)
+
+
+# Published figures. Memory bandwidth: Apple's product pages; MLX decode on
+# these machines reaches roughly 60-70% of it on 4-bit weights (an
+# assumption we apply as weight_gbps = 0.65 x peak). SSD: sequential read
+# speeds reported by reviews of each machine (Blackmagic/AmorphousDiskMark,
+# ~4-7 GB/s); we take 4 MiB+ random reads at that rate. Sync: the cost of one
+# command buffer commit-and-wait plus our bookkeeping, ~100 us, an estimate
+# (this machine's CPU backend measures ~50-80 us; Metal adds the GPU round
+# trip).
+_APPLE_SOURCES = {
+    "weight_gbps": "0.65 x Apple's published unified memory bandwidth (apple.com tech specs)",
+    "ssd_gbps": "reviewers' disk-speed tests of the internal SSD (1-2 TB configurations)",
+    "ssd_latency_s": "NVMe queue + first byte, ~100 us (assumption)",
+    "sync_s": "Metal commit + wait + bookkeeping, ~100 us (assumption)",
+}
+PROFILES = {
+    "m4-pro-48gb": Profile("MacBook Pro M4 Pro 48 GB", 5.0, 1e-4, 0.65 * 273, 1e-4, 48,
+                           _APPLE_SOURCES),
+    "m4-max-128gb": Profile("MacBook Pro M4 Max 128 GB", 6.0, 1e-4, 0.65 * 546, 1e-4, 128,
+                            _APPLE_SOURCES),
+    "m3-ultra-256gb": Profile("Mac Studio M3 Ultra 256 GB", 6.5, 1e-4, 0.65 * 819, 1e-4, 256,
+                              _APPLE_SOURCES),
+    "m2-air-24gb": Profile("MacBook Air M2 24 GB", 3.0, 1e-4, 0.65 * 100, 1e-4, 24,
+                           _APPLE_SOURCES),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A MoE model's sizes at 4 bits (group 64: ~4.5 bits per weight)."""
+
+    name: str
+    moe_layers: int
+    experts: int
+    top_k: int
+    expert_params: float
+    dense_active_params: float  # per token: attention, shared experts, dense layers, head
+    total_params: float
+
+    def expert_bytes(self) -> float:
+        return self.expert_params * 4.5 / 8
+
+    def spine_bytes(self) -> float:
+        return (self.total_params - self.moe_layers * self.experts * self.expert_params) * 4.5 / 8
+
+
+# From each model's config.json on the Hub (layers, experts, top-k, widths).
+SHAPES = {
+    "qwen3-30b-a3b": ModelShape("Qwen3-30B-A3B", 48, 128, 8, 3 * 2048 * 768, 1.6e9, 30.5e9),
+    "qwen3-235b-a22b": ModelShape("Qwen3-235B-A22B", 94, 128, 8, 3 * 4096 * 1536, 7.8e9,
+                                  235e9),
+    "deepseek-v3": ModelShape("DeepSeek-V3 (671B)", 58, 256, 8, 3 * 7168 * 2048, 16.5e9, 671e9),
+}
+
+
+def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, prefetch: bool,
+                 compute_s: float, sync_s: float, moe_layers: int, expert_bytes: float,
+                 top_k: int, ssd_gbps: float, ssd_latency_s: float) -> dict:
+    """Projected seconds per token and its parts, replaying each traced
+    layer at ``fraction`` of its experts; the traced layers stand for all
+    ``moe_layers`` (their mean per call)."""
+    per_call_read, per_call_stall, hits, lookups = [], [], 0, 0
+    layer_compute = compute_s / moe_layers
+    for seq in calls.values():
+        experts = 1 + max(int(c.experts.max()) for c in seq)
+        slots = max(len(seq[0].experts), round(fraction * experts))
+        misses = replay_misses(seq, slots, make_policy(policy, experts))
+        scale = top_k / seq[0].ids.shape[-1]  # the model's k against the trace's
+        for call, missed in zip(seq, misses):
+            hits += call.ids.size - len(missed)
+            lookups += call.ids.size
+            m = len(missed) * scale
+            read = (m > 0) * ssd_latency_s + m * expert_bytes / ssd_gbps / 1e9
+            per_call_read.append(read)
+            if prefetch and call.predicted is not None:
+                caught = len(set(missed.tolist()) & set(call.predicted.tolist())) * scale
+                staged = len(call.predicted) * scale * (len(missed) / max(1, len(call.experts)))
+                t_pf = (staged > 0) * ssd_latency_s + staged * expert_bytes / ssd_gbps / 1e9
+                rest = m - caught
+                t_demand = (rest > 0) * ssd_latency_s + rest * expert_bytes / ssd_gbps / 1e9
+                per_call_stall.append(max(0.0, t_pf - layer_compute) + t_demand)
+            else:
+                per_call_stall.append(read)
+    reads = float(np.mean(per_call_stall)) * moe_layers
+    seconds = compute_s + moe_layers * sync_s + reads
+    return dict(seconds=seconds, tps=1 / seconds, stall_s=reads, hit_rate=hits / lookups,
+                read_s=float(np.mean(per_call_read)) * moe_layers)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--validate", action="store_true",
+                   help="measure this machine and check projections against bench decode")
+    p.add_argument("--project", action="store_true",
+                   help="project Apple Silicon machines x large MoE models (needs --trace "
+                        "or --model for hit rates)")
+    p.add_argument("--model", help="stream directory (validate: the model run)")
+    p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (validate)")
+    p.add_argument("--trace", type=Path, help="routing trace for --project hit rates")
+    p.add_argument("--pools", default="0.25,0.5")
+    p.add_argument("--policies", default="lru")
+    p.add_argument("--prefetch", default="off", help="off, next-layer, or both comma-separated")
+    p.add_argument("--read-mbps", type=float, default=None,
+                   help="validate with reads throttled (cgroup blkio), as bench decode")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("bench-results/simulate"))
+
+
+def run(args) -> dict:
+    if args.validate == args.project:
+        raise BenchError("bench simulate needs exactly one of --validate or --project")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return validate(args) if args.validate else project(args)
+
+
+def validate(args) -> dict:
+    from . import decode, overhead
+
+    if not (args.model and args.mlx_model):
+        raise BenchError("--validate needs --model and --mlx-model")
+    manifest = read_manifest(args.model)
+    spec = manifest.layers[0]
+    ns = argparse.Namespace(
+        model=args.model, mlx_model=args.mlx_model, pools=args.pools, memory_limit_gb=None,
+        cold=False, temp=args.temp, max_tokens=args.max_tokens, prompt_tokens=32, io="auto",
+        prefetch=args.prefetch, direct_io="on" if args.read_mbps else "auto",
+        verify="first-read", policies=args.policies, read_mbps=args.read_mbps,
+        routing_tokens=64, repeats=args.repeats, out=args.out / "decode")
+    measured = decode.run(ns)
+    ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=32, rounds=3,
+                                         policy="lru", out=args.out / "overhead"))
+    resident_tps = measured["rows"][0]["decode_tps"]
+    here = Profile("this machine", measured["disk_direct_read_gbps"], 0.0, 0.0,
+                   max(0.0, ov["overhead_us_per_call"]) * 1e-6)
+    calls = decode_records(args.out / "decode" / "decode-trace.jsonl")
+    rows = []
+    for row in measured["rows"][2:]:
+        load = _case_load(row, measured)
+        p = project_case(calls, row["pool"], load.get("policy") or "lru",
+                         load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
+                         len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
+                         here.ssd_latency_s)
+        rows.append(dict(case=row["case"], pool=row["pool"], measured_tps=row.get("decode_tps"),
+                         projected_tps=p["tps"], projected_hit=p["hit_rate"],
+                         measured_hit=row.get("hit_rate"),
+                         error=p["tps"] / row["decode_tps"] - 1 if row.get("decode_tps") else None))
+    result = dict(rows=rows, profile=asdict(here), resident_tps=resident_tps,
+                  max_abs_error=max(abs(r["error"]) for r in rows if r["error"] is not None))
+    title = (f"bench simulate --validate: projected vs measured decode on this machine "
+             f"(max error {result['max_abs_error']:.0%})")
+    cols = [("case", "case", "s"), ("pool", "pool", ".0%"), ("measured_tps", "measured", ".3g"),
+            ("projected_tps", "projected", ".3g"), ("error", "error", "+.0%"),
+            ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%")]
+    return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
+
+
+def _case_load(row, measured) -> dict:
+    """The load options of the decode case behind ``row``."""
+    return row.get("load", {})
+
+
+def project(args) -> dict:
+    trace = args.trace or (Path(args.model) / "routing-trace.jsonl" if args.model else None)
+    if trace is None or not Path(trace).exists():
+        raise BenchError("--project needs --trace (a routing trace of a learned-routing model)")
+    calls = decode_records(trace)
+    rows = []
+    for key, prof in PROFILES.items():
+        for shape in SHAPES.values():
+            spine = shape.spine_bytes()
+            # Leave 25% of memory to the OS and apps; the rest holds the
+            # spine and the pools.
+            room = prof.memory_gb * 0.75e9 - spine
+            slots = room / shape.expert_bytes() / shape.moe_layers
+            fraction = min(1.0, slots / shape.experts)
+            row = dict(machine=prof.name, model=shape.name, spine_gb=spine / 1e9,
+                       experts_gb=shape.moe_layers * shape.experts * shape.expert_bytes() / 1e9)
+            if fraction < shape.top_k / shape.experts:
+                row.update(pool=0.0, note="spine does not fit")
+                rows.append(row)
+                continue
+            active = shape.dense_active_params * 4.5 / 8 + \
+                shape.moe_layers * shape.top_k * shape.expert_bytes()
+            compute = active / (prof.weight_gbps * 1e9)
+            for policy in args.policies.split(","):
+                p = project_case(calls, fraction, policy, False, compute, prof.sync_s,
+                                 shape.moe_layers, shape.expert_bytes(), shape.top_k,
+                                 prof.ssd_gbps, prof.ssd_latency_s)
+                rows.append(dict(row, policy=policy, pool=fraction, hit_rate=p["hit_rate"],
+                                 resident_tps=1 / compute if fraction >= 1 else None,
+                                 projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"]))
+    result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
+                  shapes={k: asdict(v) for k, v in SHAPES.items()}, trace=str(trace))
+    cols = [("machine", "machine", "s"), ("model", "model", "s"), ("policy", "policy", "s"),
+            ("spine_gb", "spine GB", ".1f"), ("experts_gb", "experts GB", ".0f"),
+            ("pool", "pool", ".0%"), ("hit_rate", "hit", ".0%"),
+            ("projected_tps", "projected tok/s", ".3g"), ("read_share", "reads", ".0%")]
+    title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
+    return finish(args.out, "projection", result, rows, cols, title, _plot_project)
+
+
+def _plot_validate(rows, path, title):
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    m = [r["measured_tps"] or 0 for r in rows]
+    p = [r["projected_tps"] for r in rows]
+    ax.scatter(m, p)
+    hi = max(m + p) * 1.1
+    ax.plot([0, hi], [0, hi], "k--", lw=1)
+    ax.fill_between([0, hi], [0, hi * 0.85], [0, hi * 1.15], alpha=0.15, label="±15%")
+    ax.set_xlabel("measured tok/s")
+    ax.set_ylabel("projected tok/s")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_project(rows, path, title):
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ok = [r for r in rows if r.get("projected_tps")]
+    labels = [f"{r['machine']}\n{r['model']}" for r in ok]
+    ax.barh(range(len(ok)), [r["projected_tps"] for r in ok])
+    ax.set_yticks(range(len(ok)), labels, fontsize=6)
+    ax.set_xlabel("projected decode tok/s (a projection, not a measurement)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
