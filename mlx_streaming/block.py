@@ -78,37 +78,52 @@ class Paged:
         self.pending = []
 
     def __call__(self, inner, x, indices):
-        tokens = _tokens(indices)
-        pool = self.store.pool
-        predicted = self.prefetch.predict(x, tokens)
-        probs = () if self.router is None else (self.router.probabilities(x),)
-        # Start the router (and the prediction) computing, and build the
-        # expert call on the table while they run: the table is written in
-        # place below, before the call is evaluated.
-        mx.async_eval(indices, *predicted, *probs)
-        y = inner(x, pool.table[indices])
-        # The one host sync of this call: the ids, the prediction for the
-        # next layer, and every earlier reader of this pool.
-        mx.eval(indices, *self.pending, *predicted, *probs)
-        self.pending = []
-        self.prefetch.issue(predicted)
-
-        ids = np.array(indices)
-        experts = distinct(ids)
-        probs = np.array(probs[0]).reshape(-1, probs[0].shape[-1]) if probs else None
-        hits = int(np.count_nonzero(pool.slot_of_expert[ids] >= 0))
-        self.events.on_paged_call(self.layer, tokens, ids, experts, hits, probs)
-        self.store.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
-        if len(experts) <= pool.slots:
+        predicted, probs, y = self._start(inner, x, indices)
+        self._sync(indices, predicted, probs)
+        ids, experts, probs = self._route(indices, probs)
+        if len(experts) <= self.store.pool.slots:
             self.store.ensure(experts)
-            # Start the experts now: they compute while Python builds the
-            # next layer's graph, which the sync would otherwise serialize.
-            mx.async_eval(y)
-            self.pending.append(y)
+            self._launch(y)
         else:
             y = self._chunked(inner, x, indices, ids, experts)
         self.store.drop_staged()
         return y
+
+    # The steps of a call, small methods so that ``bench overhead`` can time
+    # each one in a real decode by overriding them.
+
+    def _start(self, inner, x, indices):
+        """Start the router (and the prediction) computing, and build the
+        expert call on the table while they run: the table is written in
+        place by ``ensure``, before the call is evaluated."""
+        predicted = self.prefetch.predict(x, _tokens(indices))
+        probs = () if self.router is None else (self.router.probabilities(x),)
+        mx.async_eval(indices, *predicted, *probs)
+        y = inner(x, self.store.pool.table[indices])
+        return predicted, probs, y
+
+    def _sync(self, indices, predicted, probs) -> None:
+        """The one host sync of this call: the ids, the prediction for the
+        next layer, and every earlier reader of this pool."""
+        mx.eval(indices, *self.pending, *predicted, *probs)
+        self.pending = []
+        self.prefetch.issue(predicted)
+
+    def _route(self, indices, probs):
+        """The host's view of the routing: counters, trace and policy."""
+        ids = np.array(indices)
+        experts = distinct(ids)
+        probs = np.array(probs[0]).reshape(-1, probs[0].shape[-1]) if probs else None
+        hits = int(np.count_nonzero(self.store.pool.slot_of_expert[ids] >= 0))
+        self.events.on_paged_call(self.layer, _tokens(indices), ids, experts, hits, probs)
+        self.store.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
+        return ids, experts, probs
+
+    def _launch(self, y) -> None:
+        # Start the experts now: they compute while Python builds the next
+        # layer's graph, which the next sync would otherwise serialize.
+        mx.async_eval(y)
+        self.pending.append(y)
 
     def _chunked(self, inner, x, indices, ids, experts):
         """More distinct experts than slots: run the (token, expert) pairs in

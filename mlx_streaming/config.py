@@ -18,7 +18,7 @@ IO_CHOICES = ("auto", "native", "python")
 PREFETCH_CHOICES = ("off", "next-layer", "auto")
 # Eviction policies (mlx_streaming.policy.POLICIES); bench cache compares them.
 POLICY_CHOICES = ("lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "lfu-decay"
 VERIFY_CHOICES = ("first-read", "always", "off")
 # Command-line spelling of StreamConfig.direct_io.
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}

@@ -69,6 +69,8 @@ class Runtime:
         self.paged = slots < budget.max_slots(manifest) or config.trace is not None
         self.stores: List[ExpertStore] = []
         self.residencies: List[Paged] = []
+        self.staging = None  # prefetch's staging area, when prefetch is on
+        self.cancelled_at_reset = 0
         self.stats = Stats([l.layer for l in manifest.layers])
         self.trace = TraceWriter(config.trace) if config.trace else None
         observers = [self.stats] + ([self.trace] if self.trace else [])
@@ -358,6 +360,7 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
         # Room for one layer's predictions in flight while the previous
         # layer's leftovers are still being dropped.
         staging = runtime.reader.staging(2 * width, stride)
+        runtime.staging = staging
     for spec in manifest.layers:
         pool = SlotPool(spec, min(runtime.slots, spec.num_experts))
         _bind_pool(blocks[spec.module], spec, pool)
@@ -397,6 +400,7 @@ def _make_prefetchers(model, runtime: Runtime, blocks, staging) -> Dict[int, Nex
         target = None
         if native:
             target = staging.target(nxt.layer, nxt.file, nxt.spec.stride)
+            target.budget = budget.records
             budget.targets.append(target)
         prefetchers[store.layer] = NextLayerPrefetch(
             scorer,

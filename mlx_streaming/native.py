@@ -47,6 +47,10 @@ class NativeReader:
         except self.ext.ReadError as e:
             raise ExpertReadError(str(e)) from None
 
+    def drain(self) -> None:
+        """Wait until no read (prefetch included) is queued or running."""
+        self._reader.drain()
+
     def staging(self, capacity: int, stride: int):
         return self._reader.staging(capacity, stride)
 

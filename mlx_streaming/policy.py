@@ -28,8 +28,16 @@ class Policy:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
         self.clock = 0
-        self.last_use = np.full(num_experts, -1, dtype=np.int64)
+        self.last_use = self._scores(-1.0)
         self.expert_of_slot: Optional[np.ndarray] = None
+
+    def _scores(self, fill: float) -> np.ndarray:
+        """A per-expert array with one more entry, -inf, that an empty
+        slot's id (-1) indexes: so empty slots are always the first victims
+        with no mask to build on the hot path."""
+        a = np.full(self.num_experts + 1, fill, dtype=np.float64)
+        a[-1] = -np.inf
+        return a
 
     def bind(self, expert_of_slot: np.ndarray) -> "Policy":
         """Read slot contents from this array (the pool updates it in place)."""
@@ -47,6 +55,8 @@ class Policy:
         """Experts predicted for this layer's next call (prefetch's guess)."""
 
     def keep_score(self) -> np.ndarray:
+        """``[num_experts + 1]``: higher is kept longer; the last entry is
+        -inf (the empty slot's)."""
         raise NotImplementedError
 
     def _recency(self) -> np.ndarray:
@@ -54,10 +64,7 @@ class Policy:
         return (self.last_use + 1) / (self.clock + 2)
 
     def victims(self, n: int, protected: np.ndarray) -> np.ndarray:
-        held = self.expert_of_slot
-        key = np.full(len(held), -np.inf)
-        full = held >= 0
-        key[full] = self.keep_score()[held[full]]
+        key = self.keep_score()[self.expert_of_slot]  # a fresh array
         key[protected] = np.inf
         if n >= len(key):
             return np.argsort(key, kind="stable")[:n]
@@ -81,7 +88,7 @@ class LFU(Policy):
 
     def __init__(self, num_experts):
         super().__init__(num_experts)
-        self.count = np.zeros(num_experts)
+        self.count = self._scores(0.0)
 
     def observe(self, experts, ids, probs=None):
         super().observe(experts, ids, probs)
@@ -107,7 +114,7 @@ class DecayedLFU(Policy):
         super().__init__(num_experts)
         self.half_life = half_life
         self.decay = _decay(half_life)
-        self.score = np.zeros(num_experts)
+        self.score = self._scores(0.0)
         self.name = f"lfu-decay{half_life:g}"
 
     def observe(self, experts, ids, probs=None):
@@ -116,7 +123,8 @@ class DecayedLFU(Policy):
         self.score[experts] += 1
 
     def keep_score(self):
-        return self.score + 1e-3 * self._recency()
+        # Decayed counts of different histories practically never tie.
+        return self.score
 
 
 class LRUK(Policy):
@@ -127,7 +135,7 @@ class LRUK(Policy):
 
     def __init__(self, num_experts):
         super().__init__(num_experts)
-        self.previous = np.full(num_experts, -1, dtype=np.int64)
+        self.previous = self._scores(-1.0)
 
     def observe(self, experts, ids, probs=None):
         self.previous[experts] = self.last_use[experts]
@@ -148,7 +156,7 @@ class RouterEMA(Policy):
         super().__init__(num_experts)
         self.decay = _decay(half_life)
         self.chosen_only = chosen_only
-        self.score = np.zeros(num_experts)
+        self.score = self._scores(0.0)
         self.name = f"{'gate' if chosen_only else 'router'}-ema{half_life:g}"
 
     def observe(self, experts, ids, probs=None):
@@ -160,10 +168,10 @@ class RouterEMA(Policy):
             rows = np.arange(len(ids))[:, None]
             np.add.at(self.score, ids, probs[rows, ids])
         else:
-            self.score += probs.sum(axis=0)
+            self.score[:-1] += probs.sum(axis=0)
 
     def keep_score(self):
-        return self.score + 1e-3 * self._recency()
+        return self.score
 
 
 class ARC(Policy):
@@ -235,7 +243,7 @@ class Predicted(Policy):
         super().__init__(inner.num_experts)
         self.inner = inner
         self.router = inner.router
-        self.predicted = np.zeros(inner.num_experts, dtype=bool)
+        self.predicted = np.zeros(inner.num_experts + 1, dtype=bool)
         self.name = f"predicted+{inner.name}"
 
     def bind(self, expert_of_slot):
@@ -254,7 +262,7 @@ class Predicted(Policy):
 
     def keep_score(self):
         score = self.inner.keep_score()
-        return score + self.predicted * (np.abs(score).max() + 1)
+        return score + self.predicted * (np.abs(score[:-1]).max() + 1)
 
 
 POLICIES = {

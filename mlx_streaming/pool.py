@@ -70,9 +70,8 @@ class SlotPool:
         return self.slots * self.spec.expert_nbytes
 
     def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Record that ``experts`` now live in ``slots`` (evicting whatever
-        those slots held), in the host and device tables at once."""
-        self.evict(slots)
+        """Record that ``experts`` now live in ``slots``, which ``evict``
+        emptied, in the host and device tables at once."""
         self.expert_of_slot[slots] = experts
         self.slot_of_expert[experts] = slots
 

@@ -113,12 +113,16 @@ class NativeLauncher:
 class PrefetchBudget(Observer):
     """Bandwidth-aware prefetch: stage per layer at most the records the
     disk, at its measured rate, reads within one layer's compute time, so
-    that prefetch never queues reads the next layer would wait behind.
+    that prefetch never queues reads that the next layer's demand reads
+    would wait behind.
 
-    The rate is that of demand reads (bytes over their wall time, a decayed
-    mean); a layer's compute time is a token's time less its stalls, over
-    the layers. Until both are measured the budget is unlimited. Native
-    targets get the new budget as it changes; the Python launcher reads it.
+    Both are measured per decode token: the rate as the bytes of the
+    token's demand reads over the time it stalled on them (a throttled or
+    busy disk shows up here, where one fast read would not show it); a
+    layer's compute as the token's time less its stalls, over the layers.
+    Decayed means of each set the budget. It starts at zero: prefetch is
+    earned by measurement. Native targets get each new budget; the Python
+    launcher reads it.
     """
 
     UNLIMITED = 1 << 30
@@ -131,31 +135,33 @@ class PrefetchBudget(Observer):
         self.max_tokens = max_tokens
         self.clock = clock
         self.smoothing = smoothing
-        self.records = self.UNLIMITED
+        self.records = 0
         self.targets = []
         self.rate = None  # bytes per second
         self.layer_compute = None  # seconds
         self._last = None
         self._stall = 0.0
+        self._bytes = 0
 
     def _mean(self, old, new):
         return new if old is None else old + self.smoothing * (new - old)
 
     def on_read(self, layer, records, nbytes, seconds):
-        if seconds > 0:
-            self.rate = self._mean(self.rate, nbytes / seconds)
+        self._bytes += nbytes
 
     def on_stall(self, layer, seconds):
         self._stall += seconds
 
     def on_call(self, layer, tokens):
-        if layer != self.first_layer or tokens > self.max_tokens:
+        if layer != self.first_layer:
             return
         now = self.clock()
-        if self._last is not None:
+        if self._last is not None and tokens <= self.max_tokens:
             compute = max(0.0, now - self._last - self._stall) / self.layers
             self.layer_compute = self._mean(self.layer_compute, compute)
-        self._last, self._stall = now, 0.0
+            if self._bytes and self._stall > 0:
+                self.rate = self._mean(self.rate, self._bytes / self._stall)
+        self._last, self._stall, self._bytes = now, 0.0, 0
         if self.rate is not None and self.layer_compute is not None:
             self._set(int(self.rate * self.layer_compute // self.record_bytes))
 

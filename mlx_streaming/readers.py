@@ -87,7 +87,8 @@ class PythonReader:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-read")
         # Prefetch reads get threads of their own: demand reads, which the
         # forward pass waits for, never queue behind them.
-        self._background = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-prefetch")
+        # Prefetch reads one at a time, best prediction first (as native).
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="mlxs-prefetch")
         self._files: List[Tuple[int, str]] = []
         self._bounce = threading.local()
         self.closed = False
@@ -185,6 +186,10 @@ class PythonReader:
         fd, path = self._files[file]
         self._pread(fd, path, buf, offset)
 
+    def drain(self) -> None:
+        """Wait until no prefetch read is queued or running."""
+        self._background.submit(lambda: None).result()  # one thread, in order
+
     def submit(self, fn, *args):
         """Run ``fn(*args)`` in the background; returns a future."""
         self._check_open()
@@ -226,6 +231,7 @@ class PythonStaging:
         self._free = list(range(capacity))
         self._entries: Dict[Tuple[int, int], Tuple[int, object]] = {}
         self._lock = threading.Lock()
+        self._cancelled = 0
 
     def stage(self, layer: int, file: int, experts: np.ndarray, offsets: np.ndarray) -> int:
         """Start background reads of the records of ``experts`` (skipping
@@ -261,6 +267,7 @@ class PythonStaging:
         slot, future = entry
         if future.cancel():
             # Not started: the caller's demand read goes first instead.
+            self._cancelled += 1
             self._release(slot)
             return None
         try:
@@ -287,9 +294,13 @@ class PythonStaging:
         for slot, future in entries:
             # Reads not started are cancelled; a buffer is reusable only once
             # its read has finished (or was cancelled).
-            future.cancel()
+            self._cancelled += future.cancel()
             future.add_done_callback(lambda _, s=slot: self._release(s))
         return len(entries)
+
+    def cancelled(self) -> int:
+        """Staged reads cancelled before they started (never read), in total."""
+        return self._cancelled
 
     def _release(self, slot: int) -> None:
         with self._lock:

@@ -263,6 +263,14 @@ def stats(model) -> dict:
         prefetch_decision=runtime.prefetch_switch.decision if config.prefetch != "off" else "off",
         prefetch_budget=_budget_of(runtime),
     )
+    staging = getattr(runtime, "staging", None)
+    if staging is not None:
+        # Dropped records whose reads had not started cost no bytes.
+        t = report["total"]
+        t["prefetch_cancelled"] = staging.cancelled() - runtime.cancelled_at_reset
+        read = t["prefetch_issued"] - t["prefetch_cancelled"]
+        t["prefetch_wasted_read_share"] = (
+            (t["prefetch_wasted"] - t["prefetch_cancelled"]) / read if read > 0 else None)
     return report
 
 
@@ -271,10 +279,12 @@ def _budget_of(runtime):
     b = getattr(runtime, "prefetch_budget", None)
     if b is None:
         return None
-    return dict(records=None if b.records == b.UNLIMITED else b.records,
-                read_gb_per_s=b.rate / 1e9 if b.rate else None,
+    return dict(records=b.records, read_gb_per_s=b.rate / 1e9 if b.rate else None,
                 layer_compute_s=b.layer_compute)
 
 
 def reset_stats(model) -> None:
-    runtime_of(model).stats.reset()
+    runtime = runtime_of(model)
+    runtime.stats.reset()
+    if getattr(runtime, "staging", None) is not None:
+        runtime.cancelled_at_reset = runtime.staging.cancelled()

@@ -67,6 +67,7 @@ class ExpertStore:
         self.events = events
         self.staging = staging
         self.checksums = np.array(spec.checksums, dtype=np.uint32)
+        self.expert_nbytes = spec.expert_nbytes
         self.verify = verify
         # Experts whose checksum still has to be checked on their next read.
         self.unverified = np.full(spec.num_experts, verify != "off", dtype=bool)
@@ -121,14 +122,15 @@ class ExpertStore:
         self.load(experts, experts)
 
     def _fill(self, experts, slots, want_crc) -> np.ndarray:
+        if self.staging is None:
+            return self._read(experts, slots, want_crc)
         crcs = np.zeros(len(experts), dtype=np.uint32)
         from_disk = np.ones(len(experts), dtype=bool)
-        if self.staging is not None:
-            useful = self._take_staged(experts, slots, want_crc, crcs, from_disk)
-            self.events.on_prefetch(self.layer, useful=useful)
-            # The rest of this layer's prefetch is wasted: cancel what has not
-            # started before the demand reads queue behind it.
-            self.drop_staged()
+        useful = self._take_staged(experts, slots, want_crc, crcs, from_disk)
+        self.events.on_prefetch(self.layer, useful=useful)
+        # The rest of this layer's prefetch is wasted: cancel what has not
+        # started before the demand reads queue behind it.
+        self.drop_staged()
         if from_disk.any():
             crcs[from_disk] = self._read(
                 experts[from_disk], slots[from_disk], want_crc[from_disk]
@@ -146,7 +148,7 @@ class ExpertStore:
             want_crc,
             self.spec.stride,
         )
-        nbytes = len(experts) * self.spec.expert_nbytes
+        nbytes = len(experts) * self.expert_nbytes
         self.events.on_read(self.layer, len(experts), nbytes, time.perf_counter() - start)
         return crcs
 
@@ -163,16 +165,17 @@ class ExpertStore:
         return useful
 
     def _check(self, experts, want_crc, crcs) -> None:
+        if not want_crc.any():
+            return
         bad = want_crc & (crcs != self.checksums[experts])
         if bad.any():
             raise CorruptExpertError(
                 self.layer, int(experts[bad][0]), "checksum mismatch"
             )
-        if self.verify != "off":
-            self.unverified[experts] = False
+        self.unverified[experts] = False
 
     def drop_staged(self) -> None:
         if self.staging is not None:
-            wasted = self.staging.drop(self.layer)
-            if wasted:
-                self.events.on_prefetch(self.layer, wasted=wasted)
+            dropped = self.staging.drop(self.layer)
+            if dropped:
+                self.events.on_prefetch(self.layer, wasted=dropped)

@@ -91,6 +91,7 @@ NB_MODULE(_ext, m) {
           "layer"_a, "expert"_a, "segments"_a, "dst_row"_a, "want_crc"_a)
       .def("drop", &Staging::drop, "layer"_a)
       .def("pop_issued", &Staging::pop_issued, "layer"_a)
+      .def("cancelled", &Staging::cancelled, "Staged reads cancelled before they started.")
       .def(
           "target",
           [](Staging& s, int layer, int file, int64_t stride) {
@@ -109,6 +110,13 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("direct", [](PyReader& r) { return r.reader->direct(); })
       .def("open", [](PyReader& r, const std::string& path) { return r.reader->open(path); })
       .def("close", [](PyReader& r) { r.reader->close(); })
+      .def(
+          "drain",
+          [](PyReader& r) {
+            nb::gil_scoped_release release;
+            r.reader->pool().drain();
+          },
+          "Wait until no read is queued or running.")
       .def(
           "read",
           [](PyReader& r, int file, CArray<int64_t, 1> offsets, CArray<int64_t, 2> segments,

@@ -56,6 +56,7 @@ bool Staging::start(int b) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!buffers_[b].owned) {
     release(b);
+    cancelled_ += 1;
     cv_.notify_all();
     return false;
   }

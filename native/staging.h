@@ -45,6 +45,11 @@ class Staging : public std::enable_shared_from_this<Staging> {
   // Reads issued for `layer` since the last call.
   int64_t pop_issued(int layer);
 
+  // Staged reads cancelled before they started (never read), in total.
+  int64_t cancelled() const {
+    return cancelled_.load();
+  }
+
   int64_t stride() const {
     return stride_;
   }
@@ -67,6 +72,7 @@ class Staging : public std::enable_shared_from_this<Staging> {
   std::vector<int> free_;
   std::map<std::pair<int, int64_t>, int> entries_;
   std::unordered_map<int, int64_t> issued_;
+  std::atomic<int64_t> cancelled_{0};
   std::mutex mu_;
   std::condition_variable cv_;
 };

@@ -45,25 +45,33 @@ void ThreadPool::submit(std::function<void()> task, bool urgent) {
 void ThreadPool::work() {
   while (true) {
     std::function<void()> task;
+    bool background = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] {
-        return stop_ || !urgent_.empty() || !background_.empty();
-      });
-      auto& queue = urgent_.empty() ? background_ : urgent_;
-      if (queue.empty()) {
-        return; // stopping and nothing left to do
+      auto background_ok = [this] {
+        return !background_.empty() && running_background_ < kMaxBackground;
+      };
+      cv_.wait(lock, [&] { return stop_ || !urgent_.empty() || background_ok(); });
+      if (urgent_.empty() && !background_ok()) {
+        return; // stopping; a worker still running a background task drains the rest
       }
+      background = urgent_.empty();
+      auto& queue = background ? background_ : urgent_;
       task = std::move(queue.front());
       queue.pop_front();
       ++running_;
+      running_background_ += background;
     }
     task();
     {
       std::lock_guard<std::mutex> lock(mu_);
+      running_background_ -= background;
       if (--running_ == 0 && urgent_.empty() && background_.empty()) {
         idle_.notify_all();
       }
+    }
+    if (background) {
+      cv_.notify_one(); // the next background task may start
     }
     task = nullptr; // may release the last owner of this pool
     if (t_pool_destroyed) {

@@ -1,5 +1,8 @@
 // A persistent pool of I/O threads with two queues: demand reads (the
-// forward pass is waiting for them) always run before prefetch reads.
+// forward pass is waiting for them) always run before prefetch reads, and
+// prefetch reads run one at a time, in the order queued (best prediction
+// first): the likeliest finishes first, a demand read waits behind at most
+// one, and reads not started can still be cancelled when their layer comes.
 #pragma once
 
 #include <condition_variable>
@@ -36,6 +39,8 @@ class ThreadPool {
   std::condition_variable cv_;
   std::condition_variable idle_;
   int running_ = 0;
+  int running_background_ = 0;
+  static constexpr int kMaxBackground = 1;
   bool stop_ = false;
 };
 

@@ -14,20 +14,23 @@ from mlx_streaming.bench import cache as bench_cache
 from mlx_streaming.bench.__main__ import main as bench_main
 from mlx_streaming.bench.common import routing_stats
 from mlx_streaming.bench.verify import expected_tokens
-from mlx_streaming.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA
+from mlx_streaming.config import POLICY_CHOICES
+from mlx_streaming.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA, make_policy
 
 
-def test_lru_replay_matches_the_live_pool(models, tmp_path):
+@pytest.mark.parametrize("policy", POLICY_CHOICES)
+def test_policy_replay_matches_the_live_pool(models, tmp_path, policy):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     trace = tmp_path / "trace.jsonl"
-    model, tok = mlx_streaming.load(stream_dir, slots_per_layer=6, trace=str(trace))
+    model, tok = mlx_streaming.load(stream_dir, slots_per_layer=6, trace=str(trace),
+                                    policy=policy)
     cache = make_prompt_cache(model)
     for t in tok.encode("def replay(trace):\n    return [line for line in trace]\n"):
         mx.eval(model(mx.array([[t]]), cache=cache))
     live = mlx_streaming.stats(model)["layers"]
     model.streaming.close()
     for layer, calls in bench_cache.decode_records(trace).items():
-        simulated = bench_cache.simulate(calls, 6, LRU(calls[0].probs.shape[-1]))
+        simulated = bench_cache.simulate(calls, 6, make_policy(policy, calls[0].probs.shape[-1]))
         assert simulated == pytest.approx(live[layer]["hit_rate"])
 
 

@@ -113,6 +113,7 @@ def test_staging_take_and_drop(blob):
         ids = np.array([2, 5, 7, 1], dtype=np.int64)
         assert staging.stage(4, f, ids, ids * STRIDE) == 3  # capacity 3
         assert staging.stage(4, f, ids[:1], ids[:1] * STRIDE) == 0  # already staged
+        reader.drain()  # a read not started would be cancelled by take()
         dst = [np.zeros(64, np.uint8), np.zeros(32, np.uint8)]
         row = np.array([d.ctypes.data for d in dst], np.int64)
         crc = staging.take(4, 5, segments, row, True)
@@ -150,6 +151,7 @@ def test_prefetch_primitive_stages_when_evaluated(blob):
     target.budget = 2
     mx.eval(EXT.prefetch_on_complete(ranked, 3, table, target))
     assert staging.pop_issued(3) == 2
+    reader.drain()
     segments = np.array([[0, 64]], dtype=np.int64)
     row = np.array([np.zeros(64, np.uint8).ctypes.data], np.int64)
     assert staging.take(3, 0, segments, row, False) is None
@@ -180,7 +182,7 @@ def test_python_staging_cancels_reads_not_started(blob):
     while staging.stage(1, f, more[:1], more[:1] * STRIDE) == 0 and time.monotonic() < deadline:
         pass
     assert staging.stage(1, f, more[1:], more[1:] * STRIDE) == 3
-    reader.submit(lambda: None).result()  # one thread, in order: every read has run
+    reader.drain()
     assert staging.take(1, 7, segments, row, False) is not None
     assert dst.tobytes() == data[7 * STRIDE : 7 * STRIDE + 64].tobytes()
     reader.close()
@@ -190,25 +192,27 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
     from mlx_streaming.prefetch import PrefetchBudget
 
     class Target:
-        budget = PrefetchBudget.UNLIMITED
+        budget = 0
 
     clock = FakeClock()
     budget = PrefetchBudget(first_layer=0, layers=4, record_bytes=1_000_000, max_tokens=8,
                             clock=clock, smoothing=1.0)
     budget.targets.append(Target())
-    assert budget.records == PrefetchBudget.UNLIMITED  # nothing measured yet
-    budget.on_read(0, 2, 2_000_000, 0.01)  # 200 MB/s
+    assert budget.records == 0  # earned by measurement
     for _ in range(3):
         budget.on_call(0, 1)
-        budget.on_stall(0, 0.06)
+        budget.on_read(2, 2, 12_000_000, 0.01)
+        budget.on_stall(2, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
         clock.now += 0.1  # 40 ms of compute over 4 layers: 10 ms each
     budget.on_call(0, 1)
     assert budget.records == 2 and budget.targets[0].budget == 2  # 200 MB/s x 10 ms / 1 MB
-    budget.on_read(0, 1, 1_000_000, 0.1)  # 10 MB/s: nothing fits in a layer
-    budget.on_call(0, 100)  # prefill calls are not tokens
-    clock.now += 0.1
+    budget.on_read(1, 1, 1_000_000, 0.001)  # one fast read...
+    budget.on_stall(1, 0.1)  # ...in a token that stalled 100 ms: 10 MB/s
+    clock.now += 0.14
     budget.on_call(0, 1)
     assert budget.records == 0 and budget.targets[0].budget == 0
+    budget.on_call(0, 100)  # prefill calls measure nothing
+    assert budget.records == 0
 
 
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])

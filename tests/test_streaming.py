@@ -12,7 +12,7 @@ from mlx_streaming.errors import BudgetError
 from mlx_streaming.format import read_manifest
 from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.policy import LRU, make_policy
-from helpers import PROMPT, logits_trace, pool_bytes, record_bytes
+from helpers import PROMPT, check_matches_resident, logits_trace, pool_bytes, record_bytes
 
 
 @pytest.mark.parametrize("name", POLICY_CHOICES)
@@ -196,3 +196,11 @@ def test_memory_cgroup_limits_are_read(tmp_path):
     assert _cgroup_memory(str(proc), str(tmp_path / "fs2")) is None
     (v2 / "memory.max").write_text("3000000000\n")
     assert _cgroup_memory(str(proc), str(tmp_path / "fs2")) == (3_000_000_000, 1)
+
+
+@pytest.mark.parametrize("policy", POLICY_CHOICES)
+def test_every_policy_is_exact(qwen, policy):
+    # Policies choose slots, never numbers: outputs equal mlx-lm's at a
+    # pool small enough that every call evicts.
+    src, stream_dir = qwen
+    check_matches_resident(src, stream_dir, slots_per_layer=4, policy=policy)

@@ -5,6 +5,8 @@ PNG plot into --out.
     python -m mlx_streaming.bench decode  --model STREAM --mlx-model MLX [--memory-limit-gb G --cold]
     python -m mlx_streaming.bench cache   --model STREAM [--tokens N]
     python -m mlx_streaming.bench overhead --model STREAM
+    python -m mlx_streaming.bench simulate --validate --model STREAM --mlx-model MLX
+    python -m mlx_streaming.bench simulate --project --trace TRACE
     python -m mlx_streaming.bench verify  --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench prefill --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench io      [--model STREAM]
@@ -17,7 +19,7 @@ import sys
 
 from ..cli import run_main
 
-SUBCOMMANDS = ("decode", "cache", "overhead", "verify", "prefill", "io", "serve")
+SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "verify", "prefill", "io", "serve")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -120,7 +120,7 @@ class Belady(Policy):
         return uses[i] if i < len(uses) else np.inf
 
     def keep_score(self):
-        return -np.array([self._next_use(e) for e in range(self.num_experts)], dtype=float)
+        return -np.array([self._next_use(e) for e in range(self.num_experts)] + [np.inf])
 
 
 class Lookahead(DecayedLFU):
@@ -143,7 +143,7 @@ class Lookahead(DecayedLFU):
         soon = -self.belady.keep_score() - (self.clock - 1)  # calls until next use
         near = soon <= self.window
         # Needed within the window: above every other, nearest highest.
-        return np.where(near, base.max() + 1 + self.window - soon, base)
+        return np.where(near, base[:-1].max() + 1 + self.window - soon, base)
 
 
 # Oracles that know the next 1, 4 or 16 calls: how much of Belady's lead a

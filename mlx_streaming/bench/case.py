@@ -132,7 +132,35 @@ def routing(case, model, tokenizer) -> dict:
     return dict(tokens=len(tokens), stats=s)
 
 
-OPS = {"decode": decode, "verify": verify, "prefill": prefill, "routing": routing}
+def reads(case, model, tokenizer) -> dict:
+    """The reader's cost per call as decode pays it: seconds of one read
+    call of 1 record and of ``batch`` records (random experts of layer 0,
+    into the pool's slots, as a miss does), medians of ``repeats``. A line
+    through both gives a latency per call and a rate per byte."""
+    store = model.streaming.stores[0]
+    spec = store.spec
+    rng = np.random.default_rng(case.get("seed", 0))
+    out = {}
+    for n in (1, case.get("batch", spec.top_k)):
+        n = min(n, store.pool.slots, spec.num_experts)
+        times = []
+        for _ in range(case.get("repeats", 20)):
+            experts = rng.choice(spec.num_experts, size=n, replace=False).astype(np.int64)
+            slots = np.arange(n, dtype=np.int64)
+            start = time.perf_counter()
+            store._read(experts, slots, np.zeros(n, dtype=bool))
+            times.append(time.perf_counter() - start)
+        out[n] = float(np.median(times))
+    (n1, t1), (n2, t2) = sorted(out.items())
+    per_record = (t2 - t1) / (n2 - n1) if n2 > n1 else t1
+    latency = max(0.0, t1 - per_record)
+    return dict(seconds=out, latency_s=latency,
+                gbps=spec.stride / per_record / 1e9 if per_record > 0 else None,
+                record_bytes=spec.stride)
+
+
+OPS = {"decode": decode, "verify": verify, "prefill": prefill, "routing": routing,
+       "reads": reads}
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,7 @@ COLUMNS = [
     ("hit_rate", "hit", ".0%"), ("gb_per_token", "GB/tok", ".3f"),
     ("bound_overlap_tps", "bound", ".3g"), ("vs_bound", "x bound", ".2f"),
     ("bound_serial_tps", "no-overlap", ".3g"), ("stall_share", "stall", ".0%"),
+    ("prefetch_wasted_share", "pf wasted", ".0%"),
     ("vs_belady", "x MIN", ".2f"), ("peak_gb", "peak RSS GB", ".2f"),
     ("mlx_peak_gb", "MLX peak GB", ".3f"), ("spine_pool_gb", "spine+pool GB", ".3f"),
 ]
@@ -83,6 +84,7 @@ def _summary(name, r, pool=None, spine_gb=None):
             row["gb_per_token"] = t["bytes_read"] / r["decode_tokens"] / 1e9
             row["syncs_per_token"] = t["syncs"] / r["decode_tokens"]
             row["stall_share"] = t["stall_seconds"] / r["decode_s"]
+            row["prefetch_wasted_share"] = t.get("prefetch_wasted_read_share")
             row["cache_gb"] = s["cache_bytes"] / 1e9
             row["spine_pool_gb"] = spine_gb + row["cache_gb"]
             row["io"] = s["io"]

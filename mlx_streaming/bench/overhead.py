@@ -1,22 +1,26 @@
 """bench overhead: where the time of one paged MoE call goes.
 
 A paged layer pays, per call, what a resident one does not: one host sync,
-the numpy work of turning ids into slots, the policy, the counters, a new
-table and the graph of the remap. This loads the model with a pool that
-holds every expert (every lookup hits, nothing is read) and times, on a
-real layer and input, each piece in a loop of ``--repeats`` calls:
+the numpy work of turning ids into slots, the policy, the counters and the
+graph of the remap. Two measurements:
 
-  sync          mx.eval of the router's ids for a fresh input (the sync
-                itself: a hand-off to the compute thread and back)
+In isolation, on a real layer and input, each piece in a loop of
+``--repeats`` calls (a pool holding every expert: every lookup hits):
+
+  sync          mx.eval of the router's ids for a fresh input
   to_numpy      the ids as a numpy array
-  bookkeeping   distinct experts, hit count, policy, stats events, ensure
+  bookkeeping   distinct experts, hit count, policy, stats event, ensure
   graph         building the expert call's graph with the remapped ids
   paged call    the whole paged call, evaluated
   resident call mlx-lm's own expert call on the same input, evaluated
 
-and then the decode tok/s of the model resident and paged (all hits) in the
-same process, interleaved, whose difference per call is the overhead as
-decode sees it.
+In decode, the steps of every paged call timed while the model decodes
+(``Paged``'s own methods, wrapped): start (schedule the router, build the
+expert graph), sync (wait for the ids), route (numpy, counters, policy),
+ensure (evict and read the misses), launch (schedule the experts), and the
+rest of the token (mlx-lm's own graph and scheduling). Rounds of decode with
+the model resident, paged with every expert in its pool, and paged at
+``--pool`` alternate, and the tok/s of each is reported.
 """
 
 import time
@@ -25,12 +29,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..config import DEFAULT_POLICY
 from ..discover import find_router, input_dims_of
 from ..format import read_manifest
 from ..pool import distinct
 from .common import finish, figure, prompt_tokens
 
-PIECES = ("sync", "to_numpy", "bookkeeping", "graph", "paged_call", "resident_call")
 
 
 def add_arguments(p) -> None:
@@ -38,7 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=2000, help="calls per timed piece")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved decode rounds")
-    p.add_argument("--policy", default="lru")
+    p.add_argument("--policy", default=DEFAULT_POLICY)
+    p.add_argument("--pool", type=float, default=0.25,
+                   help="pool of the partial case, a fraction of each layer's experts")
     p.add_argument("--out", type=Path, default=Path("bench-results/overhead"))
 
 
@@ -123,34 +129,92 @@ def _decode_tps(model, tokenizer, tokens: int) -> float:
     return n / (time.perf_counter() - start)
 
 
+STEPS = ("_start", "_sync", "_route", "ensure", "_launch")
+
+
+class StepTimer:
+    """Wraps the steps of every paged call of a model (instance attributes
+    shadow the methods) and sums their time."""
+
+    def __init__(self, model):
+        self.seconds = {name: 0.0 for name in STEPS}
+        self.calls = 0
+        for paged in model.streaming.residencies:
+            for name in STEPS:
+                owner = paged.store if name == "ensure" else paged
+                setattr(owner, name, self._wrap(name, getattr(owner, name)))
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls += name == "_start"
+
+        return timed
+
+    def reset(self):
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.calls = 0
+
+
+def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
+    """tok/s of each model (interleaved rounds, medians) and, for the
+    paged ones, microseconds per call of each step in the median round."""
+    timers = {k: StepTimer(m) for k, m in models.items() if m.streaming.residencies}
+    runs = {k: [] for k in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            if name in timers:
+                timers[name].reset()
+            tps = _decode_tps(model, tokenizer, tokens)
+            steps = None
+            if name in timers:
+                t = timers[name]
+                per_call = {k: v / t.calls * 1e6 for k, v in t.seconds.items()}
+                token_us = 1e6 / tps
+                layers = len(model.streaming.residencies)
+                per_call["rest of the token"] = token_us / layers - sum(per_call.values())
+                steps = per_call
+            runs[name].append((tps, steps))
+    out = {}
+    for name, results in runs.items():
+        results.sort(key=lambda r: r[0])
+        tps, steps = results[len(results) // 2]
+        out[name] = dict(tps=tps, steps_us=steps, runs_tps=[r[0] for r in results])
+    return out
+
+
 def run(args) -> dict:
     from ..loader import load
 
     args.out.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(args.model)
+    spec = manifest.layers[0]
     experts = max(l.num_experts for l in manifest.layers)
     paged, tok = load(args.model, slots_per_layer=experts, policy=args.policy)
     _force_paged(paged)
     timings = pieces(paged, args.repeats)
     resident, _ = load(args.model, slots_per_layer=experts)
-    layers = len(manifest.layers)
-    tps = {"resident": [], "paged": []}
-    for _ in range(args.rounds):
-        for name, model in (("resident", resident), ("paged", paged)):
-            tps[name].append(_decode_tps(model, tok, args.tokens))
-    r, p = float(np.median(tps["resident"])), float(np.median(tps["paged"]))
-    per_call = (1 / p - 1 / r) / layers * 1e6
-    rows = [dict(piece=k, us=v) for k, v in timings.items()]
-    rows.append(dict(piece="decode: resident tok/s", us=r))
-    rows.append(dict(piece="decode: paged tok/s", us=p))
-    rows.append(dict(piece="decode: overhead per call (us)", us=per_call))
-    result = dict(rows=rows, pieces=timings, resident_tps=r, paged_tps=p,
-                  overhead_us_per_call=per_call, paged_vs_resident=p / r,
-                  moe_layers=layers, policy=args.policy, model=str(args.model))
-    title = (f"bench overhead: microseconds per paged MoE call ({args.policy}); "
-             f"paged decode {p / r:.2f}x of resident")
+    partial, _ = load(args.model, slots_per_layer=max(spec.top_k, round(args.pool * experts)),
+                      policy=args.policy)
+    decode = in_decode({"resident": resident, "paged, all hits": paged,
+                        f"paged, pool {args.pool:.0%}": partial}, tok, args.tokens, args.rounds)
+    r = decode["resident"]["tps"]
+    rows = [dict(piece=f"isolated: {k}", us=v) for k, v in timings.items()]
+    for name in list(decode)[1:]:
+        d = decode[name]
+        rows += [dict(piece=f"{name}: {k.strip('_')}", us=v) for k, v in d["steps_us"].items()]
+        rows.append(dict(piece=f"{name}: tok/s vs resident", us=d["tps"] / r))
+    result = dict(rows=rows, pieces=timings, decode=decode, moe_layers=len(manifest.layers),
+                  policy=args.policy, model=str(args.model), pool=args.pool)
+    title = (f"bench overhead: microseconds per paged MoE call ({args.policy}); resident "
+             f"{r:.0f} tok/s")
     return finish(args.out, "overhead", result, rows,
-                  [("piece", "piece", "s"), ("us", "us (or tok/s)", ".1f")], title, _plot)
+                  [("piece", "piece", "s"), ("us", "us (ratio for vs rows)", ".2f")],
+                  title, _plot)
 
 
 def _force_paged(model):
@@ -174,10 +238,11 @@ def _force_paged(model):
 
 def _plot(rows, path, title):
     plt = figure()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = [r["piece"] for r in rows if r["piece"] in PIECES]
-    ax.barh(names, [r["us"] for r in rows if r["piece"] in PIECES])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    shown = [r for r in rows if "vs resident" not in r["piece"]]
+    ax.barh([r["piece"] for r in shown], [r["us"] for r in shown])
     ax.set_xlabel("microseconds per call")
+    ax.tick_params(axis="y", labelsize=7)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -41,7 +41,12 @@ import numpy as np
 from ..format import read_manifest
 from ..policy import make_policy
 from .cache import Call, decode_records, replay_misses
-from .common import BenchError, figure, finish
+from .common import BenchError, figure, finish, run_case
+
+
+# Decode calls a bench decode run makes before it starts counting (its
+# warm-up tokens): replayed, not counted.
+WARMUP_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -113,10 +118,11 @@ SHAPES = {
 
 def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, prefetch: bool,
                  compute_s: float, sync_s: float, moe_layers: int, expert_bytes: float,
-                 top_k: int, ssd_gbps: float, ssd_latency_s: float) -> dict:
+                 top_k: int, ssd_gbps: float, ssd_latency_s: float, skip: int = 0) -> dict:
     """Projected seconds per token and its parts, replaying each traced
     layer at ``fraction`` of its experts; the traced layers stand for all
-    ``moe_layers`` (their mean per call)."""
+    ``moe_layers`` (their mean per call). The first ``skip`` calls warm the
+    pool and are not counted (as decode's warm-up tokens are not)."""
     per_call_read, per_call_stall, hits, lookups = [], [], 0, 0
     layer_compute = compute_s / moe_layers
     for seq in calls.values():
@@ -124,7 +130,7 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
         slots = max(len(seq[0].experts), round(fraction * experts))
         misses = replay_misses(seq, slots, make_policy(policy, experts))
         scale = top_k / seq[0].ids.shape[-1]  # the model's k against the trace's
-        for call, missed in zip(seq, misses):
+        for call, missed in list(zip(seq, misses))[skip:]:
             hits += call.ids.size - len(missed)
             lookups += call.ids.size
             m = len(missed) * scale
@@ -186,11 +192,20 @@ def validate(args) -> dict:
         verify="first-read", policies=args.policies, read_mbps=args.read_mbps,
         routing_tokens=64, repeats=args.repeats, out=args.out / "decode")
     measured = decode.run(ns)
-    ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=32, rounds=3,
-                                         policy="lru", out=args.out / "overhead"))
+    ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=args.max_tokens,
+                                         rounds=max(3, args.repeats), policy="lru", pool=0.25,
+                                         out=args.out / "overhead"))
+    d = ov["decode"]
+    # One paged call's cost as decode sees it: all hits, nothing read.
+    sync_s = (1 / d["paged, all hits"]["tps"] - 1 / d["resident"]["tps"]) / ov["moe_layers"]
     resident_tps = measured["rows"][0]["decode_tps"]
-    here = Profile("this machine", measured["disk_direct_read_gbps"], 0.0, 0.0,
-                   max(0.0, ov["overhead_us_per_call"]) * 1e-6)
+    rd = run_case(dict(op="reads", kind="streaming", model=args.model, batch=spec.top_k,
+                       load=dict(slots_per_layer=spec.top_k, verify="off",
+                                 direct_io=bool(args.read_mbps))),
+                  read_mbps=args.read_mbps)
+    if rd["status"] != "ok":
+        raise BenchError(f"measuring the reader failed: {rd.get('error', rd['status'])}")
+    here = Profile("this machine", rd["gbps"], rd["latency_s"], 0.0, max(0.0, sync_s))
     calls = decode_records(args.out / "decode" / "decode-trace.jsonl")
     rows = []
     for row in measured["rows"][2:]:
@@ -198,7 +213,7 @@ def validate(args) -> dict:
         p = project_case(calls, row["pool"], load.get("policy") or "lru",
                          load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
-                         here.ssd_latency_s)
+                         here.ssd_latency_s, skip=WARMUP_CALLS)
         rows.append(dict(case=row["case"], pool=row["pool"], measured_tps=row.get("decode_tps"),
                          projected_tps=p["tps"], projected_hit=p["hit_rate"],
                          measured_hit=row.get("hit_rate"),
