@@ -20,7 +20,6 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .pool import distinct
 from .stats import Events, Observer
 
 

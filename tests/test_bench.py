@@ -154,3 +154,46 @@ def test_bench_serve_compares_with_mlx_lm_server(models, tmp_path):
     assert all(r["requests"] == 2 and r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0
                for r in rows)
     assert (tmp_path / "serve" / "serve.png").exists()
+
+
+def test_bench_decode_compares_policies_and_prefetch_under_a_read_limit(models, tmp_path):
+    # cgroup v1 blkio throttles this test's reads (root, as in CI).
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    _run(["decode", "--model", str(stream_dir), "--mlx-model", str(src), "--pools", "0.25",
+          "--policies", "lru,lfu-decay", "--prefetch", "off,next-layer", "--direct-io", "on",
+          "--read-mbps", "50", "--max-tokens", "4", "--routing-tokens", "8"], tmp_path / "d")
+    d = json.loads((tmp_path / "d" / "decode.json").read_text())
+    streamed = [r for r in d["rows"] if r["case"].startswith("(c)")]
+    assert [r["case"] for r in streamed] == [
+        f"(c) mlx_streaming policy={p} prefetch={f}"
+        for p in ("lru", "lfu-decay") for f in ("off", "next-layer")]
+    assert all(r["status"] == "ok" and r["vs_belady"] > 0 for r in streamed)
+    assert d["read_mbps"] == 50
+    assert all(r["belady_gb_per_token"] >= 0 and r["belady_serial_tps"] > 0 for r in streamed)
+
+
+def test_bench_overhead_and_simulate(models, tmp_path):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    _run(["overhead", "--model", str(stream_dir), "--repeats", "20", "--tokens", "4",
+          "--rounds", "1"], tmp_path / "o")
+    o = json.loads((tmp_path / "o" / "overhead.json").read_text())
+    steps = o["decode"]["paged, pool 25%"]["steps_us"]
+    assert set(steps) == {"_start", "_sync", "_route", "ensure", "_launch", "rest of the token"}
+    assert all(v > 0 for k, v in steps.items() if k != "rest of the token")
+    assert o["decode"]["resident"]["steps_us"] is None  # resident models have no steps
+
+    _run(["simulate", "--validate", "--model", str(stream_dir), "--mlx-model", str(src),
+          "--pools", "0.25,0.5", "--max-tokens", "6"], tmp_path / "s")
+    s = json.loads((tmp_path / "s" / "simulate.json").read_text())
+    assert [r["pool"] for r in s["rows"]] == [0.25, 0.5]
+    assert all(r["projected_tps"] > 0 and r["measured_tps"] > 0 for r in s["rows"])
+    trace = tmp_path / "s" / "decode" / "decode-trace.jsonl"
+    _run(["simulate", "--project", "--trace", str(trace), "--policies", "lru,lfu-decay"],
+         tmp_path / "p")
+    p = json.loads((tmp_path / "p" / "projection.json").read_text())
+    fitted = [r for r in p["rows"] if r.get("projected_tps")]
+    assert {r["policy"] for r in fitted} == {"lru", "lfu-decay"}
+    # More memory never projects a smaller pool for the same model.
+    by = {(r["machine"], r["model"]): r["pool"] for r in p["rows"]}
+    assert by[("MacBook Pro M4 Max 128 GB", "Qwen3-235B-A22B")] >= \
+        by[("MacBook Pro M4 Pro 48 GB", "Qwen3-235B-A22B")]

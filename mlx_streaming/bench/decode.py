@@ -171,11 +171,15 @@ def run(args) -> dict:
     return finish(args.out, "decode", result, rows, COLUMNS, title, _plot)
 
 
+# Decode tokens a decode case runs before it starts counting (case.decode).
+WARMUP_TOKENS = 4
+
+
 def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
     """GB per decode token that Belady's MIN would read at each pool size,
     replayed on the routing of these very decode runs (every case decodes
     the same tokens: the output is exact), recorded in one more run."""
-    from .cache import Belady, decode_records, simulate
+    from .cache import Belady, decode_records, replay_misses
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     trace = Path(args.out) / "decode-trace.jsonl"
@@ -186,13 +190,16 @@ def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
     if r["status"] != "ok":
         raise BenchError(f"recording the decode routing failed: {r.get('error', r['status'])}")
     calls = decode_records(trace)
-    tokens = len(next(iter(calls.values())))
+    # The decode case's warm-up tokens fill the pool and are not counted.
+    skip = WARMUP_TOKENS
+    tokens = len(next(iter(calls.values()))) - skip
     out = {}
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = pool_slots(spec, pool)
-        misses = sum((1 - simulate(seq, slots, Belady(seq, spec.num_experts))) *
-                     sum(c.ids.size for c in seq) for seq in calls.values())
-        out[slots / spec.num_experts] = misses * spec.expert_nbytes / tokens / 1e9
+        misses = sum(sum(len(m) for m in replay_misses(seq, slots,
+                                                       Belady(seq, spec.num_experts))[skip:])
+                     for seq in calls.values())
+        out[slots / spec.num_experts] = misses * spec.expert_nbytes / max(1, tokens) / 1e9
     return out
 
 

@@ -34,10 +34,11 @@ Two modes:
 import argparse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 
+from ..config import DEFAULT_POLICY
 from ..format import read_manifest
 from ..policy import make_policy
 from .cache import Call, decode_records, replay_misses
@@ -161,7 +162,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (validate)")
     p.add_argument("--trace", type=Path, help="routing trace for --project hit rates")
     p.add_argument("--pools", default="0.25,0.5")
-    p.add_argument("--policies", default="lru")
+    p.add_argument("--policies", default=DEFAULT_POLICY)
     p.add_argument("--prefetch", default="off", help="off, next-layer, or both comma-separated")
     p.add_argument("--read-mbps", type=float, default=None,
                    help="validate with reads throttled (cgroup blkio), as bench decode")
@@ -210,7 +211,7 @@ def validate(args) -> dict:
     rows = []
     for row in measured["rows"][2:]:
         load = _case_load(row, measured)
-        p = project_case(calls, row["pool"], load.get("policy") or "lru",
+        p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
                          load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
                          here.ssd_latency_s, skip=WARMUP_CALLS)
