@@ -160,7 +160,9 @@ class PrefetchBudget(Observer):
             self.layer_compute = self._mean(self.layer_compute, compute)
             if self._bytes and self._stall > 0:
                 self.rate = self._mean(self.rate, self._bytes / self._stall)
-        self._last, self._stall, self._bytes = now, 0.0, 0
+        # Only decode-to-decode intervals measure: a prefill call starts none.
+        self._last = now if tokens <= self.max_tokens else None
+        self._stall, self._bytes = 0.0, 0
         if self.rate is not None and self.layer_compute is not None:
             self._set(int(self.rate * self.layer_compute // self.record_bytes))
 

@@ -270,7 +270,7 @@ def stats(model) -> dict:
         t["prefetch_cancelled"] = staging.cancelled() - runtime.cancelled_at_reset
         read = t["prefetch_issued"] - t["prefetch_cancelled"]
         t["prefetch_wasted_read_share"] = (
-            (t["prefetch_wasted"] - t["prefetch_cancelled"]) / read if read > 0 else None)
+            max(0, read - t["prefetch_useful"]) / read if read > 0 else None)
     return report
 
 

@@ -50,3 +50,27 @@ python -m mlx_streaming.bench io --no-throughput --model "$T/stream" --pools 0.2
   --max-tokens 400 --temp 0.8 --direct-io on --repeats 5 --out "$out/io-prefetch-trained"
 python -m mlx_streaming.bench io --no-throughput --model "$S-stream" --pools 0.25,0.5 \
   --max-tokens 24 --temp 0.8 --direct-io on --repeats 3 --out "$out/io-prefetch-syn6g"
+
+# Issue 9: policies on two learned-routing models, a paged call's time,
+# the Mac's read/compute ratio (blkio throttle), read-bound prefetch on
+# wide experts, the simulator and its Apple projections.
+[ -f "$models/trained2/stream/experts/manifest.json" ] ||
+  python scripts/train_moe.py --out "$models/trained2" --minutes 16 --seed 1 --top-k 2 --experts 48
+[ -f "$models/wide/stream/experts/manifest.json" ] ||
+  python scripts/pad_experts.py --model "$T/mlx" --out "$models/wide" --intermediate 16384
+python -m mlx_streaming.bench cache --model "$T/stream" --tokens 512 --out "$out/cache-trained"
+python -m mlx_streaming.bench cache --model "$models/trained2/stream" --tokens 512 \
+  --capacities 0.0625,0.125,0.25,0.375,0.5,0.75 --out "$out/cache-trained2"
+python -m mlx_streaming.bench overhead --model "$T/stream" --tokens 200 --rounds 5 \
+  --out "$out/overhead-trained"
+python -m mlx_streaming.bench decode --model "$T/stream" --mlx-model "$T/mlx" --pools 0.25 \
+  --policies lru,lfu-decay --prefetch off,next-layer,auto --direct-io on --read-mbps 1.5 \
+  --temp 0.8 --max-tokens 64 --repeats 3 --out "$out/decode-trained-macratio"
+python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
+  --pools 0.25 --prefetch off,next-layer,auto --direct-io on --temp 0.8 --max-tokens 48 \
+  --repeats 3 --routing-tokens 32 --out "$out/decode-wide-prefetch"
+python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
+  --pools 0.25,0.5 --policies lru,lfu-decay --read-mbps 1.5 --max-tokens 64 --repeats 3 \
+  --temp 0.8 --out "$out/simulate-trained-throttled"
+python -m mlx_streaming.bench simulate --project --policies lru,lfu-decay \
+  --trace "$out/cache-trained/routing-trace-w4.jsonl" --out "$out/projection-apple"

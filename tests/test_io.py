@@ -211,8 +211,10 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
     clock.now += 0.14
     budget.on_call(0, 1)
     assert budget.records == 0 and budget.targets[0].budget == 0
-    budget.on_call(0, 100)  # prefill calls measure nothing
-    assert budget.records == 0
+    budget.on_call(0, 100)  # a prefill call measures nothing and starts no interval
+    clock.now += 5.0
+    budget.on_call(0, 1)
+    assert budget.layer_compute == pytest.approx(0.01)
 
 
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
