@@ -139,9 +139,10 @@ class Paged:
         resident = self.store.resident(experts)
         order = np.concatenate([experts[resident], experts[~resident]])
         outputs, pair_order = [], []
-        for c in range(math.ceil(len(order) / slots)):
+        groups = math.ceil(len(order) / slots)
+        for c in range(groups):
             group = order[c * slots : (c + 1) * slots]
-            self.store.ensure(group)
+            self.store.ensure(group, last=c == groups - 1)
             pairs = np.nonzero(np.isin(flat, group))[0]
             slot_ids = self.store.pool.slot_of_expert[flat[pairs]]
             y = inner(x_rows[mx.array(token_of_pair[pairs])], mx.array(slot_ids)[:, None])

@@ -30,6 +30,8 @@ MAX_GB = 1e6
 # More reader threads than this only add contention: an NVMe queue is kept
 # full by far fewer, and each thread holds a bounce buffer.
 MAX_IO_THREADS = 64
+# Prefetch stages at most this many records per layer (staging holds 2 x width).
+MAX_BUDGET = 1 << 16
 
 
 def default_io_threads() -> int:
@@ -65,6 +67,9 @@ class StreamConfig:
                             choices=PREFETCH_CHOICES)
     prefetch_width: Optional[int] = _option(
         None, "experts predicted per token (default 2 x top-k)", type=int)
+    prefetch_budget: Optional[int] = _option(
+        None, "most records prefetched per layer (default: measured, what the disk reads "
+        "in one layer's compute time)", type=int)
     prefetch_max_tokens: int = _option(
         DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",
         type=int)
@@ -92,6 +97,8 @@ class StreamConfig:
         _check_number("io_threads", self.io_threads, int, low=1, high=MAX_IO_THREADS)
         _check_number("prefetch_width", self.prefetch_width, int, low=1, optional=True)
         _check_number("prefetch_max_tokens", self.prefetch_max_tokens, int, low=1)
+        _check_number("prefetch_budget", self.prefetch_budget, int, low=0, high=MAX_BUDGET,
+                      optional=True)
         _check_number("reserve_gb", self.reserve_gb, float, low=0, high=MAX_GB)
 
 

@@ -84,8 +84,9 @@ class Runtime:
         if config.prefetch != "off" and self.paged:
             self.prefetch_budget = PrefetchBudget(
                 first, len(manifest.layers), max(l.stride for l in manifest.layers),
-                config.prefetch_max_tokens)
-            observers.append(self.prefetch_budget)
+                config.prefetch_max_tokens, fixed=config.prefetch_budget)
+            if config.prefetch_budget is None:
+                observers.append(self.prefetch_budget)
         self.events = Events(observers)
 
     @property

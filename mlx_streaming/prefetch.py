@@ -127,14 +127,15 @@ class PrefetchBudget(Observer):
     UNLIMITED = 1 << 30
 
     def __init__(self, first_layer: int, layers: int, record_bytes: int, max_tokens: int,
-                 clock=time.perf_counter, smoothing: float = 0.2):
+                 clock=time.perf_counter, smoothing: float = 0.2, fixed=None):
         self.first_layer = first_layer
         self.layers = layers
         self.record_bytes = record_bytes
         self.max_tokens = max_tokens
         self.clock = clock
         self.smoothing = smoothing
-        self.records = 0
+        # A budget the user fixed (load's prefetch_budget) is never measured.
+        self.records = 0 if fixed is None else fixed
         self.targets = []
         self.rate = None  # bytes per second
         self.layer_compute = None  # seconds

@@ -78,7 +78,7 @@ class ExpertStore:
     def resident(self, experts: np.ndarray) -> np.ndarray:
         return self.pool.slot_of_expert[experts] >= 0
 
-    def ensure(self, experts: np.ndarray) -> None:
+    def ensure(self, experts: np.ndarray, last: bool = True) -> None:
         """Make the distinct ``experts`` resident (the policy has observed
         the call they come from).
 
@@ -90,16 +90,16 @@ class ExpertStore:
         missing = experts[~hit]
         if len(missing):
             victims = self.policy.victims(len(missing), protected=slots[hit])
-            self.load(missing, victims)
+            self.load(missing, victims, last)
 
-    def load(self, experts: np.ndarray, slots: np.ndarray) -> None:
+    def load(self, experts: np.ndarray, slots: np.ndarray, last: bool = True) -> None:
         """Read ``experts`` into ``slots`` and map them in the table."""
         start = time.perf_counter()
         # Until the bytes are in and checked, the slots hold nothing valid:
         # if anything below raises, the table maps nothing to them.
         self.pool.evict(slots)
         want_crc = self._want_crc(experts)
-        crcs = self._fill(experts, slots, want_crc)
+        crcs = self._fill(experts, slots, want_crc, last)
         if self.watch is not None and self.watch.changed():
             # These bytes may come from the new file: check them, and
             # every later first read from it.
@@ -121,16 +121,18 @@ class ExpertStore:
         experts = np.arange(self.spec.num_experts)
         self.load(experts, experts)
 
-    def _fill(self, experts, slots, want_crc) -> np.ndarray:
+    def _fill(self, experts, slots, want_crc, last=True) -> np.ndarray:
         if self.staging is None:
             return self._read(experts, slots, want_crc)
         crcs = np.zeros(len(experts), dtype=np.uint32)
         from_disk = np.ones(len(experts), dtype=bool)
         useful = self._take_staged(experts, slots, want_crc, crcs, from_disk)
         self.events.on_prefetch(self.layer, useful=useful)
-        # The rest of this layer's prefetch is wasted: cancel what has not
-        # started before the demand reads queue behind it.
-        self.drop_staged()
+        if last:
+            # The rest of this layer's prefetch is wasted: cancel what has not
+            # started before the demand reads queue behind it. (A chunked call
+            # keeps it for its later groups.)
+            self.drop_staged()
         if from_disk.any():
             crcs[from_disk] = self._read(
                 experts[from_disk], slots[from_disk], want_crc[from_disk]

@@ -134,6 +134,7 @@ def test_bench_io_runs_warm(models, tmp_path):
 def test_bench_io_prefetch_decode_runs(models, tmp_path):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     _run(["io", "--no-throughput", "--no-cold", "--model", str(stream_dir), "--pools", "0.5",
+          "--prefetch-budget", "8",
           "--max-tokens", "4", "--repeats", "1"], tmp_path / "io")
     rows = json.loads((tmp_path / "io" / "io.json").read_text())["prefetch_decode"]
     assert [r["prefetch"] for r in rows] == ["off", "next-layer", "auto"]

@@ -352,6 +352,7 @@ def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, 
     (["--slots-per-layer", "-3"], "slots_per_layer must be at least 1"),
     (["--io-threads", "0"], "io_threads must be between 1 and 64"),
     (["--io-threads", "100000"], "io_threads must be between 1 and 64"),
+    (["--prefetch-budget", "-1"], "prefetch_budget must be between 0 and 65536"),
     (["--max-tokens", "-5"], "max-tokens must be 1 or more"),
     (["--max-tokens", "0"], "max-tokens must be 1 or more"),
     (["--prompt", ""], "prompt is empty"),
@@ -366,6 +367,7 @@ def test_bad_flags_are_one_line_errors(qwen, flags, message):
 
 def test_config_errors_are_value_errors_and_streaming_errors():
     for bad in (dict(cache_gb=float("nan")), dict(io_threads=10**5), dict(verify="sometimes"),
+                dict(policy="mru"), dict(prefetch_budget=-1),
                 dict(slots_per_layer=2.5), dict(direct_io="yes")):
         with pytest.raises(ConfigError):
             StreamConfig(**bad)

@@ -45,6 +45,8 @@ def add_arguments(p) -> None:
                    help="only the prefetch decode runs")
     p.add_argument("--model", help="stream directory for the prefetch decode runs")
     p.add_argument("--pools", default="0.25,0.5")
+    p.add_argument("--prefetch-budget", type=int, default=None,
+                   help="records prefetched per layer at most (default: measured)")
     p.add_argument("--prefetch-width", type=int, default=None,
                    help="experts predicted per token (default: load()'s, 2 x top-k)")
     p.add_argument("--repeats", type=int, default=3,
@@ -184,6 +186,7 @@ def prefetch_decode(args) -> list:
                             max_tokens=args.max_tokens, prompt_tokens=16, temp=args.temp,
                             load=dict(slots_per_layer=slots, prefetch=prefetch,
                                       prefetch_width=args.prefetch_width,
+                                      prefetch_budget=args.prefetch_budget,
                                       direct_io=DIRECT_IO_CHOICES[args.direct_io]))
                 runs[prefetch].append(run_case(case, cold=not args.no_cold))
         for prefetch in modes:
