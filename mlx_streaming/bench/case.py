@@ -16,6 +16,10 @@ import numpy as np
 
 from .common import peak_rss_bytes, prompt_tokens
 
+# Decode tokens a decode case runs before it starts counting: they pay
+# one-time costs and fill the pool.
+WARMUP_TOKENS = 4
+
 
 def _load(case):
     if case["kind"] == "streaming":
@@ -51,7 +55,7 @@ def decode(case, model, tokenizer) -> dict:
     from mlx_lm.sample_utils import make_sampler
 
     prompt = mx.array(prompt_tokens(tokenizer, case.get("prompt_tokens", 32), case.get("seed", 0)))
-    warmup = case.get("warmup_tokens", 4)
+    warmup = case.get("warmup_tokens", WARMUP_TOKENS)
     # Greedy decoding of a small model falls into loops that re-use the
     # same experts; sampling (seeded, so every case decodes alike) does not.
     temp = case.get("temp", 0.0)

@@ -171,15 +171,12 @@ def run(args) -> dict:
     return finish(args.out, "decode", result, rows, COLUMNS, title, _plot)
 
 
-# Decode tokens a decode case runs before it starts counting (case.decode).
-WARMUP_TOKENS = 4
-
-
 def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
     """GB per decode token that Belady's MIN would read at each pool size,
     replayed on the routing of these very decode runs (every case decodes
     the same tokens: the output is exact), recorded in one more run."""
     from .cache import Belady, decode_records, replay_misses
+    from .case import WARMUP_TOKENS
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     trace = Path(args.out) / "decode-trace.jsonl"

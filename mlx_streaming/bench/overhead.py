@@ -32,9 +32,7 @@ import numpy as np
 from ..config import DEFAULT_POLICY
 from ..discover import find_router, input_dims_of
 from ..format import read_manifest
-from ..pool import distinct
-from .common import finish, figure, prompt_tokens
-
+from .common import figure, finish, prompt_tokens
 
 
 def add_arguments(p) -> None:
@@ -80,7 +78,6 @@ def pieces(model, repeats: int) -> dict:
 
     indices = route(x)
     mx.eval(indices)
-    ids = np.array(indices)
 
     def sync():
         mx.eval(route(x))
@@ -89,10 +86,8 @@ def pieces(model, repeats: int) -> dict:
         np.array(indices)
 
     def bookkeeping():
-        experts = distinct(ids)
-        hits = int(np.count_nonzero(store.pool.slot_of_expert[ids] >= 0))
-        paged.events.on_paged_call(paged.layer, 1, ids, experts, hits, None)
-        store.policy.observe(experts, ids.reshape(-1, k), None)
+        # The paged call's own steps after its sync.
+        _, experts, _ = paged._route(indices, ())
         store.ensure(experts)
         store.drop_staged()
 

@@ -42,12 +42,8 @@ from ..config import DEFAULT_POLICY
 from ..format import read_manifest
 from ..policy import make_policy
 from .cache import Call, decode_records, replay_misses
+from .case import WARMUP_TOKENS
 from .common import BenchError, figure, finish, run_case
-
-
-# Decode calls a bench decode run makes before it starts counting (its
-# warm-up tokens): replayed, not counted.
-WARMUP_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -215,11 +211,11 @@ def validate(args) -> dict:
     calls = decode_records(args.out / "decode" / "decode-trace.jsonl")
     rows = []
     for row in measured["rows"][2:]:
-        load = _case_load(row, measured)
+        load = row.get("load") or {}
         p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
                          load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
-                         here.ssd_latency_s, skip=WARMUP_CALLS)
+                         here.ssd_latency_s, skip=WARMUP_TOKENS)
         rows.append(dict(case=row["case"], pool=row["pool"], measured_tps=row.get("decode_tps"),
                          projected_tps=p["tps"], projected_hit=p["hit_rate"],
                          measured_hit=row.get("hit_rate"),
@@ -232,11 +228,6 @@ def validate(args) -> dict:
             ("projected_tps", "projected", ".3g"), ("error", "error", "+.0%"),
             ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%")]
     return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
-
-
-def _case_load(row, measured) -> dict:
-    """The load options of the decode case behind ``row``."""
-    return row.get("load", {})
 
 
 def project(args) -> dict:
@@ -269,7 +260,7 @@ def project(args) -> dict:
                     continue
                 p = project_case(calls, fraction, policy, False, compute, prof.sync_s,
                                  shape.moe_layers, shape.expert_bytes(), shape.top_k,
-                                 prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_CALLS)
+                                 prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_TOKENS)
                 rows.append(dict(row, policy=policy, pool=fraction, hit_rate=p["hit_rate"],
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"]))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
