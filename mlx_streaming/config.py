@@ -32,6 +32,12 @@ MAX_GB = 1e6
 MAX_IO_THREADS = 64
 # Prefetch stages at most this many records per layer (staging holds 2 x width).
 MAX_BUDGET = 1 << 16
+# Hub repos: parallel range requests, and seconds any network wait may take.
+DEFAULT_FETCH_THREADS = 8
+MAX_FETCH_THREADS = 64
+DEFAULT_FETCH_TIMEOUT = 30.0
+DEFAULT_FETCH_RETRIES = 4
+MAX_FETCH_RETRIES = 20
 
 
 def default_io_threads() -> int:
@@ -83,6 +89,21 @@ class StreamConfig:
     reserve_gb: float = _option(DEFAULT_RESERVE_GB, "memory left free when cache_gb is "
                                 "not given, in GB", type=float)
     trace: Optional[str] = _option(None, "write the routing of every MoE call to this file")
+    disk_cache_gb: Optional[float] = _option(
+        None, "Hub repos: GB of expert records kept on disk between runs, 0 for none "
+        "(default: half the free space of the disk_cache_dir disk, at most the experts)",
+        type=float)
+    disk_cache_dir: Optional[str] = _option(
+        None, "Hub repos: where records, downloaded spines and conversions are kept "
+        "(default: HF_HOME/mlx_streaming)")
+    endpoint: Optional[str] = _option(
+        None, "Hub repos: the Hub's URL (default: huggingface_hub's, HF_ENDPOINT)")
+    fetch_threads: int = _option(DEFAULT_FETCH_THREADS, "Hub repos: parallel range requests "
+                                 f"(1-{MAX_FETCH_THREADS})", type=int)
+    fetch_timeout: float = _option(DEFAULT_FETCH_TIMEOUT, "Hub repos: seconds to wait for "
+                                   "the server before a try fails", type=float)
+    fetch_retries: int = _option(DEFAULT_FETCH_RETRIES, "Hub repos: tries after the first "
+                                 "before a fetch is an error", type=int)
 
     def __post_init__(self):
         _check_choice("io", self.io, IO_CHOICES)
@@ -100,6 +121,12 @@ class StreamConfig:
         _check_number("prefetch_budget", self.prefetch_budget, int, low=0, high=MAX_BUDGET,
                       optional=True)
         _check_number("reserve_gb", self.reserve_gb, float, low=0, high=MAX_GB)
+        _check_number("disk_cache_gb", self.disk_cache_gb, float, low=0, high=MAX_GB,
+                      optional=True)
+        _check_number("fetch_threads", self.fetch_threads, int, low=1, high=MAX_FETCH_THREADS)
+        _check_number("fetch_timeout", self.fetch_timeout, float, low=0, high=3600.0,
+                      open_low=True)
+        _check_number("fetch_retries", self.fetch_retries, int, low=0, high=MAX_FETCH_RETRIES)
 
 
 def _check_choice(name, value, choices):

@@ -354,8 +354,9 @@ def write_manifest(path, manifest: Manifest) -> None:
     write_json_atomic(manifest_path(path), manifest_to_dict(manifest))
 
 
-def read_manifest(path) -> Manifest:
-    """Read and validate ``experts/manifest.json`` of a stream directory.
+def read_manifest(path, blobs: bool = True) -> Manifest:
+    """Read and validate ``experts/manifest.json`` of a stream directory
+    (and, with ``blobs``, that each blob is there and long enough).
 
     Raises:
         FormatError: the directory is not a complete stream directory of a
@@ -398,8 +399,9 @@ def read_manifest(path) -> Manifest:
         manifest = _manifest_from_dict(d)
     except _Malformed as e:
         raise FormatError(f"{mpath} is malformed ({e}); re-convert the model") from None
-    for spec in manifest.layers:
-        check_blob_size(path, spec)
+    if blobs:
+        for spec in manifest.layers:
+            check_blob_size(path, spec)
     return manifest
 
 

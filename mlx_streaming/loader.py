@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, load_tokenizer
 
-from . import budget
+from . import budget, hub
 from .block import Paged, Resident, StreamingExperts
 from .config import StreamConfig, config_fields
 from .discover import (
@@ -133,14 +133,18 @@ def load(
     mlx-lm's ``load`` can call this one.
 
     Args:
-        path_or_hf_repo: the stream directory (``~`` is expanded).
+        path_or_hf_repo: the stream directory (``~`` is expanded), or a
+            Hugging Face repo id: a stream directory uploaded there (its
+            experts fetched on first use into a disk cache) or a plain
+            mlx-lm model (converted once, shard by shard, into
+            ``disk_cache_dir``).
         tokenizer_config: passed to mlx-lm's tokenizer loader.
         model_config: overrides of the model's config.json, as in mlx-lm.
         adapter_path: not supported (LoRA adapters on streamed experts);
             fuse them with ``mlx_lm.fuse`` and convert the fused model.
         lazy: leave the spine's weights to load when first used.
         return_config: also return the model's config dict.
-        revision: not supported (Hub repos are not streamed yet).
+        revision: of a repo id: a branch, tag or commit (default main).
         trust_remote_code: passed to mlx-lm's model loader.
         config: a ready ``StreamConfig`` (then no other options).
         **options: ``StreamConfig`` fields, e.g. ``cache_gb=8``,
@@ -166,16 +170,13 @@ def load(
             "adapter_path is not supported on streamed models: fuse the adapters with "
             "`mlx_lm.fuse` and convert the fused model"
         )
-    if revision is not None:
-        raise ConfigError(
-            "revision applies to Hugging Face repos, which mlx_streaming does not stream "
-            "yet: download the model, convert it, and load the stream directory"
-        )
-    path = Path(path_or_hf_repo).expanduser()
-    manifest = read_manifest(path)
+    path, repo = _locate(str(path_or_hf_repo), revision, config)
+    manifest = read_manifest(path, blobs=repo is None)
+    if repo is not None:
+        hub.check_remote_blobs(repo, manifest)
     check_spine_files(path, manifest, checksums=config.verify == "always")
     model, model_config = _load_spine(path, manifest, model_config, trust_remote_code)
-    runtime = _build_runtime(path, manifest, config)
+    runtime = _build_runtime(path, manifest, config, repo)
     try:
         _install_blocks(model, path, manifest, runtime)
         mx.eval(model.parameters() if not lazy else [s.pool.arrays for s in runtime.stores])
@@ -193,6 +194,14 @@ def load(
     if return_config:
         return model, tokenizer, model_config
     return model, tokenizer
+
+
+def _locate(name: str, revision: Optional[str], config: StreamConfig):
+    """``(stream directory, Hub repo whose blobs are fetched, or None)``."""
+    if hub.is_repo_id(name):
+        return hub.open_model(name, revision, config)
+    hub.check_revision_use(name, revision)
+    return Path(name).expanduser(), None
 
 
 def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
@@ -337,9 +346,14 @@ def choose_direct_io(config: StreamConfig, path: Path, manifest: Manifest,
                   f"{room / 1e9:.2f} GB the page cache can use")
 
 
-def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig) -> Runtime:
+def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig,
+                   repo: Optional["hub.HubRepo"] = None) -> Runtime:
     spine = spine_bytes(path)
     slots = budget.plan_slots(manifest, config, spine)
+    if repo is not None:
+        reader = hub.make_remote_reader(repo, path, manifest, config)
+        return Runtime(config, manifest, reader, f"HTTP range requests to {repo.repo_id}",
+                       slots, "records come from the network and the disk cache")
     resident = spine + slots * budget.bytes_per_slot(manifest)
     direct, direct_reason = choose_direct_io(config, path, manifest, resident)
     reader, reason = _make_reader(config, direct)
@@ -367,6 +381,8 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
         _bind_pool(blocks[spec.module], spec, pool)
         blob = blob_path(path, spec)
         file = runtime.reader.open(str(blob))
+        if runtime.reader.name == "remote":
+            blob = None  # fetched records are checked by the reader, not watched
         policy = make_policy(config.policy, spec.num_experts)
         runtime.stores.append(ExpertStore(spec, pool, runtime.reader, file, runtime.events,
                                           config.verify, staging, blob, policy))

@@ -263,6 +263,8 @@ def stats(model) -> dict:
         prefetch_decision=runtime.prefetch_switch.decision if config.prefetch != "off" else "off",
         prefetch_budget=_budget_of(runtime),
     )
+    if runtime.reader.name == "remote":
+        report["remote"] = runtime.reader.report()
     staging = getattr(runtime, "staging", None)
     if staging is not None:
         # Dropped records whose reads had not started cost no bytes.

@@ -1,0 +1,183 @@
+"""Models on the Hugging Face Hub: a repo id becomes something ``load`` runs.
+
+- A repo holding a stream directory (``mlx_streaming convert --upload``):
+  config, tokenizer, spine and manifest are downloaded (huggingface_hub's
+  ``snapshot_download``); expert records are fetched on first use by HTTP
+  range (``remote.RemoteReader``) into a bounded disk cache.
+- A plain mlx-lm model repo: converted once, shard by shard
+  (``hubconvert``), into a local stream directory that later runs reuse.
+
+Everything about URLs, revisions, the endpoint and tokens is
+huggingface_hub's; this module only decides what to fetch.
+"""
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+from .config import StreamConfig
+from .errors import ConfigError, FormatError
+from .format import EXPERTS_DIR, MANIFEST_NAME, Manifest, blob_path
+
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+MANIFEST_FILE = f"{EXPERTS_DIR}/{MANIFEST_NAME}"
+# A default disk cache takes at most this share of the free space.
+DEFAULT_DISK_SHARE = 0.5
+
+
+def is_repo_id(name: str) -> bool:
+    """``org/name`` that is not a local path."""
+    return bool(REPO_ID.fullmatch(name)) and not Path(name).expanduser().exists()
+
+
+def cache_root(config: StreamConfig) -> Path:
+    if config.disk_cache_dir is not None:
+        return Path(config.disk_cache_dir).expanduser()
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "mlx_streaming"
+
+
+@dataclass(frozen=True)
+class HubRepo:
+    """A resolved repo: its id, the commit a revision names, and its files
+    (path -> size)."""
+
+    repo_id: str
+    commit: str
+    files: Dict[str, int]
+    endpoint: Optional[str]
+
+    @property
+    def is_stream(self) -> bool:
+        return MANIFEST_FILE in self.files
+
+    def url(self, filename: str) -> str:
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(self.repo_id, filename, revision=self.commit, endpoint=self.endpoint)
+
+
+def resolve(repo_id: str, revision: Optional[str], endpoint: Optional[str]) -> HubRepo:
+    """The commit ``revision`` (default: main) names, and its file list.
+
+    Raises:
+        FormatError: no such repo or revision, or the Hub cannot be reached.
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(endpoint=endpoint)
+    where = endpoint or api.endpoint
+    try:
+        info = api.model_info(repo_id, revision=revision)
+        files = {f.path: f.size for f in api.list_repo_tree(
+            repo_id, recursive=True, revision=info.sha) if isinstance(f, RepoFile)}
+    except GatedRepoError:
+        raise FormatError(f"{repo_id} is gated: accept its terms on the Hub and log in "
+                          "(`hf auth login` or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise FormatError(f"{repo_id} has no revision {revision!r} on {where}") from None
+    except RepositoryNotFoundError:
+        raise FormatError(
+            f"{repo_id} is neither a local directory nor a model repo on {where} (a private "
+            "repo needs `hf auth login` or HF_TOKEN)") from None
+    except HfHubHTTPError as e:
+        raise FormatError(f"the Hub at {where} refused {repo_id}: {_line(e)}") from None
+    except Exception as e:  # network errors come as httpx's
+        raise FormatError(f"cannot reach the Hub at {where} for {repo_id} "
+                          f"({type(e).__name__}: {_line(e)}); check the network") from None
+    return HubRepo(repo_id, info.sha, files, endpoint)
+
+
+def _line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def download_metadata(repo: HubRepo, config: StreamConfig) -> Path:
+    """Config, tokenizer, spine and manifest of a stream repo; every file
+    but the blobs. Returns the local directory (huggingface_hub's cache
+    layout under ``disk_cache_dir/hub``)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(
+            repo.repo_id, revision=repo.commit, endpoint=repo.endpoint,
+            cache_dir=str(cache_root(config) / "hub"),
+            ignore_patterns=[f"{EXPERTS_DIR}/*.blob"]))
+    except Exception as e:
+        raise FormatError(f"cannot download {repo.repo_id} ({type(e).__name__}: {_line(e)}); "
+                          "check the network and the disk") from None
+
+
+def check_remote_blobs(repo: HubRepo, manifest: Manifest) -> None:
+    """Each blob the manifest names is in the repo and long enough."""
+    for spec in manifest.layers:
+        name = f"{EXPERTS_DIR}/{spec.file}"
+        size = repo.files.get(name)
+        if size is None:
+            raise FormatError(f"{repo.repo_id} lacks {name}, which its manifest names; "
+                              "re-upload the stream directory")
+        if size < spec.blob_nbytes:
+            raise FormatError(f"{repo.repo_id}: {name} is {size} bytes, the manifest says "
+                              f"{spec.blob_nbytes}; re-upload the stream directory")
+
+
+def default_disk_cache_bytes(root: Path, manifest: Manifest) -> int:
+    """Half the free space of the disk holding ``root``, at most the experts."""
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    return int(min(manifest.expert_nbytes, DEFAULT_DISK_SHARE * free))
+
+
+def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: StreamConfig):
+    """The reader of a stream repo: range requests plus the disk cache."""
+    from huggingface_hub.utils import build_hf_headers
+
+    from .remote import DiskCache, RangeFetcher, RemoteBlob, RemoteReader
+
+    root = cache_root(config)
+    if config.disk_cache_gb is None:
+        cap = default_disk_cache_bytes(root, manifest)
+    else:
+        cap = int(config.disk_cache_gb * 1e9)
+    cache = DiskCache(root / "records", cap) if cap > 0 else None
+    prefix = f"{repo.repo_id.replace('/', '--')}/{repo.commit}"
+    blobs = {
+        str(blob_path(local, spec)): RemoteBlob(
+            repo.url(f"{EXPERTS_DIR}/{spec.file}"), spec, f"{prefix}/{spec.file}")
+        for spec in manifest.layers
+    }
+    fetcher = RangeFetcher(build_hf_headers(), config.fetch_timeout, config.fetch_retries)
+    return RemoteReader(blobs, fetcher, cache, config.fetch_threads)
+
+
+def open_model(name: str, revision: Optional[str], config: StreamConfig):
+    """A repo id as ``(local directory, repo or None)``: the repo when its
+    experts are to be fetched, None when the directory has everything (a
+    converted plain model)."""
+    repo = resolve(name, revision, config.endpoint)
+    if repo.is_stream:
+        return download_metadata(repo, config), repo
+    if "config.json" not in repo.files or not any(
+            f.endswith(".safetensors") for f in repo.files):
+        raise FormatError(f"{name} is neither a stream directory nor an mlx-lm model "
+                          "(no experts/manifest.json, config.json or safetensors files)")
+    from .hubconvert import convert_repo
+
+    dst = cache_root(config) / "converted" / f"{name.replace('/', '--')}--{repo.commit}"
+    return convert_repo(repo, dst, config), None
+
+
+def check_revision_use(name: str, revision: Optional[str]) -> None:
+    if revision is not None:
+        raise ConfigError(
+            f"revision applies to Hugging Face repo ids, and {name} is a local directory")

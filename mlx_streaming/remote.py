@@ -1,0 +1,474 @@
+"""Expert records fetched over HTTP by range, kept in a bounded disk cache.
+
+A stream directory uploaded to the Hugging Face Hub need not be on disk: the
+records of a blob are fixed-size and aligned, so expert ``e`` of a layer is
+bytes ``[e * stride, (e + 1) * stride)`` of its blob, one HTTP range
+request. ``RemoteReader`` has the reader interface (``readers.py``): a
+miss is looked up in the ``DiskCache``, else fetched (adjacent records of one
+call in one request, requests in parallel, retried with backoff), checked
+against the manifest's CRC-32 before it is used or cached, and cached.
+
+The disk cache holds one file per record, written to a temporary name and
+renamed into place, so a process killed mid-fetch leaves either the whole
+checked record or nothing; its total never exceeds ``disk_cache_gb``
+(least recently used records go first, across runs: the order is the files'
+mtime).
+"""
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+from urllib.parse import urlparse
+
+import numpy as np
+
+from .errors import ExpertReadError
+from .format import LayerSpec, record_checksum
+from .readers import PythonReader, aligned_empty, buffer_at
+
+log = logging.getLogger(__name__)
+
+# One request never asks for more than this many bytes: a long run of
+# adjacent misses becomes several requests, which run in parallel.
+MAX_REQUEST_BYTES = 64 << 20
+RETRY_STATUS = (429, 500, 502, 503, 504)
+TMP_SUFFIX = ".part"
+
+
+class ExpertFetchError(ExpertReadError):
+    """Fetching expert records over HTTP failed."""
+
+
+# -- HTTP ------------------------------------------------------------------
+
+
+class RangeFetcher:
+    """Byte ranges of URLs, with retries, backoff and a timeout on every
+    network wait. The session, headers and token are huggingface_hub's."""
+
+    def __init__(self, headers: dict, timeout: float, retries: int, backoff: float = 0.5):
+        import httpx2
+
+        self.httpx = httpx2
+        self.headers = dict(headers)
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.requests = 0
+        self.bytes = 0
+        self._warned_full = False
+        self._lock = threading.Lock()
+
+    def fetch(self, url: str, start: int, nbytes: int) -> bytearray:
+        """Bytes ``[start, start + nbytes)`` of ``url``.
+
+        Raises:
+            ExpertFetchError: no complete answer after ``retries`` retries,
+                or an answer that retrying cannot change (401, 404, ...).
+        """
+        last = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(8.0, self.backoff * 2 ** (attempt - 1)))
+            try:
+                data = self._once(url, start, nbytes)
+            except _Retry as e:
+                last = str(e)
+                log.warning("range %d+%d of %s: %s (try %d of %d)", start, nbytes, url,
+                            last, attempt + 1, self.retries + 1)
+                continue
+            with self._lock:
+                self.requests += 1
+                self.bytes += nbytes
+            return data
+        host = urlparse(url).netloc
+        raise ExpertFetchError(
+            f"could not fetch bytes {start}-{start + nbytes - 1} of {url} after "
+            f"{self.retries + 1} tries (last: {last}); check the network and {host}, or raise "
+            "fetch_timeout / fetch_retries"
+        )
+
+    def _once(self, url: str, start: int, nbytes: int) -> bytearray:
+        from huggingface_hub.utils import get_session, hf_raise_for_status
+
+        headers = {**self.headers, "Range": f"bytes={start}-{start + nbytes - 1}",
+                   "Accept-Encoding": "identity"}
+        try:
+            with get_session().stream("GET", url, headers=headers, timeout=self.timeout,
+                                      follow_redirects=True) as r:
+                if r.status_code in RETRY_STATUS:
+                    raise _Retry(f"HTTP {r.status_code}")
+                if r.status_code not in (200, 206):
+                    r.read()
+                    try:
+                        hf_raise_for_status(r)
+                    except Exception as e:
+                        raise ExpertFetchError(
+                            f"{url} answered HTTP {r.status_code} ({_first_line(e)}); "
+                            f"{_status_hint(r.status_code)}") from None
+                    raise ExpertFetchError(f"{url} answered HTTP {r.status_code}")
+                skip = 0
+                if r.status_code == 200:
+                    skip = start
+                    self._warn_full(url)
+                else:
+                    _check_content_range(r.headers.get("Content-Range"), start, nbytes)
+                return self._body(r, skip, nbytes)
+        except self.httpx.TimeoutException:
+            raise _Retry(f"no answer within {self.timeout:g} s") from None
+        except self.httpx.TransportError as e:
+            raise _Retry(f"{type(e).__name__}: {_first_line(e)}") from None
+
+    @staticmethod
+    def _body(r, skip: int, nbytes: int) -> bytearray:
+        """``nbytes`` of the body after its first ``skip`` bytes."""
+        out = bytearray(nbytes)
+        pos = -skip
+        for chunk in r.iter_raw():
+            lo = max(0, -pos)
+            if lo < len(chunk):
+                take = chunk[lo : lo + nbytes - max(pos, 0)]
+                out[max(pos, 0) : max(pos, 0) + len(take)] = take
+            pos += len(chunk)
+            if pos >= nbytes:
+                return out
+        raise _Retry(f"the answer ended after {max(pos, 0)} of {nbytes} bytes")
+
+    def _warn_full(self, url: str) -> None:
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning(
+                "%s ignores HTTP Range requests (it answered 200 with the whole file): "
+                "each expert read downloads the blob up to that expert; serve the repo from "
+                "a server with Range support", url)
+
+
+class _Retry(Exception):
+    """A failure that another try may not have."""
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _status_hint(status: int) -> str:
+    if status in (401, 403):
+        return ("the repo is private or gated: log in with `hf auth login` or set HF_TOKEN, "
+                "and accept its terms on the Hub")
+    if status == 404:
+        return "the repo or revision has no such file; check the repo id and revision"
+    if status == 416:
+        return "the blob on the server is shorter than the manifest says; re-upload it"
+    return "check the repo and the server"
+
+
+def _check_content_range(header: Optional[str], start: int, nbytes: int) -> None:
+    want = f"bytes {start}-{start + nbytes - 1}/"
+    if header is None or not header.startswith(want):
+        raise _Retry(f"the server answered range {header!r}, not {want}*")
+
+
+# -- disk cache --------------------------------------------------------------
+
+
+class DiskCache:
+    """Whole records as files under ``root``, at most ``cap_bytes`` in total.
+
+    One process uses a cache directory at a time (an exclusive lock), so the
+    cap holds; files left half-written by a killed process (``*.part``)
+    are removed when the next one opens it.
+    """
+
+    def __init__(self, root: Path, cap_bytes: int):
+        self.root = Path(root)
+        self.cap = int(cap_bytes)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.root / ".lock", "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise ExpertFetchError(
+                f"another process uses the disk cache {self.root}; wait for it to finish or "
+                "give this one its own disk_cache_dir"
+            ) from None
+        self._lock = threading.Lock()
+        self._index: "OrderedDict[str, int]" = OrderedDict()
+        self.used = 0  # bytes of files, finished or being written
+        self.hits = self.misses = self.evicted = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for f in self.root.rglob("*"):
+            if not f.is_file() or f.name == ".lock":
+                continue
+            if f.name.endswith(TMP_SUFFIX):
+                f.unlink(missing_ok=True)  # a killed process's unfinished record
+                continue
+            st = f.stat()
+            found.append((st.st_mtime_ns, str(f.relative_to(self.root)), st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self.used += size
+        with self._lock:
+            self._make_room(0)  # the cap may have been lowered since
+
+    def close(self) -> None:
+        if not self._lock_file.closed:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+
+    def get(self, key: str, buf: np.ndarray) -> bool:
+        """Read the record ``key`` into ``buf``; False when not cached."""
+        with self._lock:
+            if key not in self._index:
+                self.misses += 1
+                return False
+            self._index.move_to_end(key)
+        path = self.root / key
+        try:
+            with open(path, "rb", buffering=0) as f:
+                got = f.readinto(memoryview(buf))
+            os.utime(path)  # recency that outlives this process
+        except OSError:
+            got = -1
+        if got != buf.nbytes:
+            self.discard(key)
+            with self._lock:
+                self.misses += 1
+            return False
+        with self._lock:
+            self.hits += 1
+        return True
+
+    def put(self, key: str, data) -> None:
+        """Store a checked record (skipped when it alone exceeds the cap)."""
+        nbytes = memoryview(data).nbytes
+        with self._lock:
+            if nbytes > self.cap or key in self._index:
+                return
+            self._make_room(nbytes)
+            self.used += nbytes  # reserved before the file exists: the cap holds
+        path = self.root / key
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self.used -= nbytes
+            log.warning("cannot write %s to the disk cache (%s); continuing without it",
+                        key, e.strerror)
+            return
+        with self._lock:
+            self._index[key] = nbytes
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.used -= size
+        if size is not None:
+            (self.root / key).unlink(missing_ok=True)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Evict least recently used records until ``nbytes`` more fit
+        (caller holds the lock)."""
+        while self._index and self.used + nbytes > self.cap:
+            key, size = self._index.popitem(last=False)
+            (self.root / key).unlink(missing_ok=True)
+            self.used -= size
+            self.evicted += 1
+
+    def disk_bytes(self) -> int:
+        """Bytes of record files on disk now (for tests: never above the cap)."""
+        return sum(f.stat().st_size for f in self.root.rglob("*")
+                   if f.is_file() and f.name != ".lock")
+
+
+# -- reader ------------------------------------------------------------------
+
+
+@dataclass
+class RemoteBlob:
+    """Where a layer's blob is served, and what its records must hash to."""
+
+    url: str
+    spec: LayerSpec
+    key: str  # the blob's directory in the disk cache
+
+
+class RemoteReader(PythonReader):
+    """Expert records from a disk cache or HTTP range requests, into slot
+    memory: ``PythonReader``'s interface (and its staging, for prefetch).
+
+    Args:
+        blobs: the blob of each layer, by the path the loader opens.
+        fetcher: the HTTP side.
+        cache: the disk cache, or None to keep nothing on disk.
+        threads: parallel range requests.
+    """
+
+    name = "remote"
+
+    def __init__(self, blobs: Dict[str, RemoteBlob], fetcher: RangeFetcher,
+                 cache: Optional[DiskCache], threads: int):
+        super().__init__(threads, direct=False)
+        self.blobs_by_path = blobs
+        self.fetcher = fetcher
+        self.cache = cache
+        self._opened: List[RemoteBlob] = []
+        # Records read from the disk cache are checked once per process.
+        self._checked: Dict[int, np.ndarray] = {}
+        self.corrupt_refetches = 0
+
+    def open(self, path: str) -> int:
+        blob = self.blobs_by_path.get(str(path))
+        if blob is None:
+            raise ExpertReadError(f"no remote blob for {path}")
+        self._opened.append(blob)
+        self._checked[len(self._opened) - 1] = np.zeros(blob.spec.num_experts, dtype=bool)
+        return len(self._opened) - 1
+
+    def close(self) -> None:
+        super().close()
+        if self.cache is not None:
+            self.cache.close()
+
+    def report(self) -> dict:
+        """Network and disk-cache counters (``stats()["remote"]``)."""
+        cache = self.cache
+        return dict(
+            requests=self.fetcher.requests,
+            bytes_fetched=self.fetcher.bytes,
+            corrupt_refetches=self.corrupt_refetches,
+            disk_cache_bytes=cache.used if cache else 0,
+            disk_cache_cap=cache.cap if cache else 0,
+            disk_cache_hits=cache.hits if cache else 0,
+            disk_cache_misses=cache.misses if cache else 0,
+            disk_cache_evicted=cache.evicted if cache else 0,
+        )
+
+    def read(self, file, offsets, segments, dst, checksum, stride) -> np.ndarray:
+        self._check_open()
+        experts = (np.asarray(offsets, dtype=np.int64) // stride).tolist()
+        records = self.records(file, experts)
+        crcs = np.zeros(len(experts), dtype=np.uint32)
+        for i, record in enumerate(records):
+            parts = []
+            for (seg_off, nbytes), address in zip(segments, dst[i]):
+                src = record[seg_off : seg_off + nbytes]
+                np.frombuffer(buffer_at(int(address), int(nbytes)), np.uint8)[:] = src
+                parts.append(src)
+            if checksum[i]:
+                crcs[i] = record_checksum(parts)
+        return crcs
+
+    def read_record(self, file: int, buf: np.ndarray, offset: int) -> None:
+        stride = self._opened[file].spec.stride
+        buf[:] = self.records(file, [offset // stride])[0]
+
+    def records(self, file: int, experts: List[int]) -> List[np.ndarray]:
+        """The checked whole records of ``experts`` of blob ``file``."""
+        blob = self._opened[file]
+        out: List[Optional[np.ndarray]] = [None] * len(experts)
+        missing = []
+        for i, e in enumerate(experts):
+            record = self._cached(file, blob, e)
+            if record is None:
+                missing.append(i)
+            else:
+                out[i] = record
+        if missing:
+            fetched = self._fetch(blob, sorted({experts[i] for i in missing}))
+            for i in missing:
+                out[i] = fetched[experts[i]]
+        return out
+
+    def _cached(self, file: int, blob: RemoteBlob, expert: int) -> Optional[np.ndarray]:
+        if self.cache is None:
+            return None
+        buf = aligned_empty(blob.spec.stride)
+        key = f"{blob.key}/{expert:06d}"
+        if not self.cache.get(key, buf):
+            return None
+        if not self._checked[file][expert]:
+            if not self._good(blob.spec, expert, buf):
+                log.warning("disk cache record %s is damaged; fetching it again", key)
+                self.cache.discard(key)
+                return None
+            self._checked[file][expert] = True
+        return buf
+
+    def _fetch(self, blob: RemoteBlob, experts: List[int]) -> Dict[int, np.ndarray]:
+        """Fetch sorted distinct ``experts``: one request per run of adjacent
+        ids, the requests in parallel."""
+        runs = _runs(experts, max(1, MAX_REQUEST_BYTES // blob.spec.stride))
+        if len(runs) == 1:
+            results = [self._fetch_run(blob, runs[0])]
+        else:
+            results = list(self._pool.map(lambda run: self._fetch_run(blob, run), runs))
+        return {e: rec for part in results for e, rec in part.items()}
+
+    def _fetch_run(self, blob: RemoteBlob, run: Tuple[int, int]) -> Dict[int, np.ndarray]:
+        first, count = run
+        stride = blob.spec.stride
+        data = np.frombuffer(self.fetcher.fetch(blob.url, first * stride, count * stride),
+                             np.uint8)
+        out = {}
+        for j in range(count):
+            e = first + j
+            record = data[j * stride : (j + 1) * stride]
+            if not self._good(blob.spec, e, record):
+                record = self._refetch(blob, e)
+            self._store(blob, e, record)
+            out[e] = record
+        return out
+
+    def _refetch(self, blob: RemoteBlob, expert: int) -> np.ndarray:
+        """A record whose bytes failed their CRC: fetched once more alone;
+        wrong twice is an error, and wrong bytes are never cached."""
+        self.corrupt_refetches += 1
+        stride = blob.spec.stride
+        log.warning("layer %d expert %d from %s failed its checksum; fetching it again",
+                    blob.spec.layer, expert, blob.url)
+        record = np.frombuffer(self.fetcher.fetch(blob.url, expert * stride, stride), np.uint8)
+        if not self._good(blob.spec, expert, record):
+            raise ExpertFetchError(
+                f"layer {blob.spec.layer}, expert {expert}: the bytes fetched from "
+                f"{blob.url} fail the manifest's checksum twice; the uploaded blob does not "
+                "match its manifest (re-upload the stream directory) or something on the "
+                "way alters the data"
+            )
+        return record
+
+    def _store(self, blob: RemoteBlob, expert: int, record: np.ndarray) -> None:
+        if self.cache is not None:
+            self.cache.put(f"{blob.key}/{expert:06d}", record)
+
+    @staticmethod
+    def _good(spec: LayerSpec, expert: int, record: np.ndarray) -> bool:
+        parts = (record[s.offset : s.offset + s.nbytes] for s in spec.segments)
+        return record_checksum(parts) == spec.checksums[expert]
+
+
+def _runs(experts: List[int], max_len: int) -> List[Tuple[int, int]]:
+    """Sorted distinct ids as ``(first, count)`` runs of adjacent ids."""
+    runs: List[Tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][0] + runs[-1][1] == e and runs[-1][1] < max_len:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs
