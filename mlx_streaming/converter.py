@@ -562,7 +562,35 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "are fastest on MLX's CPU backend)")
     p.add_argument("--force", action="store_true", help="overwrite another converted model")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--upload", default=None, metavar="ORG/REPO",
+                   help="then publish the stream directory to this Hub model repo, which "
+                        "`mlx_streaming.load('ORG/REPO')` streams by HTTP range")
+    p.add_argument("--private", action="store_true", help="create the --upload repo private")
+    p.add_argument("--endpoint", default=None,
+                   help="the Hub's URL for --upload (default: huggingface_hub's, HF_ENDPOINT)")
     return p
+
+
+def upload(out: Path, repo_id: str, endpoint: Optional[str] = None,
+           private: bool = False) -> str:
+    """Publish the stream directory ``out`` to the Hub model repo ``repo_id``
+    (created if needed) in one commit. Returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    if not manifest_path(out).is_file():
+        raise ConversionError(f"{out} is not a complete stream directory; convert it first")
+    api = HfApi(endpoint=endpoint)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(out),
+                                 commit_message="Upload mlx_streaming stream directory",
+                                 ignore_patterns=[CONVERT_STATE_NAME, "*.tmp*"])
+    except Exception as e:
+        raise ConversionError(
+            f"cannot upload {out} to {repo_id} ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0]}); log in with `hf auth login` or set HF_TOKEN, "
+            "and check the repo id") from None
+    return str(info)
 
 
 def main(argv=None) -> int:
@@ -583,6 +611,9 @@ def main(argv=None) -> int:
             progress=not args.no_progress,
         )
         print(f"wrote {out}", file=sys.stderr)
+        if args.upload:
+            url = upload(Path(out), args.upload, args.endpoint, args.private)
+            print(f"uploaded to {args.upload}: {url}", file=sys.stderr)
 
     return run_main(body)
 

@@ -25,7 +25,10 @@ DEFAULT_MAX_TOKENS = 100
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx_streaming generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
+    p.add_argument("--model", required=True,
+                   help="stream directory (mlx_streaming convert) or Hugging Face repo id")
+    p.add_argument("--revision", default=None,
+                   help="of a repo id: branch, tag or commit (default main)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (1 or more)")
@@ -109,7 +112,7 @@ def main(argv=None) -> int:
         from .stats import stats
 
         mx.random.seed(args.seed)
-        model, tokenizer = load(args.model, config=config)
+        model, tokenizer = load(args.model, revision=args.revision, config=config)
         report = stats(model)
         print(f"[mlx_streaming] reader: {report['io']} ({report['io_reason']}); "
               f"{report['slots_per_layer']}/{report['num_experts']} experts per layer "

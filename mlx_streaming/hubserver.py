@@ -95,13 +95,13 @@ class _Handler(BaseHTTPRequestHandler):
         path = unquote(url.path)
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         if m and method == "GET":
-            return self._repo_info(m.group(1))
+            return self._repo_info(m.group(1), m.group(2))
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?", path)
         if m and method == "GET":
-            return self._tree(m.group(1))
+            return self._tree(m.group(1), m.group(2))
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if m and method in ("GET", "HEAD"):
-            return self._resolve(method, m.group(1), m.group(3))
+            return self._resolve(method, m.group(1), m.group(2), m.group(3))
         if path == "/api/repos/create" and method == "POST":
             return self._create()
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/preupload/([^/]+)", path)
@@ -124,23 +124,28 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _repo(self, repo_id: str) -> Optional[Repo]:
+    def _repo(self, repo_id: str, revision: Optional[str]) -> Optional[Repo]:
+        """The repo, if it exists and ``revision`` is main or its commit."""
         repo = self.state.repos.get(repo_id)
         if repo is None:
             self._json(404, {"error": "Repository not found"},
                        {"X-Error-Code": "RepoNotFound"})
+        elif revision not in (None, "main", repo.sha):
+            self._json(404, {"error": f"Invalid rev id: {revision}"},
+                       {"X-Error-Code": "RevisionNotFound"})
+            return None
         return repo
 
-    def _repo_info(self, repo_id: str):
-        repo = self._repo(repo_id)
+    def _repo_info(self, repo_id: str, revision: Optional[str]):
+        repo = self._repo(repo_id, revision)
         if repo is None:
             return
         siblings = [{"rfilename": str(f.relative_to(repo.root))} for f in _files(repo.root)]
         self._json(200, {"id": repo_id, "modelId": repo_id, "sha": repo.sha,
                          "siblings": siblings, "private": False})
 
-    def _tree(self, repo_id: str):
-        repo = self._repo(repo_id)
+    def _tree(self, repo_id: str, revision: str):
+        repo = self._repo(repo_id, revision)
         if repo is None:
             return
         entries = []
@@ -150,8 +155,8 @@ class _Handler(BaseHTTPRequestHandler):
                             "oid": hashlib.sha1(rel.encode()).hexdigest()})
         self._json(200, entries)
 
-    def _resolve(self, method: str, repo_id: str, rel: str):
-        repo = self._repo(repo_id)
+    def _resolve(self, method: str, repo_id: str, revision: str, rel: str):
+        repo = self._repo(repo_id, revision)
         if repo is None:
             return
         f = repo.root / rel
@@ -235,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
         if "/" not in repo_id:
             repo_id = f"user/{repo_id}"
         self._ensure_repo(repo_id)
-        self._json(200, {"url": f"http://hub/{repo_id}", "name": repo_id})
+        self._json(200, {"url": f"{self._origin()}/{repo_id}", "name": repo_id})
 
     def _ensure_repo(self, repo_id: str) -> Repo:
         repo = self.state.repos.get(repo_id)
@@ -267,8 +272,12 @@ class _Handler(BaseHTTPRequestHandler):
             elif item.get("key") == "deletedFile":
                 (repo.root / item["value"]["path"]).unlink(missing_ok=True)
         repo.sha = _tree_sha(repo.root)
-        self._json(200, {"commitOid": repo.sha, "commitUrl": f"http://hub/{repo_id}/commit/x",
+        self._json(200, {"commitOid": repo.sha,
+                         "commitUrl": f"{self._origin()}/{repo_id}/commit/{repo.sha}",
                          "success": True})
+
+    def _origin(self) -> str:
+        return f"http://{self.headers.get('Host')}"
 
 
 def _parse_range(header: Optional[str], size: int) -> Optional[Tuple[int, int]]:

@@ -293,8 +293,13 @@ class DiskCache:
 
     def disk_bytes(self) -> int:
         """Bytes of record files on disk now (for tests: never above the cap)."""
-        return sum(f.stat().st_size for f in self.root.rglob("*")
-                   if f.is_file() and f.name != ".lock")
+        total = 0
+        for f in self.root.rglob("*"):
+            try:
+                total += f.stat().st_size if f.is_file() and f.name != ".lock" else 0
+            except FileNotFoundError:
+                pass  # evicted meanwhile
+        return total
 
 
 # -- reader ------------------------------------------------------------------

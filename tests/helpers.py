@@ -89,3 +89,33 @@ def record_bytes(stream_dir: Path, layer_spec, expert: int) -> bytes:
 def pool_bytes(store, expert: int) -> bytes:
     slot = int(store.pool.slot_of_expert[expert])
     return b"".join(np.asarray(v[slot]).tobytes() for v in store.pool.views)
+
+
+def reshard(src: Path, dst: Path, max_bytes: int) -> Path:
+    """A copy of the mlx-lm model ``src`` whose weights are split into
+    shards of at most ``max_bytes`` (as a large model's are)."""
+    import json
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(
+        "*.safetensors", "model.safetensors.index.json"))
+    weights = {}
+    for f in sorted(src.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    shards, current, size = [], {}, 0
+    for name in sorted(weights):
+        if current and size + weights[name].nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = weights[name]
+        size += weights[name].nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(dst / name), shard, metadata={"format": "mlx"})
+        weight_map.update({k: name for k in shard})
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst

@@ -1,0 +1,298 @@
+"""Models on the Hub: expert records fetched by HTTP range into a bounded
+disk cache, plain mlx-lm repos converted shard by shard, uploads. A local
+server started by each test stands in for the Hub (``hubserver``)."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlx_streaming
+from mlx_streaming import hub
+from mlx_streaming.errors import ConfigError, FormatError
+from mlx_streaming.format import read_manifest, record_checksum
+from mlx_streaming.hubserver import HubServer
+from mlx_streaming.remote import DiskCache, ExpertFetchError
+from mlx_streaming.stats import stats
+from helpers import logits_trace, assert_same_logits, greedy_text, reshard
+
+REPO = "org/tiny-stream"
+
+
+@pytest.fixture
+def served(qwen):
+    """A server holding the qwen stream directory as REPO."""
+    with HubServer({REPO: qwen[1]}) as server:
+        yield server
+
+
+def expert_bytes(stream_dir) -> int:
+    return read_manifest(stream_dir).expert_nbytes
+
+
+def local_reference(stream_dir, **kw):
+    model, tokenizer = mlx_streaming.load(stream_dir, slots_per_layer=4, **kw)
+    out = logits_trace(model), greedy_text(model, tokenizer)
+    model.streaming.close()
+    return out
+
+
+def load_remote(server, cache_dir, **kw):
+    kw.setdefault("slots_per_layer", 4)
+    kw.setdefault("fetch_retries", 2)
+    return mlx_streaming.load(REPO, endpoint=server.url, disk_cache_dir=str(cache_dir), **kw)
+
+
+def assert_exact(server, cache_dir, reference, **kw):
+    model, tokenizer = load_remote(server, cache_dir, **kw)
+    logits, text = reference
+    assert_same_logits(logits, logits_trace(model))
+    assert greedy_text(model, tokenizer) == text
+    report = stats(model)
+    model.streaming.close()
+    return report
+
+
+def cached_records_are_good(cache_dir, stream_dir) -> int:
+    """Every record file in the disk cache holds its expert's exact bytes."""
+    manifest = read_manifest(stream_dir)
+    specs = {s.file: s for s in manifest.layers}
+    n = 0
+    for f in (Path(cache_dir) / "records").rglob("*"):
+        if not f.is_file() or f.name == ".lock":
+            continue
+        assert not f.name.endswith(".part"), f"unfinished record left: {f}"
+        spec = specs[f.parent.name]
+        data = np.frombuffer(f.read_bytes(), np.uint8)
+        crc = record_checksum(data[s.offset:s.offset + s.nbytes] for s in spec.segments)
+        assert crc == spec.checksums[int(f.name)], f"damaged record cached: {f}"
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("prefetch", ["off", "next-layer"])
+def test_fetched_generation_is_exact_with_a_small_disk_cache(qwen, served, tmp_path,
+                                                             monkeypatch, prefetch):
+    cap = int(0.4 * expert_bytes(qwen[1]))
+    sizes = []
+    put = DiskCache.put
+    serial = threading.Lock()
+
+    def checked_put(self, key, data):
+        with serial:  # so that each measure sees whole puts
+            put(self, key, data)
+            sizes.append(self.disk_bytes())
+
+    monkeypatch.setattr(DiskCache, "put", checked_put)
+    reference = local_reference(qwen[1])
+    report = assert_exact(served, tmp_path, reference, disk_cache_gb=cap / 1e9,
+                          prefetch=prefetch, prefetch_budget=4)
+    remote = report["remote"]
+    assert report["io"] == "remote" and remote["disk_cache_cap"] == cap
+    assert remote["disk_cache_evicted"] > 0 and max(sizes) <= cap
+    assert cached_records_are_good(tmp_path, qwen[1]) > 0
+    stride = read_manifest(qwen[1]).layers[0].stride
+    ranges = [r.range for r in served.ranged()]
+    # Adjacent records of one call come in one request (the prefill needs many).
+    assert any(end - start + 1 > stride for start, end in ranges)
+    assert remote["bytes_fetched"] == sum(end - start + 1 for start, end in ranges)
+
+
+def test_a_second_run_reads_from_the_disk_cache(qwen, served, tmp_path):
+    reference = local_reference(qwen[1])
+    first = assert_exact(served, tmp_path, reference)["remote"]
+    second = assert_exact(served, tmp_path, reference)["remote"]
+    assert first["bytes_fetched"] > 0 and second["bytes_fetched"] == 0
+    assert second["disk_cache_hits"] > 0
+    # A lower cap next time evicts down to it at open.
+    third = assert_exact(served, tmp_path, reference, disk_cache_gb=100e3 / 1e9)["remote"]
+    assert third["disk_cache_bytes"] <= 100e3 and third["bytes_fetched"] > 0
+
+
+def once(action, suffix=".blob"):
+    """A fault hook that answers the first blob GET with ``action``."""
+    fired = []
+
+    def hook(request):
+        if request.method == "GET" and request.path.endswith(suffix) and not fired:
+            fired.append(request)
+            return action
+        return None
+
+    hook.fired = fired
+    return hook
+
+
+@pytest.mark.parametrize("fault", ["drop", 503, "corrupt"])
+def test_a_fault_once_is_retried_and_the_output_stays_exact(qwen, served, tmp_path, fault):
+    reference = local_reference(qwen[1])
+    hook = once(fault)
+    served.faults.append(hook)
+    report = assert_exact(served, tmp_path, reference, disk_cache_gb=1.0)
+    assert hook.fired
+    first = hook.fired[0]
+    # The failed range was asked for again.
+    assert [r.range for r in served.ranged()].count(first.range) >= 2 or fault == "corrupt"
+    if fault == "corrupt":
+        assert report["remote"]["corrupt_refetches"] == 1
+    cached_records_are_good(tmp_path, qwen[1])
+
+
+def test_a_server_ignoring_range_still_gives_exact_output(qwen, served, tmp_path, caplog):
+    reference = local_reference(qwen[1])
+    served.faults.append(lambda r: "full" if r.path.endswith(".blob") else None)
+    with caplog.at_level(logging.WARNING, logger="mlx_streaming.remote"):
+        assert_exact(served, tmp_path, reference, disk_cache_gb=0)
+    assert any("ignores HTTP Range" in r.message for r in caplog.records)
+
+
+def test_bytes_wrong_twice_are_an_error_and_never_cached(qwen, served, tmp_path):
+    served.faults.append(lambda r: "corrupt" if r.path.endswith(".blob") else None)
+    model, tokenizer = load_remote(served, tmp_path, disk_cache_gb=1.0)
+    with pytest.raises(ExpertFetchError, match="fail the manifest's checksum twice"):
+        greedy_text(model, tokenizer)
+    model.streaming.close()
+    # Records of the same answers that were right may be cached; none wrong is.
+    cached_records_are_good(tmp_path, qwen[1])
+
+
+def test_a_server_that_stops_answering_is_a_clear_error(served, tmp_path):
+    served.faults.append(lambda r: "hang" if r.path.endswith(".blob") else None)
+    model, tokenizer = load_remote(served, tmp_path, fetch_timeout=0.5, fetch_retries=1)
+    start = time.perf_counter()
+    with pytest.raises(ExpertFetchError, match="no answer within 0.5 s"):
+        greedy_text(model, tokenizer)
+    assert time.perf_counter() - start < 20
+    model.streaming.close()
+
+
+KILL_SCRIPT = """
+import sys, mlx_streaming
+from helpers import greedy_text
+model, tok = mlx_streaming.load(sys.argv[1], endpoint=sys.argv[2], disk_cache_dir=sys.argv[3],
+                                slots_per_layer=4, disk_cache_gb=1.0)
+greedy_text(model, tok)
+"""
+
+
+def test_sigkill_mid_fetch_leaves_a_consistent_cache(qwen, tmp_path):
+    stride = read_manifest(qwen[1]).layers[0].stride
+    with HubServer({REPO: qwen[1]}, bandwidth=stride / 0.3) as server:
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, REPO, server.url,
+                                 str(tmp_path)], env=env)
+        records = tmp_path / "records"
+        deadline = time.time() + 120
+        try:
+            while time.time() < deadline and proc.poll() is None:
+                done = [f for f in records.rglob("*") if f.is_file() and f.name != ".lock"] \
+                    if records.exists() else []
+                if len(done) >= 3:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, "the run ended before it could be killed"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        # Leftovers a kill can leave, planted for sure: a half-written record
+        # file and a record damaged on disk.
+        layer_dir = next(p for p in records.rglob("layer*.blob") if p.is_dir())
+        (layer_dir / "000000.123.456.part").write_bytes(b"x" * 100)
+        victim = next(f for f in layer_dir.iterdir() if not f.name.endswith(".part"))
+        victim.write_bytes(b"\0" * stride)
+        reference = local_reference(qwen[1])
+        report = assert_exact(server, tmp_path, reference, disk_cache_gb=1.0)
+        assert report["remote"]["disk_cache_hits"] > 0
+    cached_records_are_good(tmp_path, qwen[1])
+
+
+def test_plain_mlx_lm_repo_is_converted_shard_by_shard(qwen, tmp_path):
+    from mlx_streaming.hubconvert import convert_repo
+
+    src = reshard(qwen[0], tmp_path / "sharded", max_bytes=300_000)
+    shards = sorted(src.glob("model-*.safetensors"))
+    largest = max(f.stat().st_size for f in shards)
+    assert len(shards) >= 4
+    work = tmp_path / "converted"
+    peak = []
+
+    def disk_use(root):
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+    with HubServer({"org/plain": src}) as server:
+        repo = hub.resolve("org/plain", None, server.url)
+        out = convert_repo(repo, work, mlx_streaming.StreamConfig(),
+                           on_shard=lambda name: peak.append(disk_use(work.with_name(
+                               work.name + ".partial"))))
+        final = disk_use(out)
+        # The extra disk is about one shard, never the whole download.
+        assert max(peak) - final <= 2 * largest
+        assert sum(f.stat().st_size for f in shards) > 2 * largest
+        assert not (out / ".download").exists() and not (out / ".pending").exists()
+        for spec in read_manifest(out).layers:
+            assert (out / "experts" / spec.file).read_bytes() == \
+                (qwen[1] / "experts" / spec.file).read_bytes()
+        # load() of the repo id converts into disk_cache_dir and runs it.
+        reference = local_reference(qwen[1])
+        model, tokenizer = mlx_streaming.load("org/plain", endpoint=server.url,
+                                              disk_cache_dir=str(tmp_path / "c"),
+                                              slots_per_layer=4)
+        assert_same_logits(reference[0], logits_trace(model))
+        assert stats(model)["io"] != "remote"
+        model.streaming.close()
+
+
+def test_convert_upload_publishes_a_streamable_repo(qwen, tmp_path):
+    from mlx_streaming import converter
+
+    with HubServer(upload_root=tmp_path / "hub") as server:
+        rc = converter.main(["--model", str(qwen[0]), "--out", str(tmp_path / "s"),
+                             "--no-progress", "--upload", "org/uploaded",
+                             "--endpoint", server.url])
+        assert rc == 0
+        reference = local_reference(qwen[1])
+        model, tokenizer = mlx_streaming.load("org/uploaded", endpoint=server.url,
+                                              disk_cache_dir=str(tmp_path / "c"),
+                                              slots_per_layer=4)
+        assert_same_logits(reference[0], logits_trace(model))
+        assert stats(model)["io"] == "remote"
+        model.streaming.close()
+
+
+def test_generate_cli_runs_a_repo_id(served, tmp_path, capsys):
+    from mlx_streaming import generate
+
+    rc = generate.main(["--model", REPO, "--endpoint", served.url, "--disk-cache-dir",
+                        str(tmp_path), "--max-tokens", "4", "--slots-per-layer", "4",
+                        "--revision", "main"])
+    assert rc == 0 and "HTTP range requests" in capsys.readouterr().err
+
+
+def test_unknown_repo_revision_and_misuse_are_clear_errors(served, tmp_path, qwen):
+    with pytest.raises(FormatError, match="neither a local directory nor a model repo"):
+        mlx_streaming.load("org/missing", endpoint=served.url, disk_cache_dir=str(tmp_path))
+    with pytest.raises(FormatError, match="no revision"):
+        mlx_streaming.load(REPO, revision="v9", endpoint=served.url,
+                           disk_cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="revision applies to Hugging Face repo ids"):
+        mlx_streaming.load(qwen[1], revision="main")
+    with pytest.raises(ConfigError, match="fetch_threads"):
+        mlx_streaming.StreamConfig(fetch_threads=0)
+
+
+def test_the_disk_cache_is_one_process_at_a_time(tmp_path):
+    first = DiskCache(tmp_path, 1000)
+    # flock locks are per open file: a second open conflicts as another process would.
+    with pytest.raises(ExpertFetchError, match="another process uses the disk cache"):
+        DiskCache(tmp_path, 1000)
+    first.close()
+    DiskCache(tmp_path, 1000).close()
