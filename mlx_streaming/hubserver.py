@@ -52,13 +52,27 @@ class Repo:
 class HubState:
     repos: Dict[str, Repo] = field(default_factory=dict)
     upload_root: Optional[Path] = None
-    bandwidth: Optional[float] = None  # bytes per second per response, None = as fast as possible
+    bandwidth: Optional[float] = None  # bytes per second of the link, None = as fast as possible
     latency: float = 0.0  # seconds before each response
     faults: List[Fault] = field(default_factory=list)
     log: List[Request] = field(default_factory=list)
     bytes_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     hang: threading.Event = field(default_factory=threading.Event)
+    link_free_at: float = 0.0  # when the emulated link has sent what it was given
+
+    def pace(self, nbytes: int) -> None:
+        """Hold a sender until the shared link has carried ``nbytes`` more:
+        parallel responses share the bandwidth, as on one network link."""
+        if not self.bandwidth:
+            return
+        with self.lock:
+            start = max(time.perf_counter(), self.link_free_at)
+            self.link_free_at = start + nbytes / self.bandwidth
+            done = self.link_free_at
+        wait = done - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
 
 
 def _tree_sha(root: Path) -> str:
@@ -201,14 +215,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_file(self, f: Path, start: int, length: int, fault):
         limit = length // 2 if fault == "drop" else length
         sent = 0
-        t0 = time.perf_counter()
         with open(f, "rb") as fh:
             fh.seek(start)
             while sent < limit:
                 chunk = bytearray(fh.read(min(CHUNK, limit - sent)))
                 if fault == "corrupt" and sent == 0 and chunk:
                     chunk[len(chunk) // 2] ^= 0xFF
-                self._pace(t0, sent + len(chunk))
+                self.state.pace(len(chunk))
                 try:
                     self.wfile.write(chunk)
                 except (BrokenPipeError, ConnectionResetError):
@@ -219,13 +232,6 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "drop":
             self.close_connection = True
             self.wfile.flush()
-
-    def _pace(self, t0: float, nbytes: int):
-        """Emulate the bandwidth: never ahead of ``nbytes / bandwidth``."""
-        if self.state.bandwidth:
-            ahead = nbytes / self.state.bandwidth - (time.perf_counter() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
 
     # -- uploads (regular files only: the payload is in the commit) ------
     def _body(self) -> bytes:
@@ -350,3 +356,32 @@ def copy_repo(src: Path, dst: Path) -> Path:
     a test later damages in the original)."""
     shutil.copytree(src, dst)
     return dst
+
+
+def main(argv=None) -> int:
+    """Serve directories as Hub repos until interrupted (``bench fetch``
+    runs it in its own process, so serving takes no time from a case)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m mlx_streaming.hubserver")
+    p.add_argument("--repo", action="append", required=True, metavar="ORG/NAME=DIR")
+    p.add_argument("--bandwidth-mbps", type=float, default=None, help="MB/s of the link")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="before each answer")
+    args = p.parse_args(argv)
+    repos = dict(r.split("=", 1) for r in args.repo)
+    server = HubServer({k: Path(v) for k, v in repos.items()},
+                       bandwidth=args.bandwidth_mbps * 1e6 if args.bandwidth_mbps else None,
+                       latency=args.latency_ms / 1e3)
+    server.start()
+    print(server.url, flush=True)
+    try:
+        sys.stdin.read()  # serve until the parent closes our stdin (or kills us)
+    except KeyboardInterrupt:
+        pass
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -351,6 +351,13 @@ class RemoteReader(PythonReader):
         if self.cache is not None:
             self.cache.close()
 
+    def reset(self) -> None:
+        """Zero the counters (``reset_stats``)."""
+        self.fetcher.requests = self.fetcher.bytes = 0
+        self.corrupt_refetches = 0
+        if self.cache is not None:
+            self.cache.hits = self.cache.misses = self.cache.evicted = 0
+
     def report(self) -> dict:
         """Network and disk-cache counters (``stats()["remote"]``)."""
         cache = self.cache

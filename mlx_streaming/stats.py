@@ -288,5 +288,7 @@ def _budget_of(runtime):
 def reset_stats(model) -> None:
     runtime = runtime_of(model)
     runtime.stats.reset()
+    if runtime.reader.name == "remote":
+        runtime.reader.reset()
     if getattr(runtime, "staging", None) is not None:
         runtime.cancelled_at_reset = runtime.staging.cancelled()

@@ -198,3 +198,17 @@ def test_bench_overhead_and_simulate(models, tmp_path):
     by = {(r["machine"], r["model"]): r["pool"] for r in p["rows"]}
     assert by[("MacBook Pro M4 Max 128 GB", "Qwen3-235B-A22B")] >= \
         by[("MacBook Pro M4 Pro 48 GB", "Qwen3-235B-A22B")]
+
+
+def test_bench_fetch_compares_the_hub_with_local_disk(models, tmp_path):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    _run(["fetch", "--model", str(stream_dir), "--pool", "0.25", "--disk-cache", "0,1",
+          "--max-tokens", "8", "--bandwidth-mbps", "50", "--latency-ms", "1"], tmp_path / "f")
+    rows = json.loads((tmp_path / "f" / "fetch.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    local, none, full, kept = rows
+    assert "mb_fetched_per_token" not in local and local["vs_local"] == 1
+    # Without a disk cache every pool miss is fetched; a filled cache fetches nothing.
+    assert none["mb_fetched_per_token"] > 0 and none["disk_hit_rate"] is None
+    assert kept["mb_fetched_per_token"] == 0 and kept["disk_hit_rate"] == 1
+    assert full["requests_per_token"] <= none["requests_per_token"]

@@ -11,6 +11,7 @@ PNG plot into --out.
     python -m mlx_streaming.bench prefill --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench io      [--model STREAM]
     python -m mlx_streaming.bench serve   --model STREAM --mlx-model MLX [--clients 1,4]
+    python -m mlx_streaming.bench fetch   --model STREAM [--bandwidth-mbps 100 --latency-ms 20]
 """
 
 import argparse
@@ -19,7 +20,8 @@ import sys
 
 from ..cli import run_main
 
-SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "verify", "prefill", "io", "serve")
+SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "verify", "prefill", "io", "serve",
+               "fetch")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
