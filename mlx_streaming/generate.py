@@ -19,6 +19,8 @@ from .errors import ConfigError
 # interrupt during start-up is one line, not a traceback.
 
 DEFAULT_PROMPT = "def "
+DRAFT_CHOICES = ("ngram", "mtp")
+DEFAULT_NUM_DRAFT = 3  # speculative.DEFAULT_NUM_DRAFT (not imported: heavy)
 DEFAULT_MAX_TOKENS = 100
 
 
@@ -39,6 +41,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo-prompt", action="store_true",
                    help="print the prompt before the text generated after it")
     p.add_argument("--stats-json", default=None, help="write the run's numbers here")
+    p.add_argument("--draft", choices=DRAFT_CHOICES, default=None,
+                   help="speculative decoding with drafts: ngram (prompt lookup, no second "
+                        "model); off by default")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding with this mlx-lm model (same tokenizer) as the "
+                        "drafter")
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT,
+                   help="tokens drafted per verify call")
     add_config_flags(p)
     return p
 
@@ -55,6 +65,17 @@ def check_args(args) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
+    if args.draft and args.draft_model:
+        raise ConfigError("pass either --draft or --draft-model, not both")
+    if args.draft == "mtp":
+        raise ConfigError(
+            "--draft mtp needs the model's multi-token-prediction layers, which "
+            "mlx_streaming convert does not keep yet; use --draft ngram or --draft-model")
+    if (args.draft or args.draft_model) and args.top_p < 1:
+        raise ConfigError("--top-p is not supported with drafts; use --temp alone")
+    if not 1 <= args.num_draft_tokens <= 64:
+        raise ConfigError(f"--num-draft-tokens must be from 1 to 64, got "
+                          f"{args.num_draft_tokens}")
 
 
 def format_prompt(tokenizer, prompt: str, ignore_template: bool):
@@ -82,6 +103,7 @@ def summarize(response, report: dict) -> dict:
         "cache_gb": report["cache_bytes"] / 1e9,
         "syncs_per_token": t["syncs"] / max(1, t["tokens"] // max(1, report["moe_layers"])),
         "prefetch": report["prefetch_decision"],
+        "draft_acceptance": report["speculative"]["acceptance_rate"],
     }
 
 
@@ -93,9 +115,34 @@ def print_summary(s: dict) -> None:
         f"decode: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s\n"
         f"experts: hit rate {hit}, {s['gb_read']:.3f} GB read, {rate} | "
         f"{s['slots_per_layer']}/{s['num_experts']} slots per layer ({s['cache_gb']:.3f} GB) | "
-        f"peak memory {s['peak_memory_gb']:.3f} GB | io {s['io']}",
+        f"peak memory {s['peak_memory_gb']:.3f} GB | io {s['io']}"
+        + ("" if s["draft_acceptance"] is None else
+           f" | drafts accepted {s['draft_acceptance']:.0%}"),
         file=sys.stderr,
     )
+
+
+def _responses(args, model, tokenizer, prompt, sampler):
+    """mlx-lm's token stream, or the speculative one when drafts are asked."""
+    from mlx_lm import stream_generate
+
+    if not (args.draft or args.draft_model):
+        return stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                               sampler=sampler)
+    from . import speculative
+
+    if args.draft_model:
+        import mlx_lm
+
+        draft = speculative.ModelDraft(mlx_lm.load(args.draft_model)[0], temp=args.temp)
+    else:
+        draft = speculative.NgramDraft()
+    if isinstance(prompt, str):
+        prompt = tokenizer.encode(prompt)
+    return speculative.stream_generate(model, tokenizer, prompt, draft,
+                                       max_tokens=args.max_tokens,
+                                       num_draft_tokens=args.num_draft_tokens,
+                                       temp=args.temp, seed=args.seed)
 
 
 def main(argv=None) -> int:
@@ -105,7 +152,6 @@ def main(argv=None) -> int:
         check_args(args)
         config = config_from_args(args)
         import mlx.core as mx
-        from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
         from .loader import load
@@ -124,8 +170,7 @@ def main(argv=None) -> int:
         if args.echo_prompt:
             print(args.prompt, end="", flush=True)
         response = None
-        for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                        sampler=sampler):
+        for response in _responses(args, model, tokenizer, prompt, sampler):
             text = response.text
             if args.echo_prompt and response.generation_tokens == 1 and text and \
                     not text[0].isspace() and tokenizer.decode([response.token]).startswith(" "):

@@ -13,6 +13,7 @@ huggingface_hub's; this module only decides what to fetch.
 
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -47,12 +48,12 @@ class HubRepo:
 
     repo_id: str
     commit: str
-    files: Dict[str, int]
+    files: Optional[Dict[str, int]]  # None when offline (from the local cache)
     endpoint: Optional[str]
 
     @property
     def is_stream(self) -> bool:
-        return MANIFEST_FILE in self.files
+        return self.files is not None and MANIFEST_FILE in self.files
 
     def url(self, filename: str) -> str:
         from huggingface_hub import hf_hub_url
@@ -93,9 +94,13 @@ def resolve(repo_id: str, revision: Optional[str], endpoint: Optional[str]) -> H
     except HfHubHTTPError as e:
         raise FormatError(f"the Hub at {where} refused {repo_id}: {_line(e)}") from None
     except Exception as e:  # network errors come as httpx's
-        raise FormatError(f"cannot reach the Hub at {where} for {repo_id} "
-                          f"({type(e).__name__}: {_line(e)}); check the network") from None
+        raise HubUnreachable(f"cannot reach the Hub at {where} for {repo_id} "
+                             f"({type(e).__name__}: {_line(e)}); check the network") from None
     return HubRepo(repo_id, info.sha, files, endpoint)
+
+
+class HubUnreachable(FormatError):
+    """The Hub did not answer (a network error, not a refusal)."""
 
 
 def _line(e: BaseException) -> str:
@@ -120,6 +125,8 @@ def download_metadata(repo: HubRepo, config: StreamConfig) -> Path:
 
 def check_remote_blobs(repo: HubRepo, manifest: Manifest) -> None:
     """Each blob the manifest names is in the repo and long enough."""
+    if repo.files is None:
+        return  # offline: the fetches will tell
     for spec in manifest.layers:
         name = f"{EXPERTS_DIR}/{spec.file}"
         size = repo.files.get(name)
@@ -132,10 +139,15 @@ def check_remote_blobs(repo: HubRepo, manifest: Manifest) -> None:
 
 
 def default_disk_cache_bytes(root: Path, manifest: Manifest) -> int:
-    """Half the free space of the disk holding ``root``, at most the experts."""
+    """Half the free space of the disk holding ``root``, at most every record."""
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
-    return int(min(manifest.expert_nbytes, DEFAULT_DISK_SHARE * free))
+    return int(min(records_nbytes(manifest), DEFAULT_DISK_SHARE * free))
+
+
+def records_nbytes(manifest: Manifest) -> int:
+    """Bytes of all expert records as the disk cache keeps them (padded)."""
+    return sum(spec.blob_nbytes for spec in manifest.layers)
 
 
 def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: StreamConfig):
@@ -164,7 +176,10 @@ def open_model(name: str, revision: Optional[str], config: StreamConfig):
     """A repo id as ``(local directory, repo or None)``: the repo when its
     experts are to be fetched, None when the directory has everything (a
     converted plain model)."""
-    repo = resolve(name, revision, config.endpoint)
+    try:
+        repo = resolve(name, revision, config.endpoint)
+    except HubUnreachable as e:
+        return _offline(name, revision, config, e)
     if repo.is_stream:
         return download_metadata(repo, config), repo
     if "config.json" not in repo.files or not any(
@@ -175,6 +190,36 @@ def open_model(name: str, revision: Optional[str], config: StreamConfig):
 
     dst = cache_root(config) / "converted" / f"{name.replace('/', '--')}--{repo.commit}"
     return convert_repo(repo, dst, config), None
+
+
+def _offline(name: str, revision: Optional[str], config: StreamConfig, error: Exception):
+    """What an earlier run left in ``disk_cache_dir`` when the Hub cannot be
+    reached: a converted model, or a stream repo's metadata (then records
+    the disk cache lacks fail to fetch)."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    root = cache_root(config)
+    prefix = f"{name.replace('/', '--')}--"
+    converted = [d for d in (root / "converted").glob(prefix + "*")
+                 if (d / MANIFEST_FILE).is_file() and d.name[len(prefix):].isalnum()
+                 and (revision is None or d.name.endswith(revision))]
+    if converted:
+        dst = max(converted, key=lambda d: d.stat().st_mtime)
+        warnings.warn(f"{error}; running {name} as converted earlier ({dst.name})",
+                      RuntimeWarning, stacklevel=4)
+        return dst, None
+    # Metadata is downloaded by commit, so huggingface_hub keeps no ref to
+    # look up: take the snapshot of that commit, or the latest one.
+    snapshots = root / "hub" / repo_folder_name(repo_id=name, repo_type="model") / "snapshots"
+    found = [d for d in snapshots.glob("*") if (d / MANIFEST_FILE).is_file()
+             and (revision is None or d.name == revision)]
+    if not found:
+        raise error
+    local = max(found, key=lambda d: d.stat().st_mtime)
+    warnings.warn(f"{error}; running {name} at commit {local.name} from the local cache: "
+                  "experts not in the disk cache cannot be fetched", RuntimeWarning,
+                  stacklevel=4)
+    return local, HubRepo(name, local.name, None, config.endpoint)
 
 
 def check_revision_use(name: str, revision: Optional[str]) -> None:

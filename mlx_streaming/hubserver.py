@@ -60,6 +60,7 @@ class HubState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     hang: threading.Event = field(default_factory=threading.Event)
     link_free_at: float = 0.0  # when the emulated link has sent what it was given
+    stopped: bool = False
 
     def pace(self, nbytes: int) -> None:
         """Hold a sender until the shared link has carried ``nbytes`` more:
@@ -105,6 +106,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
     def _route(self, method: str):
+        if self.state.stopped:
+            # A kept-alive connection outlives shutdown(): answer nothing.
+            self.close_connection = True
+            return
         url = urlparse(self.path)
         path = unquote(url.path)
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
@@ -340,6 +345,7 @@ class HubServer:
         return self
 
     def stop(self) -> None:
+        self.state.stopped = True
         self.state.hang.set()
         self._httpd.shutdown()
         self._httpd.server_close()

@@ -46,6 +46,7 @@ from .prefetch import (
     PythonLauncher,
 )
 from .readers import PythonReader, direct_io_works
+from .speculative import SpecStats
 from .stats import Events, Stats, TraceWriter
 from .store import ExpertStore
 
@@ -72,6 +73,7 @@ class Runtime:
         self.staging = None  # prefetch's staging area, when prefetch is on
         self.cancelled_at_reset = 0
         self.stats = Stats([l.layer for l in manifest.layers])
+        self.speculative = SpecStats()  # drafts through this model (speculative.py)
         self.trace = TraceWriter(config.trace) if config.trace else None
         observers = [self.stats] + ([self.trace] if self.trace else [])
         first = manifest.layers[0].layer

@@ -265,6 +265,7 @@ def stats(model) -> dict:
     )
     if runtime.reader.name == "remote":
         report["remote"] = runtime.reader.report()
+    report["speculative"] = runtime.speculative.report()
     staging = getattr(runtime, "staging", None)
     if staging is not None:
         # Dropped records whose reads had not started cost no bytes.
@@ -288,6 +289,7 @@ def _budget_of(runtime):
 def reset_stats(model) -> None:
     runtime = runtime_of(model)
     runtime.stats.reset()
+    runtime.speculative.reset()
     if runtime.reader.name == "remote":
         runtime.reader.reset()
     if getattr(runtime, "staging", None) is not None:

@@ -33,10 +33,6 @@ def served(qwen):
         yield server
 
 
-def expert_bytes(stream_dir) -> int:
-    return read_manifest(stream_dir).expert_nbytes
-
-
 def local_reference(stream_dir, **kw):
     model, tokenizer = mlx_streaming.load(stream_dir, slots_per_layer=4, **kw)
     out = logits_trace(model), greedy_text(model, tokenizer)
@@ -80,7 +76,7 @@ def cached_records_are_good(cache_dir, stream_dir) -> int:
 @pytest.mark.parametrize("prefetch", ["off", "next-layer"])
 def test_fetched_generation_is_exact_with_a_small_disk_cache(qwen, served, tmp_path,
                                                              monkeypatch, prefetch):
-    cap = int(0.4 * expert_bytes(qwen[1]))
+    cap = int(0.4 * hub.records_nbytes(read_manifest(qwen[1])))
     sizes = []
     put = DiskCache.put
     serial = threading.Lock()
@@ -173,10 +169,11 @@ def test_a_server_that_stops_answering_is_a_clear_error(served, tmp_path):
     model.streaming.close()
 
 
+# The endpoint comes from huggingface_hub's own setting (HF_ENDPOINT) here.
 KILL_SCRIPT = """
 import sys, mlx_streaming
 from helpers import greedy_text
-model, tok = mlx_streaming.load(sys.argv[1], endpoint=sys.argv[2], disk_cache_dir=sys.argv[3],
+model, tok = mlx_streaming.load(sys.argv[1], disk_cache_dir=sys.argv[2],
                                 slots_per_layer=4, disk_cache_gb=1.0)
 greedy_text(model, tok)
 """
@@ -185,9 +182,9 @@ greedy_text(model, tok)
 def test_sigkill_mid_fetch_leaves_a_consistent_cache(qwen, tmp_path):
     stride = read_manifest(qwen[1]).layers[0].stride
     with HubServer({REPO: qwen[1]}, bandwidth=stride / 0.3) as server:
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
-        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, REPO, server.url,
-                                 str(tmp_path)], env=env)
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), HF_ENDPOINT=server.url)
+        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, REPO, str(tmp_path)],
+                                env=env)
         records = tmp_path / "records"
         deadline = time.time() + 120
         try:
@@ -296,3 +293,17 @@ def test_the_disk_cache_is_one_process_at_a_time(tmp_path):
         DiskCache(tmp_path, 1000)
     first.close()
     DiskCache(tmp_path, 1000).close()
+
+
+def test_without_the_hub_a_filled_cache_still_runs(qwen, tmp_path):
+    reference = local_reference(qwen[1])
+    with HubServer({REPO: qwen[1]}) as server:
+        url = server.url
+        assert_exact(server, tmp_path, reference, slots_per_layer=32)  # every expert cached
+    # The server is gone: load() says so and runs from the disk cache.
+    with pytest.warns(RuntimeWarning, match="cannot reach the Hub"):
+        model, tokenizer = mlx_streaming.load(REPO, endpoint=url, disk_cache_dir=str(tmp_path),
+                                              slots_per_layer=4, fetch_retries=0)
+    assert_same_logits(reference[0], logits_trace(model))
+    assert stats(model)["remote"]["bytes_fetched"] == 0
+    model.streaming.close()

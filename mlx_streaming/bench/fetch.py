@@ -6,7 +6,7 @@ request, and decodes:
 
   (a) from the stream directory on local disk (the reference),
   (b) from the server, at each disk-cache size in ``--disk-cache`` (as a
-      fraction of the experts' bytes), the cache empty at the start,
+      fraction of the expert records' bytes), the cache empty at the start,
   (c) from the server again with the cache (b) left at its largest size
       (a later run of the same model),
 
@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from ..format import read_manifest
+from ..hub import records_nbytes
 from .common import BenchError, figure, finish, median_run, pool_slots, run_case
 
 REPO = "bench/model"
@@ -100,6 +101,7 @@ def run(args) -> dict:
     stream_dir = Path(args.model).resolve()
     manifest = read_manifest(stream_dir)
     slots = pool_slots(manifest.layers[0], args.pool)
+    records = records_nbytes(manifest)
     fractions = [float(f) for f in args.disk_cache.split(",")]
     common = dict(kind="streaming", op="decode", max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, temp=args.temp)
@@ -110,13 +112,13 @@ def run(args) -> dict:
         cases = [("(a) local disk", None, dict(common, model=str(stream_dir),
                                                load=dict(slots_per_layer=slots)), False)]
         for f in fractions:
-            cache_gb = f * manifest.expert_nbytes / 1e9
+            cache_gb = f * records / 1e9
             cases.append((f"(b) Hub, cache {f:.0%}", f, dict(
                 common, model=REPO, load=dict(remote, disk_cache_gb=cache_gb,
                                               disk_cache_dir=str(scratch / f"b{f}"))), True))
         top = max(fractions)
         cases.append((f"(c) Hub, cache {top:.0%} kept", top, dict(
-            common, model=REPO, load=dict(remote, disk_cache_gb=top * manifest.expert_nbytes
+            common, model=REPO, load=dict(remote, disk_cache_gb=top * records
                                           / 1e9, disk_cache_dir=str(scratch / "kept"))), False))
         # (c) measures a later run: its cache is filled by a run first.
         filled = run_case(cases[-1][2])
@@ -142,7 +144,7 @@ def run(args) -> dict:
              f"link {args.bandwidth_mbps:g} MB/s + {args.latency_ms:g} ms per request, "
              f"{args.repeats} round(s), median")
     result = dict(rows=rows, pool_slots=slots, bandwidth_mbps=args.bandwidth_mbps,
-                  latency_ms=args.latency_ms, expert_gb=manifest.expert_nbytes / 1e9,
+                  latency_ms=args.latency_ms, expert_gb=records / 1e9,
                   cases=[r for rs in runs for r in rs])
     return finish(args.out, "fetch", result, rows, COLUMNS, title, _plot)
 

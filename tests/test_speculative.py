@@ -1,0 +1,135 @@
+"""Speculative decoding through streamed models: token-identical to greedy
+decoding for n-gram and draft-model drafts (hybrid recurrent models too),
+and the sampling rule keeps the target's distribution."""
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlx_streaming
+from mlx_streaming.errors import ConfigError
+from mlx_streaming.speculative import (
+    ModelDraft,
+    NgramDraft,
+    SpecStats,
+    accept_sampled,
+    speculative_generate_step,
+)
+from mlx_streaming.stats import stats
+from helpers import PROMPT
+
+STEPS = 24
+FAMILIES = ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_k3"]
+
+
+def greedy_tokens(model, prompt=PROMPT, steps=STEPS):
+    gen = generate_step(mx.array(prompt), model, max_tokens=steps,
+                        sampler=lambda x: mx.argmax(x, axis=-1))
+    return [int(t) for t, _ in gen]
+
+
+def speculative_tokens(model, draft, k=3, steps=STEPS, spec=None):
+    return [t for t, _ in speculative_generate_step(PROMPT, model, draft, num_draft_tokens=k,
+                                                    max_tokens=steps, stats=spec)]
+
+
+def test_ngram_draft_proposes_what_followed_the_latest_match():
+    d = NgramDraft(max_n=2)
+    d.start([1, 2, 3, 9, 1, 2, 4, 5, 1, 2])
+    assert d.propose(2) == ([4, 5], None)  # "1 2" last seen before "4 5"
+    d.commit([4, 5], 1, 7)  # text: ... 1 2 4 7
+    assert d.tokens[-3:] == [2, 4, 7]
+    assert d.propose(3) == ([], None)  # "4 7" and "7" never seen before
+    assert NgramDraft().propose(3) == ([], None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ngram_and_draft_model_are_token_identical_to_greedy(models, family):
+    src, stream = models.get(family, quantized=True)
+    model, _ = mlx_streaming.load(stream, slots_per_layer=_partial(stream))
+    reference, _ = mlx_lm.load(str(src))
+    want = greedy_tokens(reference)
+    assert greedy_tokens(model) == want
+    spec = SpecStats()
+    assert speculative_tokens(model, NgramDraft(), k=4, spec=spec) == want
+    assert spec.drafted > 0 and spec.accepted < spec.drafted
+    if family in ("qwen3_next", "kimi_k3"):
+        assert spec.refeeds > 0  # recurrent state restored and fed again
+    # A draft model of another family (same vocabulary): mostly rejected.
+    other, _ = mlx_lm.load(str(models.get("qwen3_moe", quantized=False)[0]))
+    assert speculative_tokens(model, ModelDraft(other), k=3) == want
+    # The target itself resident as the draft: mostly accepted.
+    spec = SpecStats()
+    assert speculative_tokens(model, ModelDraft(reference), k=3, spec=spec) == want
+    assert spec.accepted > 0.8 * spec.drafted
+    model.streaming.close()
+
+
+def _partial(stream_dir):
+    spec = mlx_streaming.format.read_manifest(stream_dir).layers[0]
+    return max(spec.top_k, spec.num_experts // 4)
+
+
+def test_stats_report_drafted_and_accepted(qwen):
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=8)
+    speculative_tokens(model, NgramDraft(), k=3)
+    s = stats(model)["speculative"]
+    assert s["drafted"] > 0 and s["acceptance_rate"] == s["accepted"] / s["drafted"]
+    mlx_streaming.reset_stats(model)
+    assert stats(model)["speculative"]["drafted"] == 0
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        speculative_tokens(model, NgramDraft(), k=0)
+    model.streaming.close()
+
+
+def _first_token_frequencies(p, q_rows, k, trials, rule, seed=0):
+    """How often each token comes first out of a verify call whose drafts
+    are sampled from ``q_rows`` (one-hot ngram drafts when None)."""
+    rng = np.random.default_rng(seed)
+    vocab = p.shape[1]
+    counts = np.zeros(vocab)
+    fixed = [2, 0, 4][:k]
+    for _ in range(trials):
+        if q_rows is None:
+            drafts, q = fixed, None
+        else:
+            drafts = [int(rng.choice(vocab, p=q_rows[i])) for i in range(k)]
+            q = q_rows
+        n, nxt = rule(p, drafts, q, rng)
+        counts[drafts[0] if n > 0 else nxt] += 1
+    return counts / trials
+
+
+def _within(freq, p, trials, sigmas=5.0):
+    """Each frequency within ``sigmas`` binomial standard deviations of p."""
+    bound = sigmas * np.sqrt(p * (1 - p) / trials) + 1e-12
+    return bool(np.all(np.abs(freq - p) <= bound))
+
+
+def _always_accept(p, drafts, q, rng):
+    return len(drafts), int(rng.choice(p.shape[1], p=p[-1]))
+
+
+@pytest.mark.parametrize("draft_kind", ["ngram", "model"])
+def test_speculative_sampling_keeps_the_target_distribution(draft_kind):
+    rng = np.random.default_rng(1)
+    vocab, k, trials = 6, 3, 20_000
+    p = rng.dirichlet(np.ones(vocab), size=k + 1)
+    q = None if draft_kind == "ngram" else rng.dirichlet(np.ones(vocab), size=k)
+    freq = _first_token_frequencies(p, q, k, trials, accept_sampled)
+    assert _within(freq, p[0], trials)
+    # The check has power: keeping every draft does not pass it.
+    wrong = _first_token_frequencies(p, q, k, trials, _always_accept)
+    assert not _within(wrong, p[0], trials)
+
+
+def test_sampled_speculation_runs_on_a_streamed_model(qwen):
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=8)
+    mx.random.seed(0)
+    spec = SpecStats()
+    out = [t for t, _ in speculative_generate_step(PROMPT, model, NgramDraft(), temp=0.7,
+                                                    max_tokens=16, stats=spec)]
+    assert len(out) == 16 and spec.drafted > 0
+    model.streaming.close()
