@@ -22,7 +22,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.utils import infer_quant_config, load_model, save_config
 
 from .config import StreamConfig

@@ -21,7 +21,7 @@ before the call and the accepted tokens are fed again.
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Generator, List, Optional, Sequence, Tuple
+from typing import Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
