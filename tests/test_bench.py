@@ -212,3 +212,20 @@ def test_bench_fetch_compares_the_hub_with_local_disk(models, tmp_path):
     assert none["mb_fetched_per_token"] > 0 and none["disk_hit_rate"] is None
     assert kept["mb_fetched_per_token"] == 0 and kept["disk_hit_rate"] == 1
     assert full["requests_per_token"] <= none["requests_per_token"]
+
+
+def test_bench_verify_with_real_drafts(models, tmp_path):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    _run(["verify", "--model", str(stream_dir), "--mlx-model", str(src), "--drafts",
+          f"ngram,model:{src}", "--draft-tokens", "2", "--pools", "0.25", "--tokens", "8",
+          "--repeats", "1"], tmp_path / "v")
+    rows = json.loads((tmp_path / "v" / "verify-drafts.json").read_text())["rows"]
+    streamed = [r for r in rows if r["case"].startswith("streamed")]
+    resident = [r for r in rows if r["case"] == "mlx-lm resident"]
+    assert {r["draft"] for r in streamed} == {"none", "ngram", f"model:{src}"}
+    assert f"model:{src} (mlx-lm)" in {r["draft"] for r in resident}
+    # Every speculative run gave greedy decoding's tokens; the target as its
+    # own draft is accepted.
+    assert all(r["exact"] in ("True", "-") for r in rows)
+    own = [r for r in streamed if r["draft"] == f"model:{src}"]
+    assert all(r["acceptance"] > 0.5 for r in own)

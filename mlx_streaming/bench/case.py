@@ -103,6 +103,64 @@ def verify(case, model, tokenizer) -> dict:
     return dict(rows=rows)
 
 
+def speculative(case, model, tokenizer) -> dict:
+    """Decode ``tokens`` greedily from real prompts (code and prose), plain
+    and with each draft in ``drafts`` (``ngram`` or ``model:PATH``) at each
+    ``ks``; decode time runs from the first token. With an mlx-lm model and a
+    model draft, mlx-lm's own speculative decoding runs too."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step, speculative_generate_step as mlx_spec
+
+    from ..speculative import ModelDraft, NgramDraft, SpecStats, speculative_generate_step
+
+    n = case["tokens"]
+    drafters = {d: mlx_lm.load(d.split(":", 1)[1])[0] for d in case["drafts"]
+                if d.startswith("model:")}
+    rows = []
+    for label, prompt in _spec_prompts(tokenizer, case.get("prompt_tokens", 48)):
+        plain, plain_s = _timed(generate_step(mx.array(prompt), model, max_tokens=n,
+                                              sampler=_greedy))
+        rows.append(dict(prompt=label, draft="none", k=0, tps=(n - 1) / plain_s))
+        for d in case["drafts"]:
+            for k in case["ks"]:
+                spec = SpecStats()
+                draft = ModelDraft(drafters[d]) if d in drafters else NgramDraft()
+                _reset(model)
+                toks, secs = _timed(speculative_generate_step(
+                    prompt, model, draft, num_draft_tokens=k, max_tokens=n, stats=spec))
+                rows.append(dict(prompt=label, draft=d, k=k, tps=(n - 1) / secs,
+                                 vs_plain=plain_s / secs, exact=toks == plain,
+                                 acceptance=spec.accepted / spec.drafted if spec.drafted else None,
+                                 tokens_per_call=n / spec.calls, stats=_streaming_totals(model)))
+                if d in drafters and case["kind"] != "streaming":
+                    toks, secs = _timed(mlx_spec(mx.array(prompt), model, drafters[d],
+                                                 num_draft_tokens=k, max_tokens=n,
+                                                 sampler=_greedy))
+                    rows.append(dict(prompt=label, draft=f"{d} (mlx-lm)", k=k,
+                                     tps=(n - 1) / secs, vs_plain=plain_s / secs,
+                                     exact=toks == plain))
+    return dict(rows=rows)
+
+
+def _timed(steps):
+    """Tokens of a generator of ``(token, ...)`` and the seconds from the
+    first token to the last (the prompt excluded)."""
+    tokens = [int(next(steps)[0])]
+    start = time.perf_counter()
+    tokens += [int(t[0]) for t in steps]
+    return tokens, max(time.perf_counter() - start, 1e-9)
+
+
+def _spec_prompts(tokenizer, n: int):
+    """A code prompt (the standard library, what the trained models read)
+    and a prose one (Python's documentation topics, not in that corpus)."""
+    from pydoc_data.topics import topics
+
+    prose = " ".join(topics[k] for k in ("assert", "break", "continue", "pass"))
+    ids = tokenizer.encode(" ".join(prose.split()))
+    return [("code", prompt_tokens(tokenizer, n, 3)), ("prose", ids[:n])]
+
+
 def prefill(case, model, tokenizer) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -166,7 +224,7 @@ def reads(case, model, tokenizer) -> dict:
 
 
 OPS = {"decode": decode, "verify": verify, "prefill": prefill, "routing": routing,
-       "reads": reads}
+       "reads": reads, "speculative": speculative}
 
 
 def main(argv=None) -> int:

@@ -24,10 +24,20 @@ def add_arguments(p) -> None:
     p.add_argument("--pool", type=float, default=0.25,
                    help="pool size as a fraction of each layer's experts")
     p.add_argument("--max-k", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=8,
+                   help="calls per K (the sweep), or interleaved rounds (--drafts)")
     p.add_argument("--memory-limit-gb", type=float, default=None)
     p.add_argument("--cold", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench-results/verify"))
+    p.add_argument("--drafts", default=None,
+                   help="real drafts instead of the K sweep, comma-separated: ngram, "
+                        "model:PATH (an mlx-lm draft model with the same tokenizer)")
+    p.add_argument("--draft-tokens", default="2,4", help="K values for --drafts")
+    p.add_argument("--pools", default="0.25,0.5,1.0", help="pool sizes for --drafts")
+    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
+    p.add_argument("--read-mbps", type=float, default=None,
+                   help="--drafts: throttle the streamed cases' reads to this many MB/s "
+                        "(cgroup v1 blkio, uncached reads), e.g. a Mac's read/compute ratio")
 
 
 def expected_tokens(k: int, acceptance: float) -> float:
@@ -52,7 +62,83 @@ def _rows(result, label):
     return rows
 
 
+DRAFT_COLUMNS = [
+    ("case", "case", "s"), ("prompt", "prompt", "s"), ("draft", "draft", "s"), ("k", "K", "d"),
+    ("tps", "tok/s", ".3g"), ("vs_plain", "x plain", ".2f"),
+    ("vs_streamed_plain", "x streamed plain", ".2f"), ("acceptance", "accepted", ".0%"),
+    ("tokens_per_call", "tok/call", ".2f"), ("exact", "= greedy", "s"),
+]
+
+
+def run_drafts(args) -> dict:
+    """Speculative decoding with real drafts: each pool streamed, and the
+    model resident (mlx-lm's own speculative decoding for model drafts),
+    one process per case, the repeats interleaved."""
+    stream_dir = Path(args.model)
+    spec = read_manifest(stream_dir).layers[0]
+    common = dict(op="speculative", tokens=args.tokens, drafts=args.drafts.split(","),
+                  ks=[int(k) for k in args.draft_tokens.split(",")])
+    cases = []
+    for pool in [float(p) for p in args.pools.split(",")]:
+        slots = pool_slots(spec, pool)
+        load = dict(slots_per_layer=slots)
+        if args.read_mbps:
+            load["direct_io"] = True  # the page cache would hide the throttle
+        cases.append((f"streamed {slots}/{spec.num_experts}", dict(
+            common, kind="streaming", model=str(stream_dir), load=load)))
+    if args.mlx_model:
+        cases.append(("mlx-lm resident", dict(common, kind="mlx-lm", model=args.mlx_model)))
+    runs = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for i, (_, case) in enumerate(cases):
+            throttle = args.read_mbps if case["kind"] == "streaming" else None
+            runs[i].append(run_case(case, memory_limit_gb=args.memory_limit_gb,
+                                    read_mbps=throttle))
+    rows = []
+    for (label, _), results in zip(cases, runs):
+        ok = [r for r in results if r["status"] == "ok"]
+        if not ok:
+            rows.append(dict(case=label, status=results[0]["status"],
+                             error=results[0].get("error")))
+            continue
+        for j, row in enumerate(ok[0]["rows"]):
+            tps = sorted(r["rows"][j]["tps"] for r in ok)
+            rows.append(dict({k: v for k, v in row.items() if k != "stats"}, case=label,
+                             tps=tps[len(tps) // 2], runs_tps=tps,
+                             exact=str(all(r["rows"][j].get("exact", True) for r in ok))))
+    plain = {(r["case"], r["prompt"]): r["tps"] for r in rows if r.get("draft") == "none"}
+    for r in rows:
+        base = plain.get((r["case"], r.get("prompt")))
+        r["vs_plain"] = r["tps"] / base if base and r.get("tps") else None
+        streamed = plain.get((rows[0]["case"], r.get("prompt")))
+        r["vs_streamed_plain"] = r["tps"] / streamed if streamed and r.get("tps") else None
+        if r.get("draft") == "none":
+            r["exact"] = "-"
+    title = (f"bench verify --drafts: greedy decode of {args.tokens} tokens per prompt; "
+             f"median of {args.repeats} interleaved round(s); x streamed plain = vs plain "
+             f"decode at the first pool")
+    result = dict(rows=rows, cases=[r for rs in runs for r in rs])
+    return finish(args.out, "verify-drafts", result, rows, DRAFT_COLUMNS, title, _plot_drafts)
+
+
+def _plot_drafts(rows, path, title):
+    plt = figure()
+    ok = [r for r in rows if r.get("tps") and r.get("draft") != "none"]
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(ok) + 1.5))
+    ax.barh([f"{r['case']} {r['prompt']} {r['draft']} K={r['k']}" for r in ok],
+            [r["vs_plain"] or 0 for r in ok])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("tok/s vs plain decode, same case")
+    ax.tick_params(axis="y", labelsize=6)
+    ax.set_title(title.splitlines()[0], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args) -> dict:
+    if args.drafts:
+        return run_drafts(args)
     stream_dir = Path(args.model)
     spec = read_manifest(stream_dir).layers[0]
     slots = pool_slots(spec, args.pool)
