@@ -74,11 +74,13 @@ class NextLayerPrefetch:
 
 
 def rank_order(ids: np.ndarray) -> np.ndarray:
-    """Distinct ids of ``[rows, width]`` predictions, every row's first
-    choice before any row's second (the native primitive's order)."""
+    """Distinct ids of ``[rows, width]`` predictions (the native primitive's
+    order): those predicted for the most rows first (a verify call needs
+    the union of its tokens' experts, and shared ones serve several), then
+    every row's first choice before any row's second."""
     order = np.ascontiguousarray(ids.reshape(-1, ids.shape[-1]).T).ravel()
-    _, first = np.unique(order, return_index=True)
-    return order[np.sort(first)].astype(np.int64)
+    unique, first, counts = np.unique(order, return_index=True, return_counts=True)
+    return unique[np.lexsort((first, -counts))].astype(np.int64)
 
 
 class PythonLauncher:

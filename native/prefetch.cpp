@@ -23,17 +23,28 @@ int stage_predicted(const PrefetchTarget& target, const mx::array& ranked, int w
   const int32_t* slots = table.data<int32_t>();
   // int32 and uint32 ids share their bit patterns for valid expert ids.
   const uint32_t* ids = reinterpret_cast<const uint32_t*>(ranked.data<int32_t>());
-  // Rank by rank: every row's best prediction before any row's second, so
-  // that under a budget the likeliest experts are read first.
+  // A verify call's rows are its tokens, and it needs the union of their
+  // experts: those predicted for the most rows come first, then rank by
+  // rank (every row's best prediction before any row's second), so that
+  // under a budget the likeliest experts are read first.
   const size_t budget = std::max(0, target.budget.load(std::memory_order_relaxed));
-  std::vector<int64_t> wanted;
-  for (size_t j = 0; j < std::min<size_t>(width, cols) && wanted.size() < budget; ++j) {
-    for (size_t r = 0; r < rows && wanted.size() < budget; ++r) {
+  const size_t depth = std::min<size_t>(width, cols);
+  std::vector<int64_t> order;  // distinct candidates, rank by rank
+  std::vector<int> count(num_experts, 0);
+  for (size_t j = 0; j < depth; ++j) {
+    for (size_t r = 0; r < rows; ++r) {
       uint32_t e = ids[r * cols + j];
-      if (e < num_experts && slots[e] < 0 &&
-          std::find(wanted.begin(), wanted.end(), e) == wanted.end()) {
-        wanted.push_back(e);
+      if (e < num_experts && count[e]++ == 0) {
+        order.push_back(e);
       }
+    }
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&count](int64_t a, int64_t b) { return count[a] > count[b]; });
+  std::vector<int64_t> wanted;
+  for (size_t i = 0; i < order.size() && wanted.size() < budget; ++i) {
+    if (slots[order[i]] < 0) {
+      wanted.push_back(order[i]);
     }
   }
   std::vector<int64_t> offsets(wanted.size());

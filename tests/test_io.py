@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming.errors import ExpertReadError
 from mlx_streaming.native import NativeReader, load_extension
+from mlx_streaming.prefetch import rank_order
 from mlx_streaming.readers import PythonReader, direct_io_works
 from helpers import PROMPT, check_matches_resident, pool_sizes
 
@@ -157,7 +158,26 @@ def test_prefetch_primitive_stages_when_evaluated(blob):
     assert staging.take(3, 0, segments, row, False) is None
     assert staging.take(3, 6, segments, row, False) is not None
     staging.drop(3)
+    # Rows are a verify call's tokens: the expert both predict goes first.
+    target.budget = 1
+    shared = mx.array([[1, 3, 5, 0], [7, 5, 3, 0], [6, 3, 1, 0]], dtype=mx.uint32)
+    empty = mx.full((8,), -1, dtype=mx.int32)
+    mx.eval(EXT.prefetch_on_complete(shared, 3, empty, target))
+    reader.drain()
+    assert staging.take(3, 3, segments, row, False) is not None
+    assert rank_order(np.array(shared)[:, :3]).tolist() == [3, 1, 5, 7, 6]
+    staging.drop(3)
     reader.close()
+
+
+def test_prefetch_order_puts_shared_experts_first():
+    rng = np.random.default_rng(0)
+    for rows in (1, 3, 5):
+        ids = np.stack([rng.permutation(16) for _ in range(rows)])[:, :6]
+        order = rank_order(ids)
+        assert sorted(order.tolist()) == sorted(set(ids.ravel().tolist()))
+        counts = {e: int((ids == e).sum()) for e in order.tolist()}
+        assert [counts[e] for e in order.tolist()] == sorted(counts.values(), reverse=True)
 
 
 def test_python_staging_cancels_reads_not_started(blob):

@@ -133,3 +133,19 @@ def test_sampled_speculation_runs_on_a_streamed_model(qwen):
                                                     max_tokens=16, stats=spec)]
     assert len(out) == 16 and spec.drafted > 0
     model.streaming.close()
+
+
+def test_verify_calls_prefetch_and_chunk_when_the_union_exceeds_the_pool(models):
+    src, stream = models.get("qwen3_moe", quantized=True)
+    top_k = mlx_streaming.format.read_manifest(stream).layers[0].top_k
+    # A pool of one token's experts: a verify call's union never fits at once.
+    model, _ = mlx_streaming.load(stream, slots_per_layer=top_k, prefetch="next-layer",
+                                  prefetch_budget=8)
+    reference, _ = mlx_lm.load(str(src))
+    want = greedy_tokens(reference)
+    spec = SpecStats()
+    assert speculative_tokens(model, ModelDraft(reference), k=4, spec=spec) == want
+    total = stats(model)["total"]
+    assert total["prefetch_issued"] > 0 and spec.accepted > 0
+    assert max(l["experts_per_call"] or 0 for l in stats(model)["layers"].values()) > top_k
+    model.streaming.close()
