@@ -89,6 +89,9 @@ class StreamConfig:
     reserve_gb: float = _option(DEFAULT_RESERVE_GB, "memory left free when cache_gb is "
                                 "not given, in GB", type=float)
     trace: Optional[str] = _option(None, "write the routing of every MoE call to this file")
+    mtp: bool = _option(False, "load the model's multi-token-prediction layers (kept by "
+                        "convert when the checkpoint has them) to draft with (--draft mtp)",
+                        action="store_true")
     disk_cache_gb: Optional[float] = _option(
         None, "Hub repos: GB of expert records kept on disk between runs, 0 for none "
         "(default: half the free space of the disk_cache_dir disk, at most the experts)",
@@ -110,6 +113,8 @@ class StreamConfig:
         _check_choice("prefetch", self.prefetch, PREFETCH_CHOICES)
         _check_choice("verify", self.verify, VERIFY_CHOICES)
         _check_choice("policy", self.policy, POLICY_CHOICES)
+        if self.mtp not in (True, False):
+            raise ConfigError(f"mtp must be True or False, got {self.mtp!r}")
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
         _check_number("cache_gb", self.cache_gb, float, low=0, high=MAX_GB, open_low=True,
@@ -164,6 +169,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         choices = meta.pop("choices", None)
         if isinstance(choices, dict):
             group.add_argument(flag, choices=list(choices), default=None, **meta)
+        elif meta.get("action") == "store_true":
+            group.add_argument(flag, default=None, **meta)
         else:
             group.add_argument(flag, choices=choices, default=None, **meta)
 

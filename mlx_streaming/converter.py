@@ -33,8 +33,12 @@ from .discover import (
     probe_top_k,
     quantization_of,
 )
+from . import mtp
 from .errors import ConversionError, FormatError
 from .format import (
+    MtpSpec,
+    SpineFile,
+    file_crc32,
     CONVERT_STATE_NAME,
     MANIFEST_NAME,
     FORMAT_VERSION,
@@ -508,14 +512,59 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
             on_layer(spec)
     bar.close()
 
+    mtp_spec = _convert_mtp(model, config, src_path, dst, layers[-1].top_k, options, bar)
     _write_spine(model, streamed, dst)
     save_config(dict(config), dst / "config.json")
     _copy_tokenizer(src_path, dst)
     _fsync_written(dst)
     source = {"model": str(src), "fingerprint": fingerprint, "options": options}
-    write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source, spine_manifest(dst)))
+    write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source, spine_manifest(dst),
+                                 mtp_spec))
     state.path.unlink(missing_ok=True)
     return dst
+
+
+def _convert_mtp(model, config, src_path: Path, dst: Path, top_k: int, options: dict,
+                 bar) -> Optional[MtpSpec]:
+    """Keep the model's MTP layers (``mtp.py``), which mlx-lm drops: their
+    routed experts as blobs, the rest in ``mtp.safetensors``. None when the
+    config declares none or the source has no such weights."""
+    count = mtp.mtp_layers_of(config)
+    if not count:
+        return None
+    first = len(model.model.layers)
+    found = mtp.source_tensors(sorted(src_path.glob("*.safetensors")), first, count)
+    if len(found) < count:
+        print(f"[mlx_streaming] config.json declares {count} MTP layer(s) but the source "
+              "has no weights for them (mlx-lm's converter drops them); --draft mtp will "
+              "not be available", file=sys.stderr)
+        return None
+    modules = mtp.build(model, count)
+    specs, rest = [], {}
+    for depth, module in enumerate(modules):
+        weights = mtp.sanitize(model, found[depth])
+        if options["dtype"] is not None:
+            weights = {k: v.astype(DTYPES[options["dtype"]])
+                       if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        mtp.load_weights(module, weights, config.get("quantization")
+                         if not options["quantize"] else None)
+        mtp.check_complete(module, weights, str(src_path))
+        if options["quantize"]:
+            mtp.quantize(module, options["q_group_size"], options["q_bits"], options["q_mode"])
+        ((path, block),) = find_expert_blocks(module)
+        spec = _convert_layer(block, f"mtp.{depth}.{path}", first + depth,
+                              f"mtp{depth:02d}.blob", top_k, dst, bar.update)
+        names = {f"{path}.{s.name}" for s in spec.segments}
+        rest.update({f"mtp.{depth}.{k}": v for k, v in tree_flatten(module.parameters())
+                     if k not in names})
+        specs.append(spec)
+    tmp = dst / (mtp.MTP_FILE + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), rest, metadata={"format": "mlx"})
+    fsync_path(tmp)
+    os.replace(tmp, dst / mtp.MTP_FILE)
+    spine = SpineFile(mtp.MTP_FILE, (dst / mtp.MTP_FILE).stat().st_size,
+                      file_crc32(dst / mtp.MTP_FILE))
+    return MtpSpec(spine, tuple(specs))
 
 
 def _release_experts(block, spec: LayerSpec) -> None:

@@ -126,11 +126,22 @@ class SpineFile:
 
 
 @dataclass(frozen=True)
+class MtpSpec:
+    """The MTP layers a conversion kept: non-expert tensors in ``spine``,
+    routed experts in ``layers`` (blobs like any other layer's)."""
+
+    spine: SpineFile
+    layers: Tuple[LayerSpec, ...]
+
+
+@dataclass(frozen=True)
 class Manifest:
     version: int
     layers: Tuple[LayerSpec, ...]
     source: dict = field(default_factory=dict)
     spine: Tuple[SpineFile, ...] = ()
+    # Multi-token-prediction layers (mtp.py): their spine file and expert blobs.
+    mtp: Optional["MtpSpec"] = None
 
     @property
     def expert_nbytes(self) -> int:
@@ -313,8 +324,22 @@ def _manifest_from_dict(d) -> Manifest:
             raise _Malformed(f"two layers share a {what}")
     source = d.get("source", {})
     spine = _spine_from_list(d["spine"]) if "spine" in d else ()
+    mtp = _mtp_from_dict(d["mtp"], specs) if d.get("mtp") is not None else None
     return Manifest(version=d["version"], layers=specs,
-                    source=source if isinstance(source, dict) else {}, spine=spine)
+                    source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp)
+
+
+def _mtp_from_dict(d, main: Tuple[LayerSpec, ...]) -> "MtpSpec":
+    if not isinstance(d, dict):
+        raise _Malformed("mtp is not an object")
+    (spine,) = _spine_from_list([_get(d, "spine", dict, "mtp")])
+    layers = tuple(layer_from_dict(l, f"mtp.layers[{i}]")
+                   for i, l in enumerate(_get(d, "layers", list, "mtp")))
+    for what in ("layer", "module", "file"):
+        values = [getattr(s, what) for s in main + layers]
+        if len(set(values)) != len(values):
+            raise _Malformed(f"an MTP layer shares a {what} with another layer")
+    return MtpSpec(spine, layers)
 
 
 def manifest_to_dict(manifest: Manifest) -> dict:
@@ -327,6 +352,9 @@ def manifest_to_dict(manifest: Manifest) -> dict:
         "source": manifest.source,
         "spine": [asdict(s) for s in manifest.spine],
         "layers": [asdict(l) for l in manifest.layers],
+        **({"mtp": {"spine": asdict(manifest.mtp.spine),
+                    "layers": [asdict(l) for l in manifest.mtp.layers]}}
+           if manifest.mtp is not None else {}),
     }
 
 
@@ -400,7 +428,7 @@ def read_manifest(path, blobs: bool = True) -> Manifest:
     except _Malformed as e:
         raise FormatError(f"{mpath} is malformed ({e}); re-convert the model") from None
     if blobs:
-        for spec in manifest.layers:
+        for spec in manifest.layers + (manifest.mtp.layers if manifest.mtp else ()):
             check_blob_size(path, spec)
     return manifest
 

@@ -10,6 +10,7 @@ peak memory; ``--stats-json`` writes them (and the per-layer counters).
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from .cli import run_main
 from .config import add_config_flags, config_from_args
@@ -43,7 +44,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-json", default=None, help="write the run's numbers here")
     p.add_argument("--draft", choices=DRAFT_CHOICES, default=None,
                    help="speculative decoding with drafts: ngram (prompt lookup, no second "
-                        "model); off by default")
+                        "model) or mtp (the model's own MTP layers); off by default")
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding with this mlx-lm model (same tokenizer) as the "
                         "drafter")
@@ -67,10 +68,6 @@ def check_args(args) -> None:
         raise ConfigError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
     if args.draft and args.draft_model:
         raise ConfigError("pass either --draft or --draft-model, not both")
-    if args.draft == "mtp":
-        raise ConfigError(
-            "--draft mtp needs the model's multi-token-prediction layers, which "
-            "mlx_streaming convert does not keep yet; use --draft ngram or --draft-model")
     if (args.draft or args.draft_model) and args.top_p < 1:
         raise ConfigError("--top-p is not supported with drafts; use --temp alone")
     if not 1 <= args.num_draft_tokens <= 64:
@@ -135,6 +132,10 @@ def _responses(args, model, tokenizer, prompt, sampler):
         import mlx_lm
 
         draft = speculative.ModelDraft(mlx_lm.load(args.draft_model)[0], temp=args.temp)
+    elif args.draft == "mtp":
+        from .mtp import MtpDraft
+
+        draft = MtpDraft(model)
     else:
         draft = speculative.NgramDraft()
     if isinstance(prompt, str):
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
     def body():
         check_args(args)
         config = config_from_args(args)
+        if args.draft == "mtp" and not config.mtp:
+            config = replace(config, mtp=True)
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 

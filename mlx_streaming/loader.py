@@ -3,6 +3,7 @@ experts are streamed from SSD through per-layer slot pools."""
 
 import threading
 import warnings
+from dataclasses import replace
 import weakref
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -13,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, load_tokenizer
 
-from . import budget, hub
+from . import budget, hub, mtp
 from .block import Paged, Resident, StreamingExperts
 from .config import StreamConfig, config_fields
 from .discover import (
@@ -31,6 +32,7 @@ from .format import (
     blob_path,
     check_safetensors,
     check_spine_files,
+    file_crc32,
     read_manifest,
     spine_files,
 )
@@ -178,6 +180,8 @@ def load(
         hub.check_remote_blobs(repo, manifest)
     check_spine_files(path, manifest, checksums=config.verify == "always")
     model, model_config = _load_spine(path, manifest, model_config, trust_remote_code)
+    if config.mtp:
+        manifest = _attach_mtp(model, path, manifest, model_config, config)
     runtime = _build_runtime(path, manifest, config, repo)
     try:
         _install_blocks(model, path, manifest, runtime)
@@ -302,6 +306,32 @@ def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> N
             f"{path} lacks {len(missing)} spine weights (first: {missing[0]}); "
             "the conversion is incomplete or damaged, re-convert the model"
         )
+
+
+def _attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: dict,
+                config: StreamConfig) -> Manifest:
+    """Build the MTP layers (``mtp.py``) as ``model.mtp`` with their
+    non-expert weights; returns the manifest with their expert layers, which
+    then stream like the others."""
+    if manifest.mtp is None:
+        raise ConfigError(
+            f"{path} has no MTP layers: the model declares none, or it was converted "
+            "from weights without them (mlx-lm's converter drops them); convert from the "
+            "original checkpoint, or draft with --draft ngram or --draft-model")
+    f = path / manifest.mtp.spine.name
+    if not f.is_file() or f.stat().st_size != manifest.mtp.spine.nbytes:
+        raise FormatError(f"{f} is missing or not the size the manifest records; re-convert")
+    if config.verify == "always" and file_crc32(f) != manifest.mtp.spine.crc32:
+        raise FormatError(f"{f} fails its checksum; re-convert the model")
+    layers = mtp.build(model, len(manifest.mtp.layers))
+    weights = mx.load(str(f))
+    for depth, layer in enumerate(layers):
+        prefix = f"mtp.{depth}."
+        mine = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        mtp.load_weights(layer, mine, model_config.get("quantization") or
+                         {"group_size": 64, "bits": 4})
+    model.mtp = layers
+    return replace(manifest, layers=manifest.layers + manifest.mtp.layers)
 
 
 def spine_bytes(path: Path) -> int:

@@ -147,6 +147,27 @@ def _prefill(model, cache, tokens: List[int]) -> None:
         mx.eval([c.state for c in cache])
 
 
+def _forward(model, tokens: List[int], cache, hidden: bool):
+    """Logits of ``tokens`` (and, with ``hidden``, the final hidden states
+    mlx-lm's ``model.model`` returns, before the head)."""
+    if not hidden:
+        return model(mx.array(tokens)[None], cache=cache)[0], None
+    runtime = model.streaming
+    with runtime.lock:  # as a call of the model itself (loader._serialize_calls)
+        h = model.model(mx.array(tokens)[None], cache)
+        logits = model.lm_head(h)
+        mx.eval(logits, h)
+        runtime.finish_pending()
+    return logits[0], h[0]
+
+
+def _prefill_hidden(model, cache, tokens: List[int]) -> mx.array:
+    states = [mx.zeros((0, model.args.hidden_size))]
+    for i in range(0, len(tokens), PREFILL_STEP):
+        states.append(_forward(model, tokens[i:i + PREFILL_STEP], cache, True)[1])
+    return mx.concatenate(states, axis=0)
+
+
 # -- undoing a call ------------------------------------------------------------
 
 
@@ -251,8 +272,13 @@ def speculative_generate_step(
         runtime = getattr(model, "streaming", None)
         stats = runtime.speculative if runtime is not None else SpecStats()
     rng = np.random.default_rng(seed)
-    _prefill(model, cache, prompt[:-1])
-    draft.start(prompt)
+    # MTP drafts read the target's hidden states (mtp.MtpDraft).
+    hidden = getattr(draft, "needs_hidden", False)
+    if hidden:
+        draft.start(prompt, _prefill_hidden(model, cache, prompt[:-1]))
+    else:
+        _prefill(model, cache, prompt[:-1])
+        draft.start(prompt)
     y = prompt[-1]
     produced = 0
     while produced < max_tokens:
@@ -260,7 +286,7 @@ def speculative_generate_step(
         drafts, q = draft.propose(k) if k > 0 else ([], None)
         fed = [y, *drafts]
         checkpoint = Checkpoint(cache)
-        logits = model(mx.array(fed)[None], cache=cache)[0]  # [len(fed), V]
+        logits, states = _forward(model, fed, cache, hidden)  # [len(fed), V], [len(fed), H]
         if temp > 0:
             p = np.array(mx.softmax(logits.astype(mx.float32) / temp, axis=-1))
             n, nxt = accept_sampled(p, drafts, q, rng)
@@ -271,7 +297,10 @@ def speculative_generate_step(
         stats.accepted += n
         # The cache holds fed; keep y and the accepted drafts.
         stats.refeeds += checkpoint.undo(model, fed, n + 1)
-        draft.commit(drafts, n, nxt)
+        if hidden:
+            draft.commit(drafts, n, nxt, states[: n + 1])
+        else:
+            draft.commit(drafts, n, nxt)
         for t in drafts[:n]:
             yield t, True
             produced += 1

@@ -15,6 +15,7 @@ from typing import Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 from .tiny_families import FAMILIES
@@ -158,3 +159,26 @@ def train(model: nn.Module, batches: Iterator[mx.array], steps: int, lr: float =
 
 def write_json(path: Path, obj) -> None:
     Path(path).write_text(json.dumps(obj, indent=1))
+
+
+def add_mtp_weights(model: nn.Module, config: dict, out: Path, quantize: bool = False,
+                    seed: int = 1) -> Path:
+    """Random MTP layers for ``model`` (``config`` declares how many), saved
+    as a checkpoint stores them: ``model.layers.{N + i}.*`` in
+    ``out/mtp.safetensors``, where mlx-lm's loader never looks (its
+    ``sanitize`` would keep a tiny model's and then refuse them)."""
+    from . import mtp
+
+    mx.random.seed(seed)
+    first = len(model.model.layers)
+    weights = {}
+    for depth, module in enumerate(mtp.build(model, mtp.mtp_layers_of(config))):
+        _spread_router_bias(module)
+        if quantize:
+            mtp.quantize(module, 64, 4, "affine")
+        mx.eval(module.parameters())
+        for name, value in tree_flatten(module.parameters()):
+            name = name[len("layer."):] if name.startswith("layer.") else name
+            weights[f"model.layers.{first + depth}.{name}"] = value
+    mx.save_safetensors(str(Path(out) / mtp.MTP_FILE), weights)
+    return out

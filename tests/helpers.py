@@ -34,6 +34,8 @@ class ModelFactory:
             model = tiny.build_model(config)
             src = tiny.save_mlx_model(model, config, self.root / name, self.tokenizer_dir,
                                       quantize=quantized)
+            if overrides.get("num_nextn_predict_layers"):
+                tiny.add_mtp_weights(model, config, src, quantize=quantized)
             dst = convert(src, self.root / f"{name}-stream", progress=False)
             self._cache[key] = (src, dst)
         return self._cache[key]

@@ -10,6 +10,7 @@ from mlx_lm.generate import generate_step
 
 import mlx_streaming
 from mlx_streaming.errors import ConfigError
+from mlx_streaming.mtp import MtpDraft
 from mlx_streaming.speculative import (
     ModelDraft,
     NgramDraft,
@@ -149,3 +150,76 @@ def test_verify_calls_prefetch_and_chunk_when_the_union_exceeds_the_pool(models)
     assert total["prefetch_issued"] > 0 and spec.accepted > 0
     assert max(l["experts_per_call"] or 0 for l in stats(model)["layers"].values()) > top_k
     model.streaming.close()
+
+
+class OracleMtp(MtpDraft):
+    """The real MTP layer runs (its cache is kept as for real drafts), but
+    the drafts are replaced by greedy decoding's own tokens, every
+    ``miss``-th one wrong: acceptance and rejection both happen."""
+
+    def __init__(self, model, truth, miss):
+        super().__init__(model)
+        self.truth, self.miss, self.text = truth, miss, []
+        self.calls = 0
+
+    def start(self, prompt, hidden):
+        super().start(prompt, hidden)
+        self.text = list(prompt)
+
+    def propose(self, k):
+        drafts, q = super().propose(k)
+        at = len(self.text) - len(PROMPT)
+        right = self.truth[at:at + len(drafts)]
+        self.calls += 1
+        if self.miss and self.calls % self.miss == 0 and right:
+            right[-1] = (right[-1] + 1) % 512
+        return right, q
+
+    def commit(self, drafts, n, nxt, hidden):
+        super().commit(drafts, n, nxt, hidden)
+        self.text += [*drafts[:n], nxt]
+        # Every pair of the text is in the MTP cache or pending, none twice.
+        assert self.cache.offset + len(self.pairs[0]) == len(self.text) - 1
+
+
+def test_mtp_drafts_are_token_identical_and_stream_their_experts(models):
+    src, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)
+    manifest = mlx_streaming.format.read_manifest(stream)
+    assert manifest.mtp is not None and len(manifest.mtp.layers) == 1
+    mtp_layer = manifest.mtp.layers[0].layer
+    reference, _ = mlx_lm.load(str(src))
+    want = greedy_tokens(reference)
+    model, _ = mlx_streaming.load(stream, slots_per_layer=_partial(stream), mtp=True)
+    assert greedy_tokens(model) == want  # the MTP layer changes nothing of the model
+    spec = SpecStats()
+    assert speculative_tokens(model, MtpDraft(model), k=3, spec=spec) == want
+    assert spec.drafted > 0
+    assert stats(model)["layers"][mtp_layer]["calls"] > 0  # its experts stream
+    for miss in (0, 2):
+        spec = SpecStats()
+        assert speculative_tokens(model, OracleMtp(model, want, miss), k=3, spec=spec) == want
+        assert spec.accepted > 0 and (spec.accepted < spec.drafted) == bool(miss)
+    model.streaming.close()
+
+
+def test_models_without_mtp_layers_say_so(models, qwen, capsys):
+    from mlx_streaming import generate
+
+    with pytest.raises(ConfigError, match="has no MTP layers"):
+        mlx_streaming.load(qwen[1], mtp=True)
+    model, _ = mlx_streaming.load(qwen[1])
+    with pytest.raises(ConfigError, match="no MTP layers loaded"):
+        MtpDraft(model)
+    model.streaming.close()
+    assert generate.main(["--model", str(qwen[1]), "--draft", "mtp", "--max-tokens", "2"]) != 0
+    assert "has no MTP layers" in capsys.readouterr().err
+
+
+def test_generate_drafts_from_the_command_line(models, capsys):
+    from mlx_streaming import generate
+
+    _, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)
+    for flags in (["--draft", "mtp"], ["--draft", "ngram"]):
+        assert generate.main(["--model", str(stream), "--max-tokens", "8",
+                              "--num-draft-tokens", "2", *flags]) == 0
+        assert "drafts accepted" in capsys.readouterr().err

@@ -1,0 +1,197 @@
+"""Multi-token-prediction (MTP) layers: kept by the converter, drafted with.
+
+DeepSeek-V3-style checkpoints (``num_nextn_predict_layers`` in config.json)
+carry, after the last decoder layer, a module that predicts the token after
+next: ``eh_proj([enorm(embed(t[i+1])), hnorm(h[i])])`` run through one more
+decoder layer of the family, then the shared norm and head give ``t[i+2]``.
+mlx-lm drops these weights at load; ``mlx_streaming convert`` keeps them
+(``mtp.safetensors`` and one more blob per MTP layer, whose routed experts
+stream like any other layer's) and ``load(..., mtp=True)`` attaches them to
+the model as ``model.mtp``, which ``MtpDraft`` drafts with.
+
+The decoder layer is the family's own mlx-lm class, and the MTP tensors go
+through the family's own ``sanitize`` (renamed as if they were layer 0),
+so nothing of the model's code is copied here.
+"""
+
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import infer_quant_config
+
+from .errors import ConfigError, ConversionError
+
+MTP_FILE = "mtp.safetensors"
+CONFIG_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+# Tensors of the MTP module that are not the decoder layer's.
+OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
+# Copies of the main model's embedding and head, which the module shares.
+SHARED = ("embed_tokens", "shared_head.head")
+
+
+def mtp_layers_of(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in CONFIG_KEYS:
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return 0
+
+
+class MTPLayer(nn.Module):
+    """One next-token-prediction depth around the family's decoder layer."""
+
+    def __init__(self, args, layer_cls, layer_idx: int):
+        super().__init__()
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.enorm = nn.RMSNorm(hidden, eps=eps)
+        self.hnorm = nn.RMSNorm(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = layer_cls(args, layer_idx)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = nn.RMSNorm(hidden, eps=eps)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache) -> mx.array:
+        x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
+        mask = create_attention_mask(x, cache, return_array=True)
+        return self.layer(x, mask, cache)
+
+
+def build(model: nn.Module, count: int) -> List[MTPLayer]:
+    """``count`` MTP layers for ``model`` (mlx-lm), unevaluated."""
+    layers = model.model.layers
+    layer_cls = type(layers[-1])
+    first = len(layers)
+    return [MTPLayer(model.args, layer_cls, first + i) for i in range(count)]
+
+
+# -- conversion --------------------------------------------------------------
+
+
+def source_tensors(files: Sequence, first: int, count: int) -> Dict[int, Dict[str, mx.array]]:
+    """The MTP tensors in safetensors ``files``: ``{depth: {name: array}}``,
+    names relative to ``model.layers.{first + depth}``."""
+    out: Dict[int, Dict[str, mx.array]] = {}
+    pattern = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    for f in files:
+        for name, value in mx.load(str(f)).items():
+            m = pattern.fullmatch(name)
+            if m and first <= int(m.group(1)) < first + count:
+                out.setdefault(int(m.group(1)) - first, {})[m.group(2)] = value
+    return out
+
+
+def sanitize(model: nn.Module, tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """The family's own ``sanitize`` on one MTP layer's tensors: renamed as
+    layer 0's, sanitized (experts stacked, attention reshaped, fp8
+    dequantized), renamed back into ``MTPLayer``'s names."""
+    own = {k: v for k, v in tensors.items() if k.startswith(OWN)}
+    layer = {f"model.layers.0.{k}": v for k, v in tensors.items()
+             if not k.startswith(OWN) and not k.startswith(SHARED)}
+    if hasattr(model, "sanitize"):
+        layer = model.sanitize(layer)
+    out = {f"layer.{k[len('model.layers.0.'):]}": v for k, v in layer.items()
+           if k.startswith("model.layers.0.")}
+    out.update(own)
+    return out
+
+
+def load_weights(mtp: MTPLayer, weights: Dict[str, mx.array], quantization: Optional[dict]):
+    """Quantize ``mtp`` as its weights say (mlx-lm's rule: a module is
+    quantized when its ``scales`` are there), then load them."""
+    if quantization is not None:
+        def predicate(path, module):
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+                return False
+            return infer_quant_config(path, module, weights)
+
+        nn.quantize(mtp, group_size=quantization["group_size"], bits=quantization["bits"],
+                    mode=quantization.get("mode", "affine"), class_predicate=predicate)
+    mtp.load_weights(list(weights.items()), strict=False)
+
+
+def quantize(mtp: MTPLayer, group_size: int, bits: int, mode: str) -> None:
+    """Quantize while converting (``-q``), as mlx-lm's quantizer would."""
+    nn.quantize(mtp, group_size=group_size, bits=bits, mode=mode,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % group_size == 0)
+
+
+def check_complete(mtp: MTPLayer, weights: Dict[str, mx.array], where: str) -> None:
+    missing = sorted(set(k for k, _ in tree_flatten(mtp.parameters())) - set(weights))
+    if missing:
+        raise ConversionError(f"{where} lacks {len(missing)} MTP weights (first: {missing[0]})")
+
+
+# -- drafting ------------------------------------------------------------------
+
+
+class MtpDraft:
+    """Drafts from the model's own MTP layer.
+
+    Position ``i`` of the MTP layer takes the target's hidden state at
+    ``i`` and the token at ``i + 1`` and predicts the token at ``i + 2``.
+    Its cache holds the pairs of the text; further drafts feed the MTP
+    layer its own output and are trimmed away once the target has spoken.
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, model):
+        mtp = getattr(model, "mtp", None)
+        if not mtp:
+            raise ConfigError(
+                "this model has no MTP layers loaded: load it with mtp=True (generate "
+                "--draft mtp) from a stream directory converted with its MTP weights")
+        self.model = model
+        self.layer = mtp[0]
+        self.runtime = model.streaming
+        self.cache = KVCache()
+        self.pairs: Tuple[List[int], Optional[mx.array]] = ([], None)
+        self.speculative = 0  # entries of the MTP cache fed with its own guesses
+        self.proposed = False
+
+    def start(self, prompt: Sequence[int], hidden: mx.array) -> None:
+        """``hidden``: the target's states at ``prompt[:-1]``."""
+        self.pairs = (list(prompt[1:]), hidden)
+        self.proposed = False
+
+    def _step(self, tokens: List[int], hidden: mx.array) -> mx.array:
+        with self.runtime.lock:
+            embeds = self.model.model.embed_tokens(mx.array(tokens)[None])
+            h = self.layer(embeds, hidden[None], self.cache)[0]
+            logits = self.model.lm_head(self.layer.shared_head.norm(h[-1:]))
+            self.runtime.finish_pending()
+        return h, logits
+
+    def propose(self, k: int) -> Tuple[List[int], Optional[np.ndarray]]:
+        tokens, hidden = self.pairs
+        if not tokens:  # a one-token prompt: no pair yet
+            return [], None
+        self.proposed = True
+        h, logits = self._step(tokens, hidden)
+        drafts = [int(mx.argmax(logits[-1]).item())]
+        for _ in range(k - 1):
+            h, logits = self._step(drafts[-1:], h[-1:])
+            drafts.append(int(mx.argmax(logits[-1]).item()))
+        self.speculative = k - 1
+        return drafts[:k], None
+
+    def commit(self, drafts: List[int], n: int, nxt: int, hidden: mx.array) -> None:
+        """``hidden``: the target's states at the kept tokens of the call
+        (the one before the drafts, and the ``n`` accepted)."""
+        if self.speculative:
+            self.cache.trim(self.speculative)
+            self.speculative = 0
+        tokens = [*drafts[:n], nxt]
+        if not self.proposed:  # the pending pairs never reached the MTP layer
+            tokens = self.pairs[0] + tokens
+            hidden = mx.concatenate([self.pairs[1], hidden], axis=0)
+        self.pairs = (tokens, hidden)
+        self.proposed = False
