@@ -562,7 +562,7 @@ def _crc_or_none(path: Path) -> Optional[int]:
 def verify_spine(path, manifest: Manifest) -> List[str]:
     """Names of the spine files that are missing or fail their checksums."""
     bad = []
-    for s in manifest.spine:
+    for s in manifest.spine + ((manifest.mtp.spine,) if manifest.mtp else ()):
         f = Path(path) / s.name
         if not f.is_file() or f.stat().st_size != s.nbytes or _crc_or_none(f) != s.crc32:
             bad.append(s.name)
@@ -577,7 +577,7 @@ def verify(path, progress=None) -> List[Tuple[int, int]]:
     """
     manifest = read_manifest(path)
     bad = []
-    for spec in manifest.layers:
+    for spec in manifest.layers + (manifest.mtp.layers if manifest.mtp else ()):
         with open(blob_path(path, spec), "rb", buffering=0) as f:
             buf = bytearray(spec.stride)
             view = memoryview(buf)

@@ -30,7 +30,8 @@ def main(argv=None) -> int:
                 f"{len(spine)} damaged or missing spine files ({', '.join(spine)}); "
                 "re-convert the model"
             )
-        total = sum(l.num_experts for l in manifest.layers)
+        total = sum(l.num_experts for l in manifest.layers +
+                    (manifest.mtp.layers if manifest.mtp else ()))
         with tqdm(total=total, unit="expert", file=sys.stderr) as bar:
             bad = verify(args.model, progress=bar.update)
         if bad:

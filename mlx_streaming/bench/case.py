@@ -111,7 +111,7 @@ def speculative(case, model, tokenizer) -> dict:
     import mlx_lm
     from mlx_lm.generate import generate_step, speculative_generate_step as mlx_spec
 
-    from ..speculative import ModelDraft, NgramDraft, SpecStats, speculative_generate_step
+    from ..speculative import SpecStats, speculative_generate_step
 
     n = case["tokens"]
     drafters = {d: mlx_lm.load(d.split(":", 1)[1])[0] for d in case["drafts"]
@@ -123,8 +123,10 @@ def speculative(case, model, tokenizer) -> dict:
         rows.append(dict(prompt=label, draft="none", k=0, tps=(n - 1) / plain_s))
         for d in case["drafts"]:
             for k in case["ks"]:
+                if d == "mtp" and case["kind"] != "streaming":
+                    continue  # mlx-lm drops MTP layers
                 spec = SpecStats()
-                draft = ModelDraft(drafters[d]) if d in drafters else NgramDraft()
+                draft = _make_draft(d, model, drafters)
                 _reset(model)
                 toks, secs = _timed(speculative_generate_step(
                     prompt, model, draft, num_draft_tokens=k, max_tokens=n, stats=spec))
@@ -140,6 +142,16 @@ def speculative(case, model, tokenizer) -> dict:
                                      tps=(n - 1) / secs, vs_plain=plain_s / secs,
                                      exact=toks == plain))
     return dict(rows=rows)
+
+
+def _make_draft(name, model, drafters):
+    from ..speculative import ModelDraft, NgramDraft
+
+    if name == "mtp":
+        from ..mtp import MtpDraft
+
+        return MtpDraft(model)
+    return ModelDraft(drafters[name]) if name in drafters else NgramDraft()
 
 
 def _timed(steps):

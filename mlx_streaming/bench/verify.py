@@ -30,8 +30,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cold", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench-results/verify"))
     p.add_argument("--drafts", default=None,
-                   help="real drafts instead of the K sweep, comma-separated: ngram, "
-                        "model:PATH (an mlx-lm draft model with the same tokenizer)")
+                   help="real drafts instead of the K sweep, comma-separated: ngram, mtp "
+                        "(the model's MTP layers), model:PATH (an mlx-lm draft model with the "
+                        "same tokenizer)")
     p.add_argument("--draft-tokens", default="2,4", help="K values for --drafts")
     p.add_argument("--pools", default="0.25,0.5,1.0", help="pool sizes for --drafts")
     p.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
@@ -81,7 +82,7 @@ def run_drafts(args) -> dict:
     cases = []
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = pool_slots(spec, pool)
-        load = dict(slots_per_layer=slots)
+        load = dict(slots_per_layer=slots, mtp="mtp" in common["drafts"])
         if args.read_mbps:
             load["direct_io"] = True  # the page cache would hide the throttle
         cases.append((f"streamed {slots}/{spec.num_experts}", dict(
