@@ -23,6 +23,7 @@ from .errors import ConfigError, FormatError
 from .format import EXPERTS_DIR, MANIFEST_NAME, Manifest, blob_path
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+COMMIT = re.compile(r"[0-9a-fA-F]{7,40}")
 MANIFEST_FILE = f"{EXPERTS_DIR}/{MANIFEST_NAME}"
 # A default disk cache takes at most this share of the free space.
 DEFAULT_DISK_SHARE = 0.5
@@ -116,7 +117,7 @@ def download_metadata(repo: HubRepo, config: StreamConfig) -> Path:
     try:
         return Path(snapshot_download(
             repo.repo_id, revision=repo.commit, endpoint=repo.endpoint,
-            cache_dir=str(cache_root(config) / "hub"),
+            cache_dir=str(cache_root(config) / "hub"), etag_timeout=config.fetch_timeout,
             ignore_patterns=[f"{EXPERTS_DIR}/*.blob"]))
     except Exception as e:
         raise FormatError(f"cannot download {repo.repo_id} ({type(e).__name__}: {_line(e)}); "
@@ -139,9 +140,12 @@ def check_remote_blobs(repo: HubRepo, manifest: Manifest) -> None:
 
 
 def default_disk_cache_bytes(root: Path, manifest: Manifest) -> int:
-    """Half the free space of the disk holding ``root``, at most every record."""
+    """Half the space of the disk holding ``root`` that is free or already
+    the cache's (so the default does not shrink run after run), at most
+    every record."""
     root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(root).free
+    cached = sum(f.stat().st_size for f in (root / "records").rglob("*") if f.is_file())
+    free = shutil.disk_usage(root).free + cached
     return int(min(records_nbytes(manifest), DEFAULT_DISK_SHARE * free))
 
 
@@ -154,14 +158,14 @@ def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: S
     """The reader of a stream repo: range requests plus the disk cache."""
     from huggingface_hub.utils import build_hf_headers
 
-    from .remote import DiskCache, RangeFetcher, RemoteBlob, RemoteReader
+    from .remote import RangeFetcher, RemoteBlob, RemoteReader, open_cache
 
     root = cache_root(config)
     if config.disk_cache_gb is None:
         cap = default_disk_cache_bytes(root, manifest)
     else:
         cap = int(config.disk_cache_gb * 1e9)
-    cache = DiskCache(root / "records", cap) if cap > 0 else None
+    cache = open_cache(root / "records", cap) if cap > 0 else None
     prefix = f"{repo.repo_id.replace('/', '--')}/{repo.commit}"
     blobs = {
         str(blob_path(local, spec)): RemoteBlob(
@@ -201,8 +205,7 @@ def _offline(name: str, revision: Optional[str], config: StreamConfig, error: Ex
     root = cache_root(config)
     prefix = f"{name.replace('/', '--')}--"
     converted = [d for d in (root / "converted").glob(prefix + "*")
-                 if (d / MANIFEST_FILE).is_file() and d.name[len(prefix):].isalnum()
-                 and (revision is None or d.name.endswith(revision))]
+                 if (d / MANIFEST_FILE).is_file() and _names(d.name[len(prefix):], revision)]
     if converted:
         dst = max(converted, key=lambda d: d.stat().st_mtime)
         warnings.warn(f"{error}; running {name} as converted earlier ({dst.name})",
@@ -212,7 +215,7 @@ def _offline(name: str, revision: Optional[str], config: StreamConfig, error: Ex
     # look up: take the snapshot of that commit, or the latest one.
     snapshots = root / "hub" / repo_folder_name(repo_id=name, repo_type="model") / "snapshots"
     found = [d for d in snapshots.glob("*") if (d / MANIFEST_FILE).is_file()
-             and (revision is None or d.name == revision)]
+             and _names(d.name, revision)]
     if not found:
         raise error
     local = max(found, key=lambda d: d.stat().st_mtime)
@@ -220,6 +223,16 @@ def _offline(name: str, revision: Optional[str], config: StreamConfig, error: Ex
                   "experts not in the disk cache cannot be fetched", RuntimeWarning,
                   stacklevel=4)
     return local, HubRepo(name, local.name, None, config.endpoint)
+
+
+def _names(commit: str, revision: Optional[str]) -> bool:
+    """Whether ``revision`` may name ``commit`` offline: a commit hash (or
+    a prefix of 7 or more of its digits) must match; a branch or tag
+    cannot be resolved without the Hub, so any cached commit may serve
+    (the latest is taken, and the warning names it)."""
+    if revision is None or not COMMIT.fullmatch(revision):
+        return True
+    return len(revision) >= 7 and commit.startswith(revision.lower())
 
 
 def check_revision_use(name: str, revision: Optional[str]) -> None:

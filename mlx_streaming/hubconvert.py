@@ -4,7 +4,8 @@ shard, so that the extra disk it needs is about one shard, not the model.
 For each weight shard: download it, write the blobs of the layers whose
 experts it completes and its spine tensors, delete it. Expert tensors of a
 layer that continues in a later shard wait on disk (``.pending``) until
-then. The model is laid out from the shards' safetensors headers (fetched
+then, so the extra disk is one shard and the tensors of layers split across
+shards. The model is laid out from the shards' safetensors headers (fetched
 by range request) before anything is downloaded, and the records are those
 ``mlx_streaming convert`` writes for the same model.
 
@@ -12,6 +13,7 @@ The conversion is written into ``DST.partial`` and renamed to ``DST`` when
 complete; a run that was killed starts over.
 """
 
+import fcntl
 import json
 import os
 import shutil
@@ -61,18 +63,25 @@ def convert_repo(repo, dst: Path, config: StreamConfig,
     """
     if manifest_path(dst).is_file():
         return dst
-    work = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    (work / ".download").mkdir(parents=True)
-    try:
-        _convert(repo, work, on_shard)
-    except OSError as e:
-        raise ConversionError(f"converting {repo.repo_id} into {work} failed ({e.strerror}); "
-                              "check that the disk has room, then run again") from None
-    shutil.rmtree(work / ".download", ignore_errors=True)
-    shutil.rmtree(work / ".pending", ignore_errors=True)
-    fsync_path(work)
-    os.replace(work, dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion of a repo at a time: a second process waits, then finds it done.
+    with open(dst.with_name(dst.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if manifest_path(dst).is_file():
+            return dst
+        work = dst.with_name(dst.name + ".partial")
+        shutil.rmtree(work, ignore_errors=True)
+        (work / ".download").mkdir(parents=True)
+        try:
+            _convert(repo, work, on_shard)
+        except OSError as e:
+            raise ConversionError(f"converting {repo.repo_id} into {work} failed "
+                                  f"({e.strerror}); check that the disk has room, then run "
+                                  "again") from None
+        shutil.rmtree(work / ".download", ignore_errors=True)
+        shutil.rmtree(work / ".pending", ignore_errors=True)
+        fsync_path(work)
+        os.replace(work, dst)
     return dst
 
 
@@ -196,19 +205,23 @@ def _convert(repo, work: Path, on_shard) -> None:
     spine_map: Dict[str, str] = {}
     for i, shard in enumerate(shards):
         path = _download(repo, shard, download)
-        if on_shard is not None:
-            on_shard(shard)
-        weights = mx.load(str(path))
+        weights = _load_shard(path, repo)
         for layer in layers:
-            _take_layer_tensors(layer, weights, work)
-            if len(layer.parts) == len(layer.names) and layer.file not in specs:
-                specs[layer.file] = _write_layer(layer, work)
+            present = [n for n in layer.names if layer.full(n) in weights]
+            if not present or layer.file in specs:
+                continue
+            if len(layer.parts) + len(present) == len(layer.names):
+                specs[layer.file] = _write_layer(layer, weights, work)
+            else:  # the layer goes on in a later shard
+                _spill(layer, weights, present, work)
         spine = {k: v for k, v in weights.items() if k not in streamed}
         if spine:
             mx.save_safetensors(str(work / shard), spine, metadata={"format": "mlx"})
             fsync_path(work / shard)
             spine_map.update({k: shard for k in spine})
         del weights, spine
+        if on_shard is not None:
+            on_shard(shard)  # the most disk this conversion holds: the shard is still there
         path.unlink()
         _say(f"{repo.repo_id}: shard {i + 1}/{len(shards)} ({shard}) converted and deleted")
     if len(specs) != len(layers):
@@ -216,31 +229,48 @@ def _convert(repo, work: Path, on_shard) -> None:
     _finish(repo, work, download, config, [specs[l.file] for l in layers], spine_map)
 
 
-def _take_layer_tensors(layer: _Layer, weights: Dict[str, mx.array], work: Path) -> None:
-    """Spill this shard's tensors of ``layer`` to ``.pending`` as bytes."""
-    for name in layer.names:
-        t = weights.get(layer.full(name))
-        if t is None:
-            continue
-        if t.shape[0] != layer.num:
-            raise ConversionError(f"{layer.full(name)} has {t.shape[0]} experts, the model "
-                                  f"{layer.num}")
-        view = np.array(t.reshape(layer.num, -1).view(mx.uint8), copy=False)
+def _load_shard(path: Path, repo) -> Dict[str, mx.array]:
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError) as e:
+        raise ConversionError(f"{path.name} of {repo.repo_id} cannot be read ({e}); the "
+                              "download is damaged or not safetensors") from None
+
+
+def _bytes(layer: _Layer, name: str, t: mx.array) -> np.ndarray:
+    """``[experts, nbytes]`` bytes of one per-expert tensor."""
+    if t.shape[0] != layer.num:
+        raise ConversionError(f"{layer.full(name)} has {t.shape[0]} experts, the model "
+                              f"{layer.num}")
+    return np.array(t.reshape(layer.num, -1).view(mx.uint8), copy=False)
+
+
+def _spill(layer: _Layer, weights: Dict[str, mx.array], names: List[str], work: Path) -> None:
+    """Keep this shard's tensors of an unfinished layer in ``.pending``."""
+    for name in names:
+        t = weights[layer.full(name)]
         spill = work / ".pending" / f"{layer.file}.{name}.npy"
-        np.save(spill, view)
+        np.save(spill, _bytes(layer, name, t))
         layer.parts[name] = (dtype_name(t.dtype), tuple(t.shape[1:]), spill)
 
 
-def _write_layer(layer: _Layer, work: Path) -> LayerSpec:
-    """Write the blob of a layer whose tensors are all spilled, then drop them."""
+def _write_layer(layer: _Layer, weights: Dict[str, mx.array], work: Path) -> LayerSpec:
+    """Write the blob of a layer from this shard's tensors and the ones kept
+    from earlier shards, then drop those."""
     tensors = []
     for name in layer.names:
-        dtype, shape, spill = layer.parts[name]
-        tensors.append((name, dtype, shape, np.load(spill, mmap_mode="r")))
+        t = weights.get(layer.full(name))
+        if t is not None:
+            tensors.append((name, dtype_name(t.dtype), tuple(t.shape[1:]),
+                            _bytes(layer, name, t)))
+        else:
+            dtype, shape, spill = layer.parts[name]
+            tensors.append((name, dtype, shape, np.load(spill, mmap_mode="r")))
     spec = write_layer(work, layer.path, layer.layer, layer.file, layer.block, layer.top_k,
                        tensors)
     for *_, spill in layer.parts.values():
         spill.unlink()
+    layer.parts.clear()
     return spec
 
 

@@ -38,7 +38,8 @@ class Request:
 # A fault hook returns None (serve normally) or one of: "drop" (send the
 # headers and half the body, then close), "full" (answer 200 with the whole
 # file, ignoring Range), "corrupt" (flip one byte of the body), "hang" (never
-# answer), or an HTTP status code to answer with instead.
+# answer), or an HTTP status code (or a (status, headers) pair) to answer
+# with instead.
 Fault = Callable[[Request], Optional[object]]
 
 
@@ -200,8 +201,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if isinstance(fault, int):
             return self._json(fault, {"error": f"injected {fault}"})
+        if isinstance(fault, tuple):  # (status, headers)
+            return self._json(fault[0], {"error": f"injected {fault[0]}"}, fault[1])
         etag = f'"{hashlib.sha1(f"{repo.sha}/{rel}".encode()).hexdigest()}"'
         start, end, status = 0, size - 1, 200
+        if byte_range is not None and byte_range[0] >= size and fault != "full":
+            return self._json(416, {"error": "Requested range not satisfiable"},
+                              {"Content-Range": f"bytes */{size}"})
         if byte_range is not None and fault != "full":
             start, end = byte_range
             status = 206

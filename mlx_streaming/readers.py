@@ -114,7 +114,8 @@ class PythonReader:
         """Wait for reads in flight (prefetch included), then close files."""
         self.closed = True
         self._pool.shutdown(wait=True)
-        self._background.shutdown(wait=True)
+        # Prefetch reads not started are guesses nobody waits for any more.
+        self._background.shutdown(wait=True, cancel_futures=True)
         for fd, _ in self._files:
             os.close(fd)
         self._files.clear()

@@ -6,7 +6,8 @@ bytes ``[e * stride, (e + 1) * stride)`` of its blob, one HTTP range
 request. ``RemoteReader`` has the reader interface (``readers.py``): a
 miss is looked up in the ``DiskCache``, else fetched (adjacent records of one
 call in one request, requests in parallel, retried with backoff), checked
-against the manifest's CRC-32 before it is used or cached, and cached.
+against the manifest's CRC-32 before it is used or cached, and cached; a
+record read back from the disk cache is checked again each time.
 
 The disk cache holds one file per record, written to a temporary name and
 renamed into place, so a process killed mid-fetch leaves either the whole
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 # adjacent misses becomes several requests, which run in parallel.
 MAX_REQUEST_BYTES = 64 << 20
 RETRY_STATUS = (429, 500, 502, 503, 504)
+# A server's Retry-After is honoured up to this many seconds.
+MAX_RETRY_AFTER = 60.0
+# A try fails when its body arrives slower than this (after fetch_timeout).
+MIN_RATE = 256e3
 TMP_SUFFIX = ".part"
 
 
@@ -64,6 +69,8 @@ class RangeFetcher:
         self.bytes = 0
         self._warned_full = False
         self._lock = threading.Lock()
+        # Set when the model closes: fetches stop retrying and waiting.
+        self.cancelled = threading.Event()
 
     def fetch(self, url: str, start: int, nbytes: int) -> bytearray:
         """Bytes ``[start, start + nbytes)`` of ``url``.
@@ -72,14 +79,16 @@ class RangeFetcher:
             ExpertFetchError: no complete answer after ``retries`` retries,
                 or an answer that retrying cannot change (401, 404, ...).
         """
-        last = None
+        last, wait = None, 0.0
         for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(8.0, self.backoff * 2 ** (attempt - 1)))
+            if attempt and self.cancelled.wait(max(wait, self.backoff * 2 ** (attempt - 1))):
+                break
+            if self.cancelled.is_set():
+                break
             try:
                 data = self._once(url, start, nbytes)
             except _Retry as e:
-                last = str(e)
+                last, wait = str(e), min(MAX_RETRY_AFTER, e.after)
                 log.warning("range %d+%d of %s: %s (try %d of %d)", start, nbytes, url,
                             last, attempt + 1, self.retries + 1)
                 continue
@@ -87,6 +96,8 @@ class RangeFetcher:
                 self.requests += 1
                 self.bytes += nbytes
             return data
+        if self.cancelled.is_set():
+            raise ExpertFetchError("the model was closed while an expert was being fetched")
         host = urlparse(url).netloc
         raise ExpertFetchError(
             f"could not fetch bytes {start}-{start + nbytes - 1} of {url} after "
@@ -103,7 +114,10 @@ class RangeFetcher:
             with get_session().stream("GET", url, headers=headers, timeout=self.timeout,
                                       follow_redirects=True) as r:
                 if r.status_code in RETRY_STATUS:
-                    raise _Retry(f"HTTP {r.status_code}")
+                    after = _retry_after(r.headers.get("Retry-After"))
+                    what = "rate limited" if r.status_code == 429 else "server error"
+                    raise _Retry(f"HTTP {r.status_code} ({what}"
+                                 + (f", retry after {after:g} s)" if after else ")"), after)
                 if r.status_code not in (200, 206):
                     r.read()
                     try:
@@ -119,18 +133,25 @@ class RangeFetcher:
                     self._warn_full(url)
                 else:
                     _check_content_range(r.headers.get("Content-Range"), start, nbytes)
-                return self._body(r, skip, nbytes)
+                return self._body(r, skip, nbytes, self._deadline(skip + nbytes))
         except self.httpx.TimeoutException:
             raise _Retry(f"no answer within {self.timeout:g} s") from None
         except self.httpx.TransportError as e:
             raise _Retry(f"{type(e).__name__}: {_first_line(e)}") from None
 
-    @staticmethod
-    def _body(r, skip: int, nbytes: int) -> bytearray:
+    def _deadline(self, nbytes: int) -> float:
+        """When a try that reads ``nbytes`` gives up: a server that trickles
+        bytes never lets a read time out, so the whole body has a deadline."""
+        return time.monotonic() + self.timeout + nbytes / MIN_RATE
+
+    def _body(self, r, skip: int, nbytes: int, deadline: float) -> bytearray:
         """``nbytes`` of the body after its first ``skip`` bytes."""
         out = bytearray(nbytes)
         pos = -skip
         for chunk in r.iter_raw():
+            if time.monotonic() > deadline or self.cancelled.is_set():
+                raise _Retry(f"slower than {MIN_RATE / 1e3:g} KB/s after the first "
+                             f"{self.timeout:g} s")
             lo = max(0, -pos)
             if lo < len(chunk):
                 take = chunk[lo : lo + nbytes - max(pos, 0)]
@@ -150,7 +171,19 @@ class RangeFetcher:
 
 
 class _Retry(Exception):
-    """A failure that another try may not have."""
+    """A failure that another try may not have (``after``: seconds the
+    server asked to wait)."""
+
+    def __init__(self, what: str, after: float = 0.0):
+        super().__init__(what)
+        self.after = after
+
+
+def _retry_after(header: Optional[str]) -> float:
+    try:
+        return max(0.0, float(header)) if header else 0.0
+    except ValueError:
+        return 0.0  # an HTTP date: fall back to our own backoff
 
 
 def _first_line(e: BaseException) -> str:
@@ -188,8 +221,13 @@ class DiskCache:
     def __init__(self, root: Path, cap_bytes: int):
         self.root = Path(root)
         self.cap = int(cap_bytes)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(self.root / ".lock", "w")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(self.root / ".lock", "w")
+        except OSError as e:
+            raise ExpertFetchError(
+                f"cannot use the disk cache {self.root} ({e.strerror}); choose a writable "
+                "disk_cache_dir, or disk_cache_gb=0 to keep no records") from None
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -200,8 +238,10 @@ class DiskCache:
             ) from None
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, int]" = OrderedDict()
+        self._writing: set = set()  # keys being written (their bytes are in used)
         self.used = 0  # bytes of files, finished or being written
         self.hits = self.misses = self.evicted = 0
+        self.users = 1  # models of this process that share it (open_cache)
         self._scan()
 
     def _scan(self) -> None:
@@ -221,7 +261,12 @@ class DiskCache:
             self._make_room(0)  # the cap may have been lowered since
 
     def close(self) -> None:
-        if not self._lock_file.closed:
+        """Release this user's hold; the last one unlocks the directory."""
+        with _OPEN_LOCK:
+            self.users -= 1
+            if self.users > 0 or self._lock_file.closed:
+                return
+            _OPEN.pop(self.root.resolve(), None)
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
 
@@ -252,10 +297,13 @@ class DiskCache:
         """Store a checked record (skipped when it alone exceeds the cap)."""
         nbytes = memoryview(data).nbytes
         with self._lock:
-            if nbytes > self.cap or key in self._index:
+            if key in self._index or key in self._writing:
                 return
             self._make_room(nbytes)
+            if self.used + nbytes > self.cap:
+                return  # the rest is reserved by writes in flight: skip, never overflow
             self.used += nbytes  # reserved before the file exists: the cap holds
+            self._writing.add(key)
         path = self.root / key
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         try:
@@ -267,11 +315,13 @@ class DiskCache:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self.used -= nbytes
+                self._writing.discard(key)
             log.warning("cannot write %s to the disk cache (%s); continuing without it",
                         key, e.strerror)
             return
         with self._lock:
             self._index[key] = nbytes
+            self._writing.discard(key)
 
     def discard(self, key: str) -> None:
         with self._lock:
@@ -299,6 +349,26 @@ class DiskCache:
             except FileNotFoundError:
                 pass  # evicted meanwhile
         return total
+
+
+_OPEN: Dict[Path, DiskCache] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_cache(root: Path, cap_bytes: int) -> DiskCache:
+    """The disk cache at ``root``, shared by the models of this process (the
+    directory lock is per process); the cap is the one it was opened with."""
+    key = Path(root).resolve()
+    with _OPEN_LOCK:
+        cache = _OPEN.get(key)
+        if cache is not None:
+            if cache.cap != int(cap_bytes):
+                log.warning("disk cache %s is already open with a cap of %d bytes; "
+                            "keeping that cap", root, cache.cap)
+            cache.users += 1
+            return cache
+        cache = _OPEN[key] = DiskCache(root, cap_bytes)
+        return cache
 
 
 # -- reader ------------------------------------------------------------------
@@ -333,8 +403,6 @@ class RemoteReader(PythonReader):
         self.fetcher = fetcher
         self.cache = cache
         self._opened: List[RemoteBlob] = []
-        # Records read from the disk cache are checked once per process.
-        self._checked: Dict[int, np.ndarray] = {}
         self.corrupt_refetches = 0
 
     def open(self, path: str) -> int:
@@ -342,10 +410,10 @@ class RemoteReader(PythonReader):
         if blob is None:
             raise ExpertReadError(f"no remote blob for {path}")
         self._opened.append(blob)
-        self._checked[len(self._opened) - 1] = np.zeros(blob.spec.num_experts, dtype=bool)
         return len(self._opened) - 1
 
     def close(self) -> None:
+        self.fetcher.cancelled.set()  # fetches in flight give up instead of retrying
         super().close()
         if self.cache is not None:
             self.cache.close()
@@ -396,7 +464,7 @@ class RemoteReader(PythonReader):
         out: List[Optional[np.ndarray]] = [None] * len(experts)
         missing = []
         for i, e in enumerate(experts):
-            record = self._cached(file, blob, e)
+            record = self._cached(blob, e)
             if record is None:
                 missing.append(i)
             else:
@@ -407,19 +475,18 @@ class RemoteReader(PythonReader):
                 out[i] = fetched[experts[i]]
         return out
 
-    def _cached(self, file: int, blob: RemoteBlob, expert: int) -> Optional[np.ndarray]:
+    def _cached(self, blob: RemoteBlob, expert: int) -> Optional[np.ndarray]:
         if self.cache is None:
             return None
         buf = aligned_empty(blob.spec.stride)
         key = f"{blob.key}/{expert:06d}"
         if not self.cache.get(key, buf):
             return None
-        if not self._checked[file][expert]:
-            if not self._good(blob.spec, expert, buf):
-                log.warning("disk cache record %s is damaged; fetching it again", key)
-                self.cache.discard(key)
-                return None
-            self._checked[file][expert] = True
+        # Every read is checked: the files may change under a running model.
+        if not self._good(blob.spec, expert, buf):
+            log.warning("disk cache record %s is damaged; fetching it again", key)
+            self.cache.discard(key)
+            return None
         return buf
 
     def _fetch(self, blob: RemoteBlob, experts: List[int]) -> Dict[int, np.ndarray]:

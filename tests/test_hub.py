@@ -79,12 +79,10 @@ def test_fetched_generation_is_exact_with_a_small_disk_cache(qwen, served, tmp_p
     cap = int(0.4 * hub.records_nbytes(read_manifest(qwen[1])))
     sizes = []
     put = DiskCache.put
-    serial = threading.Lock()
 
     def checked_put(self, key, data):
-        with serial:  # so that each measure sees whole puts
-            put(self, key, data)
-            sizes.append(self.disk_bytes())
+        put(self, key, data)
+        sizes.append(self.used)  # bytes on disk and being written, kept under the lock
 
     monkeypatch.setattr(DiskCache, "put", checked_put)
     reference = local_reference(qwen[1])
@@ -93,6 +91,7 @@ def test_fetched_generation_is_exact_with_a_small_disk_cache(qwen, served, tmp_p
     remote = report["remote"]
     assert report["io"] == "remote" and remote["disk_cache_cap"] == cap
     assert remote["disk_cache_evicted"] > 0 and max(sizes) <= cap
+    assert DiskCache(tmp_path / "records", cap).disk_bytes() <= cap
     assert cached_records_are_good(tmp_path, qwen[1]) > 0
     stride = read_manifest(qwen[1]).layers[0].stride
     ranges = [r.range for r in served.ranged()]
@@ -307,3 +306,131 @@ def test_without_the_hub_a_filled_cache_still_runs(qwen, tmp_path):
     assert_same_logits(reference[0], logits_trace(model))
     assert stats(model)["remote"]["bytes_fetched"] == 0
     model.streaming.close()
+
+
+def test_concurrent_puts_never_pass_the_cap_or_count_twice(tmp_path):
+    cache = DiskCache(tmp_path, 150)
+    record = np.zeros(100, np.uint8)
+    barrier = threading.Barrier(4)
+
+    def put(key):
+        barrier.wait()
+        cache.put(key, record)
+
+    threads = [threading.Thread(target=put, args=(k,)) for k in ("a", "b", "c", "a")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.used <= 150 and cache.disk_bytes() == cache.used
+    cache.close()
+
+
+def test_retry_after_is_honoured_and_named(served):
+    from mlx_streaming.remote import RangeFetcher
+
+    fetcher = RangeFetcher({}, timeout=5, retries=2, backoff=0.01)
+    waits = []
+
+    class Recorder:  # stands in for the cancel event: records each wait
+        def wait(self, seconds):
+            waits.append(seconds)
+            return False
+
+        def is_set(self):
+            return False
+
+    fetcher.cancelled = Recorder()
+    url = f"{served.url}/{REPO}/resolve/main/experts/layer001.blob"
+    seen = []
+
+    def limited(request):
+        if request.path.endswith(".blob") and len(seen) < 2:
+            seen.append(request)
+            return (429, {"Retry-After": "3"})
+        return None
+
+    served.faults.append(limited)
+    assert len(fetcher.fetch(url, 0, 100)) == 100
+    assert waits == [3.0, 3.0]  # the server's Retry-After, not the 0.01 s backoff
+    served.faults[:] = [lambda r: (429, {}) if r.path.endswith(".blob") else None]
+    with pytest.raises(ExpertFetchError, match="rate limited"):
+        fetcher.fetch(url, 0, 100)
+
+
+def test_records_damaged_in_the_cache_mid_run_are_fetched_again(qwen, served, tmp_path):
+    model, _ = load_remote(served, tmp_path, disk_cache_gb=1.0)
+    reader = model.streaming.reader
+    first = reader.records(0, [3])[0].copy()
+    fetched = reader.fetcher.requests
+    cached = next((tmp_path / "records").rglob("000003"))
+    cached.write_bytes(b"\0" * cached.stat().st_size)
+    again = reader.records(0, [3])[0]
+    assert np.array_equal(again, first) and reader.fetcher.requests == fetched + 1
+    model.streaming.close()
+
+
+def test_close_does_not_wait_for_hung_fetches(served, tmp_path):
+    served.faults.append(lambda r: "hang" if r.path.endswith(".blob") else None)
+    model, _ = load_remote(served, tmp_path, fetch_timeout=20, fetch_retries=3)
+    reader = model.streaming.reader
+    staging = reader.staging(8, read_manifest_stride(model))
+    ids = np.arange(4, dtype=np.int64)
+    staging.stage(0, 0, ids, ids * read_manifest_stride(model))
+    time.sleep(0.2)  # the first prefetch is in flight, the rest queued
+    start = time.perf_counter()
+    served.state.hang.set()  # the server lets go once we give up
+    model.streaming.close()
+    assert time.perf_counter() - start < 10  # 4 x (20 s x 4 tries) if it waited
+
+
+def read_manifest_stride(model):
+    return model.streaming.manifest.layers[0].stride
+
+
+def test_two_models_share_one_disk_cache_dir(qwen, served, tmp_path):
+    reference = local_reference(qwen[1])
+    a, tok_a = load_remote(served, tmp_path)
+    b, tok_b = load_remote(served, tmp_path)
+    assert greedy_text(a, tok_a) == greedy_text(b, tok_b) == reference[1]
+    a.streaming.close()
+    assert greedy_text(b, tok_b) == reference[1]
+    b.streaming.close()
+
+
+def test_offline_revisions(qwen, tmp_path):
+    reference = local_reference(qwen[1])
+    with HubServer({REPO: qwen[1]}) as server:
+        url = server.url
+        commit = hub.resolve(REPO, None, url).commit
+        assert_exact(server, tmp_path, reference, slots_per_layer=32)
+    for revision in ("main", commit, commit[:8]):
+        with pytest.warns(RuntimeWarning, match=commit):
+            model, _ = mlx_streaming.load(REPO, revision=revision, endpoint=url,
+                                          disk_cache_dir=str(tmp_path), slots_per_layer=4)
+        model.streaming.close()
+    with pytest.raises(FormatError, match="cannot reach the Hub"):
+        mlx_streaming.load(REPO, revision="0" * 40, endpoint=url, disk_cache_dir=str(tmp_path))
+
+
+def test_conversions_of_one_repo_run_one_at_a_time(qwen, tmp_path):
+    from mlx_streaming.hubconvert import convert_repo
+
+    src = reshard(qwen[0], tmp_path / "sharded", max_bytes=300_000)
+    out, errors = [], []
+    with HubServer({"org/plain": src}) as server:
+        repo = hub.resolve("org/plain", None, server.url)
+
+        def run():
+            try:
+                out.append(convert_repo(repo, tmp_path / "c", mlx_streaming.StreamConfig()))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors and out == [tmp_path / "c"] * 2
+    assert read_manifest(tmp_path / "c").layers
