@@ -24,6 +24,8 @@ VERIFY_CHOICES = ("first-read", "always", "off")
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 
 DEFAULT_RESERVE_GB = 2.0
+# Below this much available memory the pools give memory back (pressure.py).
+DEFAULT_PRESSURE_GB = 0.5
 DEFAULT_PREFETCH_MAX_TOKENS = 8
 # A bound on sizes in GB: beyond it float arithmetic on bytes loses meaning.
 MAX_GB = 1e6
@@ -88,6 +90,9 @@ class StreamConfig:
         choices=VERIFY_CHOICES)
     reserve_gb: float = _option(DEFAULT_RESERVE_GB, "memory left free when cache_gb is "
                                 "not given, in GB", type=float)
+    pressure_gb: float = _option(
+        DEFAULT_PRESSURE_GB, "when available memory falls below this many GB during a run, "
+        "the expert pools shrink (and grow back when it returns); 0: never", type=float)
     trace: Optional[str] = _option(None, "write the routing of every MoE call to this file")
     mtp: bool = _option(False, "load the model's multi-token-prediction layers (kept by "
                         "convert when the checkpoint has them) to draft with (--draft mtp)",
@@ -126,6 +131,7 @@ class StreamConfig:
         _check_number("prefetch_budget", self.prefetch_budget, int, low=0, high=MAX_BUDGET,
                       optional=True)
         _check_number("reserve_gb", self.reserve_gb, float, low=0, high=MAX_GB)
+        _check_number("pressure_gb", self.pressure_gb, float, low=0, high=MAX_GB)
         _check_number("disk_cache_gb", self.disk_cache_gb, float, low=0, high=MAX_GB,
                       optional=True)
         _check_number("fetch_threads", self.fetch_threads, int, low=1, high=MAX_FETCH_THREADS)

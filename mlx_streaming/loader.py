@@ -38,6 +38,7 @@ from .format import (
 )
 from .native import NativeReader, load_extension
 from .policy import make_policy
+from .pressure import NoWatch, PressureWatch
 from .pool import SlotPool
 from .prefetch import (
     AlwaysOn,
@@ -92,6 +93,7 @@ class Runtime:
             if config.prefetch_budget is None:
                 observers.append(self.prefetch_budget)
         self.events = Events(observers)
+        self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
 
     @property
     def cache_bytes(self) -> int:
@@ -108,6 +110,21 @@ class Runtime:
             if self.trace is not None:
                 self.trace.close()
             self.reader.close()
+
+    def between_calls(self) -> None:
+        """Runs before each call of the model, under its lock."""
+        self.pressure.between_calls()
+
+    def resize(self, slots: int) -> None:
+        """Give every paged pool ``slots`` slots (``pressure.py``)."""
+        self.finish_pending()
+        if self.staging is not None:
+            for store in self.stores:
+                store.drop_staged()
+        for store in self.stores:
+            store.resize(slots)
+        self.slots = slots
+        mx.clear_cache()  # hand the freed buffers back to the OS
 
     def finish_pending(self) -> None:
         """Evaluate every computation that still reads a pool, so that the
@@ -193,6 +210,10 @@ def load(
     model.streaming = runtime
     weakref.finalize(model, runtime.close)
     if runtime.paged:
+        if config.pressure_gb > 0:
+            runtime.pressure = PressureWatch(runtime, int(config.pressure_gb * budget.GB),
+                                             budget.bytes_per_slot(manifest),
+                                             budget.min_slots(manifest))
         _serialize_calls(model)
     tokenizer = load_tokenizer(
         path, tokenizer_config, eos_token_ids=model_config.get("eos_token_id")
@@ -243,6 +264,7 @@ def _serialize_calls(model: nn.Module) -> None:
 
         def __call__(self, *args, **kwargs):
             with self.streaming.lock:
+                self.streaming.between_calls()
                 out = base.__call__(self, *args, **kwargs)
                 self.streaming.finish_pending()
             return out
@@ -509,5 +531,5 @@ def _bind_pool(inner: nn.Module, spec: LayerSpec, pool: SlotPool) -> None:
                     f"{tuple(array.shape[1:])} per expert in the manifest but {want.dtype} "
                     f"{tuple(want.shape[1:])} in the model; re-convert the model"
                 )
-            setattr(proj, key, array)
+            pool.bind(proj, key, f"{name}.{key}")
         setattr(inner, name, proj)

@@ -30,6 +30,23 @@ class SlotPool:
 
     def __init__(self, spec: LayerSpec, slots: int):
         self.spec = spec
+        # The module attributes that hold this pool's arrays (bind), set
+        # again when the pool is resized.
+        self.bindings = []
+        self._allocate(slots)
+        self.expert_of_slot = np.full(slots, -1, dtype=np.int64)
+        # The expert-to-slot table lives in one device array whose memory the
+        # host writes through a numpy view, as the slots are: no new array per
+        # change, and a graph may be built on it before the call's sync. The
+        # same rule covers it: nothing that reads it is pending while it is
+        # written (the layer's sync evaluated every earlier reader).
+        self.table = mx.array(np.full(spec.num_experts, -1, dtype=np.int32))
+        mx.eval(self.table)
+        self.slot_of_expert = np.array(self.table, copy=False)
+        assert self.slot_of_expert.flags.c_contiguous and self.slot_of_expert.flags.writeable
+
+    def _allocate(self, slots: int) -> None:
+        spec = self.spec
         self.slots = slots
         raw = [mx.zeros((slots, s.nbytes), dtype=mx.uint8) for s in spec.segments]
         mx.eval(raw)
@@ -54,16 +71,29 @@ class SlotPool:
         self.segments = np.array(
             [(s.offset, s.nbytes) for s in spec.segments], dtype=np.int64
         )
+
+    def bind(self, module, key: str, name: str) -> None:
+        """Make ``module.key`` this pool's array ``name``, now and after
+        every resize."""
+        self.bindings.append((module, key, name))
+        setattr(module, key, self.arrays[name])
+
+    def resize(self, slots: int, keep: np.ndarray) -> None:
+        """Reallocate to ``slots`` slots holding the experts of the slots
+        ``keep`` (at most ``slots`` of them), the rest empty. The caller
+        guarantees that no pending computation reads the pool."""
+        keep = np.asarray(keep, dtype=np.int64)[:slots]
+        old_views, old_experts = self.views, self.expert_of_slot
+        self._allocate(slots)
+        for new, old in zip(self.views, old_views):
+            new[: len(keep)] = old[keep]
         self.expert_of_slot = np.full(slots, -1, dtype=np.int64)
-        # The expert-to-slot table lives in one device array whose memory the
-        # host writes through a numpy view, as the slots are: no new array per
-        # change, and a graph may be built on it before the call's sync. The
-        # same rule covers it: nothing that reads it is pending while it is
-        # written (the layer's sync evaluated every earlier reader).
-        self.table = mx.array(np.full(spec.num_experts, -1, dtype=np.int32))
-        mx.eval(self.table)
-        self.slot_of_expert = np.array(self.table, copy=False)
-        assert self.slot_of_expert.flags.c_contiguous and self.slot_of_expert.flags.writeable
+        self.expert_of_slot[: len(keep)] = old_experts[keep]
+        self.slot_of_expert[:] = -1
+        held = self.expert_of_slot >= 0
+        self.slot_of_expert[self.expert_of_slot[held]] = np.nonzero(held)[0]
+        for module, key, name in self.bindings:
+            setattr(module, key, self.arrays[name])
 
     @property
     def nbytes(self) -> int:

@@ -266,6 +266,7 @@ def stats(model) -> dict:
     if runtime.reader.name == "remote":
         report["remote"] = runtime.reader.report()
     report["speculative"] = runtime.speculative.report()
+    report["pressure"] = runtime.pressure.report()
     staging = getattr(runtime, "staging", None)
     if staging is not None:
         # Dropped records whose reads had not started cost no bytes.

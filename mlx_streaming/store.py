@@ -75,6 +75,18 @@ class ExpertStore:
         # mid-run must give an error, never bytes that were checked before.
         self.watch = BlobWatch(blob) if blob is not None and verify == "first-read" else None
 
+    def resize(self, slots: int) -> None:
+        """Give the pool ``slots`` slots, keeping the experts the policy
+        values most (between calls: nothing may read the pool)."""
+        slots = min(slots, self.spec.num_experts)
+        held = np.nonzero(self.pool.expert_of_slot >= 0)[0]
+        if self.pool.slots > slots:
+            # Empty slots go first, then the least valuable experts.
+            drop = self.policy.victims(self.pool.slots - slots, np.array([], np.int64))
+            held = np.setdiff1d(held, drop)
+        self.pool.resize(slots, held)
+        self.policy.bind(self.pool.expert_of_slot)
+
     def resident(self, experts: np.ndarray) -> np.ndarray:
         return self.pool.slot_of_expert[experts] >= 0
 
