@@ -532,6 +532,12 @@ def _convert_mtp(model, config, src_path: Path, dst: Path, top_k: int, options: 
     count = mtp.mtp_layers_of(config)
     if not count:
         return None
+    unsupported = mtp.supports(model)
+    if unsupported:
+        print(f"[mlx_streaming] config.json declares MTP layers, but they are kept only for "
+              f"DeepSeek-V3-style models ({unsupported}); --draft mtp will not be available",
+              file=sys.stderr)
+        return None
     first = len(model.model.layers)
     found = mtp.source_tensors(sorted(src_path.glob("*.safetensors")), first, count)
     if len(found) < count:

@@ -131,7 +131,13 @@ def _responses(args, model, tokenizer, prompt, sampler):
     if args.draft_model:
         import mlx_lm
 
-        draft = speculative.ModelDraft(mlx_lm.load(args.draft_model)[0], temp=args.temp)
+        try:
+            drafter = mlx_lm.load(args.draft_model)[0]
+        except Exception as e:  # mlx-lm and huggingface_hub raise many kinds
+            raise ConfigError(f"--draft-model {args.draft_model} cannot be loaded by mlx-lm "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              "give an mlx-lm model directory or repo id") from None
+        draft = speculative.ModelDraft(drafter, temp=args.temp)
     elif args.draft == "mtp":
         from .mtp import MtpDraft
 

@@ -340,6 +340,10 @@ def _attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: 
             f"{path} has no MTP layers: the model declares none, or it was converted "
             "from weights without them (mlx-lm's converter drops them); convert from the "
             "original checkpoint, or draft with --draft ngram or --draft-model")
+    unsupported = mtp.supports(model)
+    if unsupported:
+        raise ConfigError(f"MTP drafting needs a DeepSeek-V3-style model, and "
+                          f"{model_config.get('model_type')}'s is not: {unsupported}")
     f = path / manifest.mtp.spine.name
     if not f.is_file() or f.stat().st_size != manifest.mtp.spine.nbytes:
         raise FormatError(f"{f} is missing or not the size the manifest records; re-convert")
@@ -464,6 +468,8 @@ def _make_prefetchers(model, runtime: Runtime, blocks, staging) -> Dict[int, Nex
     launcher = NativeLauncher(runtime.reader.ext) if native else PythonLauncher(budget)
     prefetchers = {}
     for store, nxt in zip(runtime.stores, runtime.stores[1:]):
+        if nxt.spec.module.startswith("mtp."):
+            continue  # MTP layers run only when drafting, after the model
         dims = input_dims_of(blocks[store.spec.module])
         scorer = find_router(model, nxt.spec.module, nxt.spec.num_experts, dims)
         if scorer is None:

@@ -22,12 +22,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import infer_quant_config
 
 from .errors import ConfigError, ConversionError
 
 MTP_FILE = "mtp.safetensors"
+PREFILL_STEP = 512
 CONFIG_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 # Tensors of the MTP module that are not the decoder layer's.
 OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
@@ -60,6 +61,19 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
         mask = create_attention_mask(x, cache, return_array=True)
         return self.layer(x, mask, cache)
+
+
+def supports(model: nn.Module) -> Optional[str]:
+    """Why ``model`` cannot carry DeepSeek-V3-style MTP layers, or None."""
+    inner = getattr(model, "model", None)
+    for what, ok in (("model.layers", hasattr(inner, "layers")),
+                     ("model.embed_tokens", hasattr(inner, "embed_tokens")),
+                     ("lm_head", hasattr(model, "lm_head")),
+                     ("args.rms_norm_eps", hasattr(getattr(model, "args", None),
+                                                   "rms_norm_eps"))):
+        if not ok:
+            return f"its mlx-lm model has no {what}"
+    return None
 
 
 def build(model: nn.Module, count: int) -> List[MTPLayer]:
@@ -152,14 +166,18 @@ class MtpDraft:
         self.model = model
         self.layer = mtp[0]
         self.runtime = model.streaming
-        self.cache = KVCache()
+        self.cache = None
         self.pairs: Tuple[List[int], Optional[mx.array]] = ([], None)
         self.speculative = 0  # entries of the MTP cache fed with its own guesses
         self.proposed = False
 
-    def start(self, prompt: Sequence[int], hidden: mx.array) -> None:
-        """``hidden``: the target's states at ``prompt[:-1]``."""
+    def start(self, prompt: Sequence[int], hidden: Optional[mx.array]) -> None:
+        """``hidden``: the target's states at ``prompt[:-1]`` (None when
+        the prompt is one token)."""
+        # The family's own cache type for its last layer (MLA, sparse ...).
+        self.cache = make_prompt_cache(self.model)[-1]
         self.pairs = (list(prompt[1:]), hidden)
+        self.speculative = 0
         self.proposed = False
 
     def _step(self, tokens: List[int], hidden: mx.array) -> mx.array:
@@ -175,7 +193,9 @@ class MtpDraft:
         if not tokens:  # a one-token prompt: no pair yet
             return [], None
         self.proposed = True
-        h, logits = self._step(tokens, hidden)
+        # A long prompt's pairs go in chunks, as the target's prefill does.
+        for i in range(0, len(tokens), PREFILL_STEP):
+            h, logits = self._step(tokens[i:i + PREFILL_STEP], hidden[i:i + PREFILL_STEP])
         drafts = [int(mx.argmax(logits[-1]).item())]
         for _ in range(k - 1):
             h, logits = self._step(drafts[-1:], h[-1:])
@@ -190,7 +210,8 @@ class MtpDraft:
             self.cache.trim(self.speculative)
             self.speculative = 0
         tokens = [*drafts[:n], nxt]
-        if not self.proposed:  # the pending pairs never reached the MTP layer
+        if not self.proposed and self.pairs[1] is not None:
+            # The pending pairs never reached the MTP layer.
             tokens = self.pairs[0] + tokens
             hidden = mx.concatenate([self.pairs[1], hidden], axis=0)
         self.pairs = (tokens, hidden)

@@ -25,9 +25,9 @@ from typing import Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import GenerationResponse
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .errors import ConfigError
 
@@ -99,25 +99,33 @@ class ModelDraft:
     def __init__(self, model, temp: float = 0.0):
         self.model = model
         self.temp = temp
-        self.cache = make_prompt_cache(model)
+        self.cache = None
+        self.vocab: Optional[int] = None
         self.pending: List[int] = []
         self._fed: Optional[List[int]] = None
         self._checkpoint = None
 
+    def limit_vocab(self, vocab: Optional[int]) -> None:
+        """Draft only ids the target has (vocabularies padded differently)."""
+        self.vocab = vocab
+
     def start(self, prompt: Sequence[int]) -> None:
+        self.cache = make_prompt_cache(self.model)
         _prefill(self.model, self.cache, list(prompt[:-1]))
         self.pending = [int(prompt[-1])]
 
     def propose(self, k: int) -> Tuple[List[int], Optional[np.ndarray]]:
-        self._checkpoint = Checkpoint(self.cache)
+        self._checkpoint = Checkpoint(self.cache, len(self.pending) + k - 1)
         fed = list(self.pending)
         y = mx.array(fed)
         drafts, probs = [], []
         for i in range(k):
-            logits = self.model(y[None], cache=self.cache)[0, -1]
+            logits = self.model(y[None], cache=self.cache)[0, -1][: self.vocab]
             if self.temp > 0:
                 p = mx.softmax(logits.astype(mx.float32) / self.temp)
                 token = mx.random.categorical(mx.log(p))
+                if self.vocab is not None and p.shape[-1] < self.vocab:
+                    p = mx.concatenate([p, mx.zeros((self.vocab - p.shape[-1],))])
                 probs.append(p)
             else:
                 token = mx.argmax(logits)
@@ -161,34 +169,37 @@ def _forward(model, tokens: List[int], cache, hidden: bool):
     return logits[0], h[0]
 
 
-def _prefill_hidden(model, cache, tokens: List[int]) -> mx.array:
-    states = [mx.zeros((0, model.args.hidden_size))]
-    for i in range(0, len(tokens), PREFILL_STEP):
-        states.append(_forward(model, tokens[i:i + PREFILL_STEP], cache, True)[1])
-    return mx.concatenate(states, axis=0)
+def _prefill_hidden(model, cache, tokens: List[int]) -> Optional[mx.array]:
+    states = [_forward(model, tokens[i:i + PREFILL_STEP], cache, True)[1]
+              for i in range(0, len(tokens), PREFILL_STEP)]
+    return mx.concatenate(states, axis=0) if states else None
+
+
+def _vocab_size(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if size is None and isinstance(getattr(args, "text_config", None), dict):
+        size = args.text_config.get("vocab_size")
+    return size if isinstance(size, int) else None
 
 
 # -- undoing a call ------------------------------------------------------------
 
 
 class Checkpoint:
-    """The caches before a call that may be partly undone.
+    """The caches before a call of ``n`` tokens that may be partly undone.
 
-    Trimmable caches are trimmed; the state of the others (recurrent
-    layers) is kept by reference (MLX arrays are replaced, not changed, by
-    these caches' updates; their lists are copied) and restored, then the
-    kept tokens are fed again.
+    A cache that stays trimmable through the call is trimmed. The others
+    are restored from a snapshot, then the kept tokens are fed again:
+    recurrent states (``ArraysCache``, which replaces its arrays and never
+    writes into them) by reference, any other cache (a sliding window that
+    fills up, whose one-token updates write in place) by copy.
     """
 
-    def __init__(self, cache):
+    def __init__(self, cache, n: int):
         self.cache = cache
-        self.trimmable = all(c.is_trimmable() for c in cache)
-        self.saved = None
-        if not self.trimmable:
-            # A copy of the state's lists (caches set their items in place);
-            # the arrays themselves are shared.
-            self.saved = [None if c.is_trimmable() else tree_map(lambda x: x, c.state)
-                          for c in cache]
+        self.saved = [None if _stays_trimmable(c, n) else _snapshot(c) for c in cache]
+        self.trimmable = all(s is None for s in self.saved)
 
     def undo(self, model, fed: Sequence[int], keep: int) -> bool:
         """``fed`` tokens went in since the checkpoint; keep the first ``keep``.
@@ -196,17 +207,39 @@ class Checkpoint:
         if keep >= len(fed):
             return False
         if self.trimmable:
-            trim_prompt_cache(self.cache, len(fed) - keep)
+            for c in self.cache:
+                _trim(c, len(fed) - keep)
             return False
         for c, saved in zip(self.cache, self.saved):
             if saved is None:
-                c.trim(len(fed))
+                _trim(c, len(fed))
             else:
                 c.state = saved
         if keep:
             model(mx.array(list(fed[:keep]))[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
         return True
+
+
+def _stays_trimmable(c, n: int) -> bool:
+    if not c.is_trimmable():
+        return False
+    # A sliding window is trimmable only until it is full.
+    window = getattr(c, "max_size", None)
+    return window is None or c.offset + n < window
+
+
+def _snapshot(c):
+    if isinstance(c, ArraysCache):
+        return tree_map(lambda x: x, c.state)  # copies the lists, shares the arrays
+    state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
+    mx.eval([x for _, x in tree_flatten(state) if isinstance(x, mx.array)])
+    return state
+
+
+def _trim(c, n: int) -> None:
+    if c.trim(n) != n:
+        raise RuntimeError(f"a {type(c).__name__} could not take back {n} tokens")
 
 
 # -- the acceptance rule ---------------------------------------------------------
@@ -272,6 +305,8 @@ def speculative_generate_step(
         runtime = getattr(model, "streaming", None)
         stats = runtime.speculative if runtime is not None else SpecStats()
     rng = np.random.default_rng(seed)
+    if hasattr(draft, "limit_vocab"):
+        draft.limit_vocab(_vocab_size(model))
     # MTP drafts read the target's hidden states (mtp.MtpDraft).
     hidden = getattr(draft, "needs_hidden", False)
     if hidden:
@@ -281,12 +316,14 @@ def speculative_generate_step(
         draft.start(prompt)
     y = prompt[-1]
     produced = 0
-    while produced < max_tokens:
-        k = min(num_draft_tokens, max_tokens - produced - 1)
+    while max_tokens < 0 or produced < max_tokens:
+        k = num_draft_tokens if max_tokens < 0 else min(num_draft_tokens,
+                                                        max_tokens - produced - 1)
         drafts, q = draft.propose(k) if k > 0 else ([], None)
         fed = [y, *drafts]
-        checkpoint = Checkpoint(cache)
+        checkpoint = Checkpoint(cache, len(fed))
         logits, states = _forward(model, fed, cache, hidden)  # [len(fed), V], [len(fed), H]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if temp > 0:
             p = np.array(mx.softmax(logits.astype(mx.float32) / temp, axis=-1))
             n, nxt = accept_sampled(p, drafts, q, rng)
@@ -301,10 +338,10 @@ def speculative_generate_step(
             draft.commit(drafts, n, nxt, states[: n + 1])
         else:
             draft.commit(drafts, n, nxt)
-        for t in drafts[:n]:
-            yield t, True
+        for i, t in enumerate(drafts[:n]):
+            yield t, logprobs[i], True
             produced += 1
-        yield nxt, False
+        yield nxt, logprobs[n], False
         produced += 1
         y = nxt
 
@@ -316,17 +353,20 @@ def stream_generate(model, tokenizer, prompt, draft, *, max_tokens: int = 256,
     """``mlx_lm.stream_generate`` with drafts: the same ``GenerationResponse``
     stream (``from_draft`` says which tokens were accepted drafts)."""
     if isinstance(prompt, str):
-        prompt = tokenizer.encode(prompt)
+        # As mlx-lm: no second BOS when the text already starts with one.
+        bos = getattr(tokenizer, "bos_token", None)
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None
+                                  or not prompt.startswith(bos))
     prompt = [int(t) for t in prompt]
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     tic = time.perf_counter()
-    prompt_tps, n, token, from_draft = 0.0, 0, None, False
+    prompt_tps, n, token, logprobs, from_draft = 0.0, 0, None, None, False
     steps = speculative_generate_step(prompt, model, draft, num_draft_tokens=num_draft_tokens,
                                       max_tokens=max_tokens, temp=temp, seed=seed,
                                       stats=stats)
     finish = "length"
-    for n, (token, from_draft) in enumerate(steps, start=1):
+    for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = len(prompt) / (time.perf_counter() - tic)
             tic = time.perf_counter()
@@ -336,16 +376,16 @@ def stream_generate(model, tokenizer, prompt, draft, *, max_tokens: int = 256,
         detokenizer.add_token(token)
         if n == max_tokens:
             break
-        yield _response(detokenizer.last_segment, token, from_draft, len(prompt), prompt_tps,
-                        n, tic, None)
+        yield _response(detokenizer.last_segment, token, logprobs, from_draft, len(prompt),
+                        prompt_tps, n, tic, None)
     detokenizer.finalize()
-    yield _response(detokenizer.last_segment, token, from_draft, len(prompt), prompt_tps, n,
-                    tic, finish)
+    yield _response(detokenizer.last_segment, token, logprobs, from_draft, len(prompt),
+                    prompt_tps, n, tic, finish)
 
 
-def _response(text, token, from_draft, prompt_tokens, prompt_tps, n, tic, finish):
+def _response(text, token, logprobs, from_draft, prompt_tokens, prompt_tps, n, tic, finish):
     return GenerationResponse(
-        text=text, token=token, logprobs=None, from_draft=from_draft,
+        text=text, token=token, logprobs=logprobs, from_draft=from_draft,
         prompt_tokens=prompt_tokens, prompt_tps=prompt_tps, generation_tokens=n,
         generation_tps=n / max(time.perf_counter() - tic, 1e-9),
         peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)

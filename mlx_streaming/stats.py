@@ -256,7 +256,7 @@ def stats(model) -> dict:
         io_threads=config.io_threads,
         slots_per_layer=runtime.slots,
         num_experts=max(l.num_experts for l in runtime.manifest.layers),
-        moe_layers=len(runtime.manifest.layers),
+        moe_layers=sum(not l.module.startswith("mtp.") for l in runtime.manifest.layers),
         cache_bytes=runtime.cache_bytes,
         residency="paged" if runtime.paged else "resident",
         prefetch=config.prefetch,

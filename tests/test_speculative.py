@@ -32,7 +32,7 @@ def greedy_tokens(model, prompt=PROMPT, steps=STEPS):
 
 
 def speculative_tokens(model, draft, k=3, steps=STEPS, spec=None):
-    return [t for t, _ in speculative_generate_step(PROMPT, model, draft, num_draft_tokens=k,
+    return [t for t, *_ in speculative_generate_step(PROMPT, model, draft, num_draft_tokens=k,
                                                     max_tokens=steps, stats=spec)]
 
 
@@ -130,7 +130,7 @@ def test_sampled_speculation_runs_on_a_streamed_model(qwen):
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=8)
     mx.random.seed(0)
     spec = SpecStats()
-    out = [t for t, _ in speculative_generate_step(PROMPT, model, NgramDraft(), temp=0.7,
+    out = [t for t, *_ in speculative_generate_step(PROMPT, model, NgramDraft(), temp=0.7,
                                                     max_tokens=16, stats=spec)]
     assert len(out) == 16 and spec.drafted > 0
     model.streaming.close()
@@ -243,3 +243,85 @@ def test_verify_checks_the_mtp_blob_and_spine(models, tmp_path):
     assert verify(copy) == [(spec.layer, 2)]
     (copy / "mtp.safetensors").write_bytes(b"x")
     assert verify_spine(copy, manifest) == ["mtp.safetensors"]
+
+
+
+def test_sliding_window_caches_that_fill_during_a_call_stay_exact(models):
+    """gpt_oss's sliding-window cache stops being trimmable once full: a
+    verify call that fills it is undone from a copy, not a no-op trim."""
+    src, stream = models.get("gpt_oss", quantized=True)
+    reference, _ = mlx_lm.load(str(src))
+    model, _ = mlx_streaming.load(stream, slots_per_layer=_partial(stream))
+    for prompt in ([7, 7], PROMPT):
+        want = greedy_tokens(reference, prompt=prompt, steps=40)
+        for draft in (NgramDraft(), ModelDraft(reference)):
+            got = [t for t, *_ in speculative_generate_step(prompt, model, draft,
+                                                             num_draft_tokens=3, max_tokens=40)]
+            assert got == want
+    model.streaming.close()
+
+
+def test_draft_models_are_reusable_and_may_have_a_larger_vocabulary(models):
+    src, stream = models.get("qwen3_moe", quantized=True)
+    reference, _ = mlx_lm.load(str(src))
+    model, _ = mlx_streaming.load(stream, slots_per_layer=8)
+    want = greedy_tokens(reference)
+    draft = ModelDraft(reference)
+    for _ in range(2):  # the same draft object, a second generation
+        spec = SpecStats()
+        assert speculative_tokens(model, draft, k=3, spec=spec) == want
+        assert spec.accepted > 0.8 * spec.drafted
+    from mlx_streaming import tiny
+
+    wide = tiny.build_model(tiny.tiny_config("qwen3_moe", 576))  # a vocabulary padded wider
+    assert speculative_tokens(model, ModelDraft(wide), k=3) == want
+    mx.random.seed(0)
+    out = [t for t, *_ in speculative_generate_step(PROMPT, model, ModelDraft(wide, temp=0.8),
+                                                     temp=0.8, max_tokens=12)]
+    assert len(out) == 12 and max(out) < 512
+    model.streaming.close()
+
+
+def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
+    from mlx_streaming import mtp, speculative
+
+    _, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)
+    model, _ = mlx_streaming.load(stream, slots_per_layer=8, mtp=True)
+    seen = []
+    call = mtp.MTPLayer.__call__
+    original = mtp.MTPLayer.__call__
+
+    def spy(self, embeds, hidden, cache):
+        seen.append(embeds.shape[1])
+        return original(self, embeds, hidden, cache)
+
+    mtp.MTPLayer.__call__ = spy
+    try:
+        prompt = (PROMPT * 30)[:1100]
+        steps = speculative_generate_step(prompt, model, MtpDraft(model), max_tokens=4)
+        assert len(list(steps)) == 4
+    finally:
+        mtp.MTPLayer.__call__ = call
+    assert max(seen) <= speculative.PREFILL_STEP and sum(seen) >= 1099
+    model.streaming.close()
+
+
+def test_families_without_deepseek_style_mtp_convert_without_it(tmp_path, tokenizer_dir):
+    from mlx_streaming import tiny
+    from mlx_streaming.converter import convert
+
+    config = tiny.tiny_config("kimi_vl", 512)
+    config["text_config"] = dict(config["text_config"], num_nextn_predict_layers=1)
+    src = tiny.save_mlx_model(tiny.build_model(config), config, tmp_path / "src",
+                              tokenizer_dir, quantize=True)
+    stream = convert(src, tmp_path / "stream", progress=False)
+    assert mlx_streaming.format.read_manifest(stream).mtp is None
+
+
+def test_a_draft_model_that_does_not_load_is_a_one_line_error(qwen, tmp_path, capsys):
+    from mlx_streaming import generate
+
+    rc = generate.main(["--model", str(qwen[1]), "--draft-model", str(tmp_path / "nope"),
+                        "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "cannot be loaded by mlx-lm" in err and "Traceback" not in err

@@ -115,7 +115,8 @@ def run_drafts(args) -> dict:
         r["vs_streamed_plain"] = r["tps"] / streamed if streamed and r.get("tps") else None
         if r.get("draft") == "none":
             r["exact"] = "-"
-    title = (f"bench verify --drafts: greedy decode of {args.tokens} tokens per prompt; "
+    title = (f"bench verify --drafts: greedy decode of {args.tokens} tokens per prompt "
+             f"(tok/s over the whole run, its 48-token prompt included); "
              f"median of {args.repeats} interleaved round(s); x streamed plain = vs plain "
              f"decode at the first pool")
     result = dict(rows=rows, cases=[r for rs in runs for r in rs])
