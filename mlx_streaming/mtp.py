@@ -183,7 +183,14 @@ class MtpDraft:
     def _step(self, tokens: List[int], hidden: mx.array) -> mx.array:
         with self.runtime.lock:
             embeds = self.model.model.embed_tokens(mx.array(tokens)[None])
-            h = self.layer(embeds, hidden[None], self.cache)[0]
+            try:
+                h = self.layer(embeds, hidden[None], self.cache)[0]
+            except (ValueError, TypeError, AttributeError) as e:
+                # Families whose layers want masks or caches shaped their own way.
+                raise ConfigError(
+                    f"MTP drafting does not support {getattr(self.model.args, 'model_type', 'this model')}'s layers yet "
+                    f"({type(e).__name__}: {str(e)[:120]}); use --draft ngram or "
+                    "--draft-model") from None
             logits = self.model.lm_head(self.layer.shared_head.norm(h[-1:]))
             self.runtime.finish_pending()
         return h, logits
