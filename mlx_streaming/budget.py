@@ -11,25 +11,12 @@ from .format import Manifest
 GB = 1e9
 
 
-def free_memory_bytes() -> int:
-    """Memory that is free right now: not counting reclaimable page cache or
-    inactive pages, which the expert reads themselves would refill. Inside a
-    memory cgroup (a container, ``scripts/run_limited.py``), no more than
-    the cgroup has left."""
-    try:
-        with open("/proc/meminfo") as f:
-            free = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemFree:"))
-    except FileNotFoundError:
-        return _macos_free_bytes()
-    cgroup = _cgroup_memory()
-    return free if cgroup is None else min(free, cgroup[0] - cgroup[1])
-
-
 def available_memory_bytes() -> int:
     """Memory this process could still take without being killed: the OS's
     own estimate (Linux MemAvailable, which counts reclaimable page cache;
-    macOS free + inactive + purgeable), capped by what the memory cgroup
-    has left (its reclaimable inactive file pages counted as available)."""
+    macOS free + purgeable, not inactive pages, which the OS only pages out
+    under pressure), capped by what the memory cgroup has left (its
+    reclaimable inactive file pages counted as available)."""
     try:
         with open("/proc/meminfo") as f:
             info = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
@@ -102,18 +89,9 @@ def _macos_available_bytes() -> int:
     page = int(out.split("page size of ")[1].split()[0])
     pages = 0
     for line in out.splitlines():
-        if line.startswith(("Pages free:", "Pages inactive:", "Pages purgeable:")):
+        if line.startswith(("Pages free:", "Pages purgeable:")):
             pages += int(line.split()[-1].rstrip("."))
     return pages * page
-
-
-def _macos_free_bytes() -> int:
-    out = subprocess.run(["vm_stat"], capture_output=True, text=True, check=True).stdout
-    page = int(out.split("page size of ")[1].split()[0])
-    for line in out.splitlines():
-        if line.startswith("Pages free:"):
-            return int(line.split()[-1].rstrip(".")) * page
-    raise BudgetError("cannot read free memory; pass cache_gb / --cache-gb")
 
 
 def bytes_per_slot(manifest: Manifest) -> int:
@@ -161,10 +139,12 @@ def plan_slots(manifest: Manifest, cfg: StreamConfig, spine_bytes: int,
         budget = cfg.cache_gb * GB
         source = f"cache budget {cfg.cache_gb:g} GB"
     else:
-        free = free_memory_bytes()
+        # What the OS says this process can take (available, not just free:
+        # reclaimable page cache counts), less a reserve for everything else.
+        free = available()
         budget = free - cfg.reserve_gb * GB - spine_bytes
         source = (
-            f"free memory ({free / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve "
+            f"available memory ({free / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve "
             f"and {spine_bytes / GB:.2f} GB spine)"
         )
     slots = int(max(budget, 0) // per_slot)

@@ -59,7 +59,7 @@ class StreamConfig:
     says what it means; ``load()`` and ``generate`` take them all)."""
 
     cache_gb: Optional[float] = _option(
-        None, "expert slot memory for all layers in GB (default: from free memory, "
+        None, "expert slot memory for all layers in GB (default: from available memory, "
         "less a reserve)", type=float)
     slots_per_layer: Optional[int] = _option(
         None, "experts resident per layer (overrides cache_gb)", type=int)

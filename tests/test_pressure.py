@@ -123,3 +123,16 @@ def test_lowering_a_cgroup_limit_mid_run_shrinks_the_pools(qwen, tmp_path):
         want.append(token.item())
         logits = reference(token, cache=cache)[:, -1]
     assert tokens == want
+
+
+def test_the_default_budget_is_what_the_os_says_is_available(qwen):
+    from mlx_streaming import budget
+    from mlx_streaming.errors import BudgetError
+    from mlx_streaming.format import read_manifest
+
+    manifest = read_manifest(qwen[1])
+    per_slot = budget.bytes_per_slot(manifest)
+    config = mlx_streaming.StreamConfig(reserve_gb=0)
+    assert budget.plan_slots(manifest, config, 0, available=lambda: 6 * per_slot) == 6
+    with pytest.raises(BudgetError, match="available memory"):
+        budget.plan_slots(manifest, config, 0, available=lambda: 2 * per_slot)
