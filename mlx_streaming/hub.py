@@ -139,12 +139,10 @@ def check_remote_blobs(repo: HubRepo, manifest: Manifest) -> None:
                               f"{spec.blob_nbytes}; re-upload the stream directory")
 
 
-def default_disk_cache_bytes(root: Path, manifest: Manifest) -> int:
+def default_disk_cache_bytes(root: Path, manifest: Manifest, cached: int) -> int:
     """Half the space of the disk holding ``root`` that is free or already
-    the cache's (so the default does not shrink run after run), at most
-    every record."""
-    root.mkdir(parents=True, exist_ok=True)
-    cached = sum(f.stat().st_size for f in (root / "records").rglob("*") if f.is_file())
+    the cache's (``cached`` bytes, so the default does not shrink run after
+    run), at most every record."""
     free = shutil.disk_usage(root).free + cached
     return int(min(records_nbytes(manifest), DEFAULT_DISK_SHARE * free))
 
@@ -161,11 +159,13 @@ def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: S
     from .remote import RangeFetcher, RemoteBlob, RemoteReader, open_cache
 
     root = cache_root(config)
+    cache = None
     if config.disk_cache_gb is None:
-        cap = default_disk_cache_bytes(root, manifest)
-    else:
-        cap = int(config.disk_cache_gb * 1e9)
-    cache = open_cache(root / "records", cap) if cap > 0 else None
+        # Opened uncapped: its scan measures what it holds, then the cap is set.
+        cache = open_cache(root / "records", records_nbytes(manifest))
+        cache.set_cap(default_disk_cache_bytes(root, manifest, cache.used))
+    elif config.disk_cache_gb > 0:
+        cache = open_cache(root / "records", int(config.disk_cache_gb * 1e9))
     prefix = f"{repo.repo_id.replace('/', '--')}/{repo.commit}"
     blobs = {
         str(blob_path(local, spec)): RemoteBlob(

@@ -13,7 +13,6 @@ import base64
 import hashlib
 import json
 import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -361,13 +360,6 @@ class HubServer:
 
     def __exit__(self, *exc):
         self.stop()
-
-
-def copy_repo(src: Path, dst: Path) -> Path:
-    """A copy of a model directory to serve (the server must not see files
-    a test later damages in the original)."""
-    shutil.copytree(src, dst)
-    return dst
 
 
 def main(argv=None) -> int:

@@ -41,6 +41,18 @@ def buffer_at(address: int, nbytes: int):
     return (ctypes.c_ubyte * nbytes).from_address(address)
 
 
+def scatter_record(record: np.ndarray, segments, dst_row, want_crc: bool) -> int:
+    """Copy a whole record's segments to their slot addresses; returns the
+    CRC-32 of the segment bytes when asked (else 0)."""
+    crc = 0
+    for (seg_off, nbytes), address in zip(segments, dst_row):
+        src = record[seg_off : seg_off + nbytes]
+        np.frombuffer(buffer_at(int(address), int(nbytes)), np.uint8)[:] = src
+        if want_crc:
+            crc = zlib.crc32(src, crc)
+    return crc
+
+
 def aligned_empty(nbytes: int, alignment: int = DIRECT_ALIGNMENT) -> np.ndarray:
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = (-raw.ctypes.data) % alignment
@@ -164,11 +176,7 @@ class PythonReader:
         if self.direct:
             record = self._bounce_buffer(stride)
             self._pread(fd, path, record, offset)
-            parts = []
-            for (seg_off, nbytes), address in zip(segments, dst_row):
-                src = record[seg_off : seg_off + nbytes]
-                np.frombuffer(buffer_at(int(address), int(nbytes)), np.uint8)[:] = src
-                parts.append(src)
+            return scatter_record(record, segments, dst_row, want_crc)
         else:
             parts = []
             for (seg_off, nbytes), address in zip(segments, dst_row):
@@ -276,13 +284,7 @@ class PythonStaging:
         except Exception:
             self._release(slot)
             return None
-        buf = self._buffers[slot]
-        crc = 0
-        for (seg_off, nbytes), address in zip(segments, dst_row):
-            src = buf[seg_off : seg_off + nbytes]
-            np.frombuffer(buffer_at(int(address), int(nbytes)), np.uint8)[:] = src
-            if want_crc:
-                crc = zlib.crc32(src, crc)
+        crc = scatter_record(self._buffers[slot], segments, dst_row, want_crc)
         self._release(slot)
         return crc
 

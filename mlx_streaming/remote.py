@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import ExpertReadError
 from .format import LayerSpec, record_checksum
-from .readers import PythonReader, aligned_empty, buffer_at
+from .readers import PythonReader, aligned_empty, scatter_record
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,12 @@ class DiskCache:
         self.users = 1  # models of this process that share it (open_cache)
         self._scan()
 
+    def set_cap(self, cap_bytes: int) -> None:
+        """Change the cap (evicting down to it now)."""
+        with self._lock:
+            self.cap = int(cap_bytes)
+            self._make_room(0)
+
     def _scan(self) -> None:
         found = []
         for f in self.root.rglob("*"):
@@ -445,13 +451,7 @@ class RemoteReader(PythonReader):
         records = self.records(file, experts)
         crcs = np.zeros(len(experts), dtype=np.uint32)
         for i, record in enumerate(records):
-            parts = []
-            for (seg_off, nbytes), address in zip(segments, dst[i]):
-                src = record[seg_off : seg_off + nbytes]
-                np.frombuffer(buffer_at(int(address), int(nbytes)), np.uint8)[:] = src
-                parts.append(src)
-            if checksum[i]:
-                crcs[i] = record_checksum(parts)
+            crcs[i] = scatter_record(record, segments, dst[i], bool(checksum[i]))
         return crcs
 
     def read_record(self, file: int, buf: np.ndarray, offset: int) -> None:
