@@ -34,7 +34,7 @@ from .discover import (
     quantization_of,
 )
 from . import mtp
-from .errors import ConversionError, FormatError
+from .errors import ConversionError, FormatError, first_line
 from .format import (
     MtpSpec,
     SpineFile,
@@ -643,7 +643,7 @@ def upload(out: Path, repo_id: str, endpoint: Optional[str] = None,
     except Exception as e:
         raise ConversionError(
             f"cannot upload {out} to {repo_id} ({type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0]}); log in with `hf auth login` or set HF_TOKEN, "
+            f"{first_line(e)}); log in with `hf auth login` or set HF_TOKEN, "
             "and check the repo id") from None
     return str(info)
 

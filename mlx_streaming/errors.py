@@ -10,6 +10,12 @@ class StreamingError(Exception):
         return " ".join(super().__str__().split())
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type when empty), for
+    one-line errors that quote another library's."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 class FormatError(StreamingError):
     """A stream directory is missing, incomplete or of an unknown version."""
 

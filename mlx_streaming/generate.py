@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .cli import run_main
 from .config import add_config_flags, config_from_args
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 
 # Heavy imports (mlx, mlx-lm) happen inside main's body, where an
 # interrupt during start-up is one line, not a traceback.
@@ -135,7 +135,7 @@ def _responses(args, model, tokenizer, prompt, sampler):
             drafter = mlx_lm.load(args.draft_model)[0]
         except Exception as e:  # mlx-lm and huggingface_hub raise many kinds
             raise ConfigError(f"--draft-model {args.draft_model} cannot be loaded by mlx-lm "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              f"({type(e).__name__}: {first_line(e)}); "
                               "give an mlx-lm model directory or repo id") from None
         draft = speculative.ModelDraft(drafter, temp=args.temp)
     elif args.draft == "mtp":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from .config import StreamConfig
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, FormatError, first_line
 from .format import EXPERTS_DIR, MANIFEST_NAME, Manifest, blob_path
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -93,19 +93,15 @@ def resolve(repo_id: str, revision: Optional[str], endpoint: Optional[str]) -> H
             f"{repo_id} is neither a local directory nor a model repo on {where} (a private "
             "repo needs `hf auth login` or HF_TOKEN)") from None
     except HfHubHTTPError as e:
-        raise FormatError(f"the Hub at {where} refused {repo_id}: {_line(e)}") from None
+        raise FormatError(f"the Hub at {where} refused {repo_id}: {first_line(e)}") from None
     except Exception as e:  # network errors come as httpx's
         raise HubUnreachable(f"cannot reach the Hub at {where} for {repo_id} "
-                             f"({type(e).__name__}: {_line(e)}); check the network") from None
+                             f"({type(e).__name__}: {first_line(e)}); check the network") from None
     return HubRepo(repo_id, info.sha, files, endpoint)
 
 
 class HubUnreachable(FormatError):
     """The Hub did not answer (a network error, not a refusal)."""
-
-
-def _line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def download_metadata(repo: HubRepo, config: StreamConfig) -> Path:
@@ -120,7 +116,7 @@ def download_metadata(repo: HubRepo, config: StreamConfig) -> Path:
             cache_dir=str(cache_root(config) / "hub"), etag_timeout=config.fetch_timeout,
             ignore_patterns=[f"{EXPERTS_DIR}/*.blob"]))
     except Exception as e:
-        raise FormatError(f"cannot download {repo.repo_id} ({type(e).__name__}: {_line(e)}); "
+        raise FormatError(f"cannot download {repo.repo_id} ({type(e).__name__}: {first_line(e)}); "
                           "check the network and the disk") from None
 
 
@@ -193,7 +189,7 @@ def open_model(name: str, revision: Optional[str], config: StreamConfig):
     from .hubconvert import convert_repo
 
     dst = cache_root(config) / "converted" / f"{name.replace('/', '--')}--{repo.commit}"
-    return convert_repo(repo, dst, config), None
+    return convert_repo(repo, dst), None
 
 
 def _offline(name: str, revision: Optional[str], config: StreamConfig, error: Exception):

@@ -26,7 +26,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.utils import infer_quant_config, load_model, save_config
 
-from .config import StreamConfig
 from .converter import TOKENIZER_PATTERNS, _expert_tensors, find_top_k, write_layer
 from .discover import find_expert_blocks, layer_index, num_experts
 from .errors import ConversionError
@@ -52,7 +51,7 @@ def _say(msg: str) -> None:
     print(f"[mlx_streaming] {msg}", file=sys.stderr, flush=True)
 
 
-def convert_repo(repo, dst: Path, config: StreamConfig,
+def convert_repo(repo, dst: Path,
                  on_shard: Optional[Callable[[str], None]] = None) -> Path:
     """The stream directory of the plain mlx-lm model ``repo`` (a
     ``hub.HubRepo``), converted into ``dst`` unless already there.

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .errors import ExpertReadError
+from .errors import ExpertReadError, first_line
 from .format import LayerSpec, record_checksum
 from .readers import PythonReader, aligned_empty, scatter_record
 
@@ -124,7 +124,7 @@ class RangeFetcher:
                         hf_raise_for_status(r)
                     except Exception as e:
                         raise ExpertFetchError(
-                            f"{url} answered HTTP {r.status_code} ({_first_line(e)}); "
+                            f"{url} answered HTTP {r.status_code} ({first_line(e)}); "
                             f"{_status_hint(r.status_code)}") from None
                     raise ExpertFetchError(f"{url} answered HTTP {r.status_code}")
                 skip = 0
@@ -137,7 +137,7 @@ class RangeFetcher:
         except self.httpx.TimeoutException:
             raise _Retry(f"no answer within {self.timeout:g} s") from None
         except self.httpx.TransportError as e:
-            raise _Retry(f"{type(e).__name__}: {_first_line(e)}") from None
+            raise _Retry(f"{type(e).__name__}: {first_line(e)}") from None
 
     def _deadline(self, nbytes: int) -> float:
         """When a try that reads ``nbytes`` gives up: a server that trickles
@@ -184,10 +184,6 @@ def _retry_after(header: Optional[str]) -> float:
         return max(0.0, float(header)) if header else 0.0
     except ValueError:
         return 0.0  # an HTTP date: fall back to our own backoff
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _status_hint(status: int) -> str:

@@ -226,7 +226,7 @@ def test_plain_mlx_lm_repo_is_converted_shard_by_shard(qwen, tmp_path):
 
     with HubServer({"org/plain": src}) as server:
         repo = hub.resolve("org/plain", None, server.url)
-        out = convert_repo(repo, work, mlx_streaming.StreamConfig(),
+        out = convert_repo(repo, work,
                            on_shard=lambda name: peak.append(disk_use(work.with_name(
                                work.name + ".partial"))))
         final = disk_use(out)
@@ -423,7 +423,7 @@ def test_conversions_of_one_repo_run_one_at_a_time(qwen, tmp_path):
 
         def run():
             try:
-                out.append(convert_repo(repo, tmp_path / "c", mlx_streaming.StreamConfig()))
+                out.append(convert_repo(repo, tmp_path / "c"))
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
