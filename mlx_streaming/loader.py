@@ -2,6 +2,7 @@
 experts are streamed from SSD through per-layer slot pools."""
 
 import threading
+from contextlib import contextmanager
 import warnings
 from dataclasses import replace
 import weakref
@@ -111,9 +112,16 @@ class Runtime:
                 self.trace.close()
             self.reader.close()
 
-    def between_calls(self) -> None:
-        """Runs before each call of the model, under its lock."""
-        self.pressure.between_calls()
+    @contextmanager
+    def call(self):
+        """One forward pass over the pools, from any thread: under the lock,
+        after the pressure watch, and with every pool reader evaluated at
+        the end (the model's ``__call__``, and MTP and hidden-state calls
+        that bypass it, run in this)."""
+        with self.lock:
+            self.pressure.between_calls()
+            yield
+            self.finish_pending()
 
     def resize(self, slots: int) -> None:
         """Give every paged pool ``slots`` slots (``pressure.py``)."""
@@ -263,10 +271,8 @@ def _serialize_calls(model: nn.Module) -> None:
     if cls is None:
 
         def __call__(self, *args, **kwargs):
-            with self.streaming.lock:
-                self.streaming.between_calls()
+            with self.streaming.call():
                 out = base.__call__(self, *args, **kwargs)
-                self.streaming.finish_pending()
             return out
 
         cls = type(base.__name__, (base,), {"__call__": __call__,

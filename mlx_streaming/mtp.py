@@ -181,7 +181,7 @@ class MtpDraft:
         self.proposed = False
 
     def _step(self, tokens: List[int], hidden: mx.array) -> mx.array:
-        with self.runtime.lock:
+        with self.runtime.call():
             embeds = self.model.model.embed_tokens(mx.array(tokens)[None])
             try:
                 h = self.layer(embeds, hidden[None], self.cache)[0]
@@ -192,7 +192,6 @@ class MtpDraft:
                     f"({type(e).__name__}: {str(e)[:120]}); use --draft ngram or "
                     "--draft-model") from None
             logits = self.model.lm_head(self.layer.shared_head.norm(h[-1:]))
-            self.runtime.finish_pending()
         return h, logits
 
     def propose(self, k: int) -> Tuple[List[int], Optional[np.ndarray]]:

@@ -161,11 +161,10 @@ def _forward(model, tokens: List[int], cache, hidden: bool):
     if not hidden:
         return model(mx.array(tokens)[None], cache=cache)[0], None
     runtime = model.streaming
-    with runtime.lock:  # as a call of the model itself (loader._serialize_calls)
+    with runtime.call():  # as the model's own __call__ (loader._serialize_calls)
         h = model.model(mx.array(tokens)[None], cache)
         logits = model.lm_head(h)
         mx.eval(logits, h)
-        runtime.finish_pending()
     return logits[0], h[0]
 
 
