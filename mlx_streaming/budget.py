@@ -4,9 +4,14 @@ import os
 import subprocess
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
 from .config import StreamConfig
 from .errors import BudgetError
-from .format import Manifest
+from .format import DenseSpec, Manifest
 
 GB = 1e9
 
@@ -108,62 +113,160 @@ def max_slots(manifest: Manifest) -> int:
     return max(l.num_experts for l in manifest.layers)
 
 
-def plan_slots(manifest: Manifest, cfg: StreamConfig, spine_bytes: int,
-               available=available_memory_bytes) -> int:
-    """Slots per layer for this config.
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one memory budget is split (``stats(model)["memory"]``).
+
+    Per token, a spine layer that is not pinned is read whole, while an
+    expert slot saves a read only when a token routes to its expert (at
+    most ``top_k`` of ``num_experts`` per layer): a byte of pinned spine
+    saves at least as much as a byte of pool. So after the always-resident
+    spine (embeddings, head, norms, routers) and one token's experts per
+    layer, the spine layers are pinned first (leaving a ring of layer
+    buffers for the rest), and the pools get what remains.
+    """
+
+    budget: int  # bytes the split may use
+    source: str  # where the budget came from
+    base: int  # always-resident spine (safetensors)
+    slots: int  # expert slots per layer
+    pool: int  # bytes of all expert pools
+    pinned: Tuple[int, ...]  # layers whose dense record stays resident
+    streamed: Tuple[int, ...]  # layers read into the ring on every pass
+    ring_buffers: int
+    ring: int  # bytes of the ring
+    pinned_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.base + self.pinned_bytes + self.ring + self.pool
+
+    def report(self) -> dict:
+        return {
+            "budget_gb": self.budget / GB, "source": self.source,
+            "base_gb": self.base / GB, "pinned_layers": len(self.pinned),
+            "pinned_gb": self.pinned_bytes / GB, "streamed_layers": list(self.streamed),
+            "ring_buffers": self.ring_buffers, "ring_gb": self.ring / GB,
+            "pool_gb": self.pool / GB, "slots_per_layer": self.slots,
+            "total_gb": self.total / GB,
+        }
+
+
+def _split_spine(dense: Sequence[DenseSpec], room: int, buffers: int,
+                 pinned_layers: Optional[int]):
+    """``(pinned layers, streamed layers, ring buffers, ring bytes, pinned
+    bytes)`` for ``room`` bytes of spine memory: everything pinned when it
+    fits, else a ring and as many pins as the rest holds, spread over the
+    depth (each pinned layer gives the ring a layer's compute time to read
+    the next streamed one). ``room`` may come out short: the caller checks."""
+    total = sum(d.nbytes for d in dense)
+    if not dense or (pinned_layers is None and total <= room):
+        return tuple(d.layer for d in dense), (), 0, 0, total
+    count = len(dense) if pinned_layers is None else min(pinned_layers, len(dense))
+    ring_of = lambda pins: min(buffers, len(dense) - len(pins)) * max(  # noqa: E731
+        (d.nbytes for d in dense if d.layer not in pins), default=0)
+    while count > 0:
+        pins = _spread(dense, count)
+        pinned = sum(d.nbytes for d in dense if d.layer in pins)
+        if pinned_layers is not None or pinned + ring_of(pins) <= room:
+            break
+        count -= 1
+    pins = _spread(dense, count) if count > 0 else set()
+    streamed = tuple(d.layer for d in dense if d.layer not in pins)
+    ring_buffers = min(buffers, len(streamed))
+    return (tuple(d.layer for d in dense if d.layer in pins), streamed, ring_buffers,
+            ring_of(pins), sum(d.nbytes for d in dense if d.layer in pins))
+
+
+def _spread(dense: Sequence[DenseSpec], count: int) -> set:
+    if count >= len(dense):
+        return {d.layer for d in dense}
+    picks = np.linspace(0, len(dense) - 1, count).round().astype(int) if count else []
+    return {dense[i].layer for i in picks}
+
+
+def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
+                available=available_memory_bytes) -> MemoryPlan:
+    """Split the budget between the spine and the expert pools.
+
+    ``base_bytes`` is the always-resident spine. The budget is ``cache_gb``,
+    or what the OS says is available less ``reserve_gb``; with an explicit
+    ``slots_per_layer`` the pools are that size and the spine gets what is
+    available besides.
 
     Raises:
-        BudgetError: the budget holds fewer experts per layer than one call
-            needs (the message names the minimum), or an explicit size
-            needs more memory than is available (it names the most that
-            fits): refused here rather than killed by the OS later.
+        BudgetError: the budget holds less than the resident spine, one
+            token's experts and the ring (the message names the minimum),
+            or an explicit size needs more memory than is available (it
+            names the most that fits): refused here rather than killed by
+            the OS later.
     """
     need = min_slots(manifest)
     per_slot = bytes_per_slot(manifest)
+    dense = manifest.dense
+    buffers = cfg.spine_ring
+    # The least the spine can run in: base and a ring of the largest record.
+    least_spine = base_bytes + (min(buffers, len(dense)) * max(d.nbytes for d in dense)
+                                if dense else 0)
+    if dense and cfg.pinned_layers is not None:
+        pins = _split_spine(dense, 0, buffers, cfg.pinned_layers)
+        least_spine = base_bytes + pins[3] + pins[4]
+    avail = available()
+
     if cfg.slots_per_layer is not None:
         slots = cfg.slots_per_layer
         if slots < need:
             raise BudgetError(
                 f"slots_per_layer={slots} is below the minimum of {need} "
-                "(the experts one token routes to); use at least that"
-            )
+                "(the experts one token routes to); use at least that")
         slots = min(slots, max_slots(manifest))
-        _check_fits(f"slots_per_layer={cfg.slots_per_layer}", slots, per_slot, spine_bytes,
-                    available())
-        return slots
-
-    if cfg.cache_gb is not None:
-        slots = min(int(cfg.cache_gb * GB // per_slot), max_slots(manifest))
-        if slots >= need:
-            _check_fits(f"cache_gb={cfg.cache_gb:g}", slots, per_slot, spine_bytes, available())
-        budget = cfg.cache_gb * GB
-        source = f"cache budget {cfg.cache_gb:g} GB"
+        asked = f"slots_per_layer={cfg.slots_per_layer}"
+        budget, source = avail, f"available memory ({avail / GB:.2f} GB)"
+        # The advice keeps the spine resident when it can be: streaming it
+        # costs more reads than the slots it would make room for save.
+        whole = base_bytes + sum(d.nbytes for d in dense)
+        advice = whole if whole + need * per_slot <= avail else least_spine
+        _check_fits(asked, least_spine + slots * per_slot, avail, advice, per_slot)
     else:
-        # What the OS says this process can take (available, not just free:
-        # reclaimable page cache counts), less a reserve for everything else.
-        free = available()
-        budget = free - cfg.reserve_gb * GB - spine_bytes
-        source = (
-            f"available memory ({free / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve "
-            f"and {spine_bytes / GB:.2f} GB spine)"
-        )
-    slots = int(max(budget, 0) // per_slot)
-    if slots < need:
-        raise BudgetError(
-            f"{source} holds {max(slots, 0)} experts per layer, below the minimum of "
-            f"{need}: use --cache-gb {need * per_slot / GB:.3f} or more"
-        )
-    return min(slots, max_slots(manifest))
+        if cfg.cache_gb is not None:
+            budget, source = int(cfg.cache_gb * GB), f"cache budget {cfg.cache_gb:g} GB"
+        else:
+            # What the OS says this process can take (available, not just
+            # free: reclaimable page cache counts), less a reserve.
+            budget = int(avail - cfg.reserve_gb * GB)
+            source = f"available memory ({avail / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve)"
+        least = least_spine + need * per_slot
+        if budget < least:
+            spine = (f"the {base_bytes / GB:.3f} GB resident spine"
+                     + (f", {min(buffers, len(dense))} spine layer buffer(s)" if dense else ""))
+            raise BudgetError(
+                f"{source} holds less than {spine} and one token's experts ({need} per "
+                f"layer, {need * per_slot / GB:.3f} GB): use --cache-gb {least / GB:.3f} or more"
+                + ("" if dense else "; a stream directory of format version 2 (convert it "
+                   "again) can stream the spine layers too"))
+        slots = need
+
+    spine_room = budget - base_bytes - slots * per_slot
+    pinned, streamed, ring_buffers, ring, pinned_bytes = _split_spine(
+        dense, spine_room, buffers, cfg.pinned_layers)
+    if cfg.slots_per_layer is None:
+        left = budget - base_bytes - pinned_bytes - ring
+        slots = max(need, min(int(left // per_slot), max_slots(manifest)))
+        if cfg.cache_gb is not None:
+            _check_fits(f"cache_gb={cfg.cache_gb:g}",
+                        base_bytes + pinned_bytes + ring + slots * per_slot, avail,
+                        base_bytes + pinned_bytes + ring, per_slot)
+    return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
+                      ring_buffers, ring, pinned_bytes)
 
 
-def _check_fits(asked: str, slots: int, per_slot: int, spine_bytes: int, available: int) -> None:
-    if spine_bytes + slots * per_slot <= available:
+def _check_fits(asked: str, needs: int, available: int, spine: int, per_slot: int) -> None:
+    if needs <= available:
         return
-    most = max(0, int((available - spine_bytes) // per_slot))
-    advice = (f"use --slots-per-layer {most} (--cache-gb {most * per_slot / GB:.3f}) or less"
-              if most else "free memory or use a machine with more")
+    most = max(0, int((available - spine) // per_slot))
+    advice = (f"use --slots-per-layer {most} (--cache-gb {(spine + most * per_slot) / GB:.3f}) "
+              "or less" if most else "free memory or use a machine with more")
     raise BudgetError(
-        f"{asked} needs {(spine_bytes + slots * per_slot) / GB:.2f} GB with the "
-        f"{spine_bytes / GB:.2f} GB spine, but only {available / GB:.2f} GB of memory is "
-        f"available: {advice}"
+        f"{asked} needs {needs / GB:.2f} GB with the {spine / GB:.2f} GB spine, but only "
+        f"{available / GB:.2f} GB of memory is available: {advice}"
     )

@@ -24,6 +24,9 @@ VERIFY_CHOICES = ("first-read", "always", "off")
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 
 DEFAULT_RESERVE_GB = 2.0
+# Streamed spine layers: one computing, one being read (spine.py).
+DEFAULT_SPINE_RING = 2
+MAX_SPINE_RING = 8
 # Below this much available memory the pools give memory back (pressure.py).
 DEFAULT_PRESSURE_GB = 0.5
 DEFAULT_PREFETCH_MAX_TOKENS = 8
@@ -59,10 +62,17 @@ class StreamConfig:
     says what it means; ``load()`` and ``generate`` take them all)."""
 
     cache_gb: Optional[float] = _option(
-        None, "expert slot memory for all layers in GB (default: from available memory, "
-        "less a reserve)", type=float)
+        None, "memory for the model's weights in GB: the resident spine, then spine layers "
+        "(those that do not fit are streamed), then expert slots (default: available "
+        "memory less a reserve)", type=float)
     slots_per_layer: Optional[int] = _option(
         None, "experts resident per layer (overrides cache_gb)", type=int)
+    pinned_layers: Optional[int] = _option(
+        None, "spine layers kept resident; the others are read on every pass (default: "
+        "as many as the budget holds)", type=int)
+    spine_ring: int = _option(
+        DEFAULT_SPINE_RING, f"layer buffers that streamed spine layers take turns in "
+        f"(1-{MAX_SPINE_RING}); 2 reads the next layer while one computes", type=int)
     io: str = _option("auto", "expert reader: the C++ extension, Python, or native "
                       "when built", choices=IO_CHOICES)
     direct_io: Optional[bool] = _option(
@@ -125,6 +135,8 @@ class StreamConfig:
         _check_number("cache_gb", self.cache_gb, float, low=0, high=MAX_GB, open_low=True,
                       optional=True)
         _check_number("slots_per_layer", self.slots_per_layer, int, low=1, optional=True)
+        _check_number("pinned_layers", self.pinned_layers, int, low=0, optional=True)
+        _check_number("spine_ring", self.spine_ring, int, low=1, high=MAX_SPINE_RING)
         _check_number("io_threads", self.io_threads, int, low=1, high=MAX_IO_THREADS)
         _check_number("prefetch_width", self.prefetch_width, int, low=1, optional=True)
         _check_number("prefetch_max_tokens", self.prefetch_max_tokens, int, low=1)

@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -27,16 +27,22 @@ from mlx_lm.utils import load_model, make_shards, quantize_model, save_config
 
 from .discover import (
     find_expert_blocks,
+    get_module,
     input_dims_of,
     layer_index,
+    layers_path,
     num_experts,
+    parent_path,
     probe_top_k,
     quantization_of,
+    router_paths,
 )
 from . import mtp
 from .errors import ConversionError, FormatError, first_line
 from .format import (
+    DenseSpec,
     MtpSpec,
+    spine_dir,
     SpineFile,
     file_crc32,
     CONVERT_STATE_NAME,
@@ -298,6 +304,8 @@ def _clear_dst(dst: Path) -> None:
                 f.unlink()
         if not any(experts.iterdir()):
             experts.rmdir()
+    if spine_dir(dst).is_dir():
+        shutil.rmtree(spine_dir(dst))
     names = {"model.safetensors.index.json", CONVERT_STATE_NAME, "config.json"}
     for pattern in (*TOKENIZER_PATTERNS, "model*.safetensors", "*.tmp*"):
         names.update(f.name for f in dst.glob(pattern) if f.is_file())
@@ -490,6 +498,7 @@ def _prepare_model(model, config, src, quantize, q_bits, q_group_size, q_mode, d
 def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprint, options,
                     progress, on_layer) -> Path:
     layers, streamed = [], set()
+    keep = resident_modules(model, blocks)
     total = sum(num_experts(b) for _, b in blocks)
     bar = _progress_bar(total, progress)
     for ordinal, (path, block) in enumerate(blocks):
@@ -513,15 +522,113 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
     bar.close()
 
     mtp_spec = _convert_mtp(model, config, src_path, dst, layers[-1].top_k, options, bar)
+    dense = _convert_dense(model, blocks, keep, streamed, dst)
+    streamed.update(f"{d.prefix}.{s.name}" for d in dense for s in d.segments)
     _write_spine(model, streamed, dst)
     save_config(dict(config), dst / "config.json")
     _copy_tokenizer(src_path, dst)
     _fsync_written(dst)
     source = {"model": str(src), "fingerprint": fingerprint, "options": options}
     write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source, spine_manifest(dst),
-                                 mtp_spec))
+                                 mtp_spec, dense))
     state.path.unlink(missing_ok=True)
     return dst
+
+
+def resident_modules(model, blocks) -> set:
+    """Module paths that stay out of the dense records: the expert blocks
+    and their routers (prefetch scores the next layer's router before that
+    layer's record is read). Call before the experts are released."""
+    keep = set()
+    for path, block in blocks:
+        keep.update(router_paths(model, path, num_experts(block), input_dims_of(block)))
+        keep.add(path)
+    return keep
+
+
+def dense_tensors(model, blocks, keep: set) -> Dict[str, Dict[str, mx.array]]:
+    """Per transformer layer prefix (``model.layers.3``), the tensors that go
+    into its dense record: every tensor of the layer with two or more axes
+    (attention, shared experts, dense MLP) outside the modules ``keep``.
+    Norms, biases and other vectors stay in the resident spine."""
+    lists = {layers_path(path) for path, _ in blocks} - {None}
+    out: Dict[str, Dict[str, mx.array]] = {}
+    for name, value in tree_flatten(model.parameters()):
+        for lst in lists:
+            if not name.startswith(lst + "."):
+                continue
+            index, rest = name[len(lst) + 1:].split(".", 1)
+            module = parent_path(name)
+            if (not index.isdigit() or value.ndim < 2
+                    or any(module == k or module.startswith(k + ".") for k in keep)):
+                continue
+            out.setdefault(f"{lst}.{index}", {})[rest] = value
+    return out
+
+
+def _convert_dense(model, blocks, keep: set, streamed: set,
+                   dst: Path) -> Tuple[DenseSpec, ...]:
+    """Write one record of each layer's dense tensors to ``spine/``."""
+    start_dense(dst)
+    specs = []
+    for prefix, tensors in sorted(dense_tensors(model, blocks, keep).items(),
+                                  key=lambda kv: int(kv[0].rsplit(".", 1)[1])):
+        tensors = {k: v for k, v in tensors.items() if f"{prefix}.{k}" not in streamed}
+        if not tensors:
+            continue
+        mx.eval(list(tensors.values()))
+        data = {k: (dtype_name(v.dtype), v.shape, np.array(v.reshape(-1).view(mx.uint8),
+                                                            copy=False))
+                for k, v in tensors.items()}
+        specs.append(write_dense(dst, prefix, data, dense_quantization(model, prefix, tensors)))
+        # Free the layer's evaluated tensors before the next one.
+        model.update(tree_unflatten([(f"{prefix}.{k}", mx.array([])) for k in tensors]))
+    fsync_path(spine_dir(dst))
+    return tuple(specs)
+
+
+def start_dense(dst: Path) -> None:
+    """An empty ``spine/`` for the dense records."""
+    out = spine_dir(dst)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+
+
+def dense_quantization(model, prefix: str, names) -> Dict[str, dict]:
+    """``{module: {bits, group_size, mode}}`` of the quantized modules that
+    own the tensors ``names`` (relative to ``prefix``)."""
+    out = {}
+    for k in names:
+        module = get_module(model, parent_path(f"{prefix}.{k}"))
+        if "scales" in module and hasattr(module, "bits"):
+            q = {"bits": module.bits, "group_size": module.group_size, "mode": module.mode}
+            if module.get("global_scale") is not None:
+                q["global_scale"] = True
+            out[parent_path(k)] = q
+    return out
+
+
+def write_dense(dst: Path, prefix: str, tensors, quantization: Dict[str, dict]) -> DenseSpec:
+    """Write the dense record of the layer at ``prefix``; ``tensors`` maps
+    each name (relative to ``prefix``) to ``(dtype name, shape, bytes)``,
+    ``bytes`` a uint8 array. Returns its manifest entry."""
+    names = sorted(tensors)
+    layout = [(k, tensors[k][0], tuple(tensors[k][1]), tensors[k][2].nbytes) for k in names]
+    segments, nbytes = layout_record(layout)
+    record = np.zeros(nbytes, dtype=np.uint8)
+    for seg in segments:
+        record[seg.offset:seg.offset + seg.nbytes] = tensors[seg.name][2]
+    layer = int(prefix.rsplit(".", 1)[1])
+    file = f"layer{layer:03d}.blob"
+    tmp = spine_dir(dst) / (file + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(record.data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, spine_dir(dst) / file)
+    crc = record_checksum(record[s.offset:s.offset + s.nbytes] for s in segments)
+    return DenseSpec(layer, prefix, file, nbytes, segments, quantization, crc)
 
 
 def _convert_mtp(model, config, src_path: Path, dst: Path, top_k: int, options: dict,

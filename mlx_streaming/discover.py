@@ -108,18 +108,42 @@ def find_router(
     None when its parent has no recognisable router taking ``input_dims``
     inputs (e.g. latent MoE, whose experts see a projected input)."""
     parent = get_module(model, parent_path(block_path))
-    for _, child in parent.children().items():
+    for _, child in _routers(parent, num_experts, input_dims):
+        owner = None
+        for candidate in (child, parent):
+            if "e_score_correction_bias" in candidate:
+                owner = candidate
+                break
+        return RouterScorer(child, owner)
+    return None
+
+
+def _routers(parent: nn.Module, num_experts: int, input_dims: int):
+    """``(name, module)`` of the children of ``parent`` that look like the
+    router of its ``num_experts``-expert block taking ``input_dims``."""
+    for name, child in parent.children().items():
         if isinstance(child, nn.Module) and _is_router(child, num_experts, input_dims):
             if isinstance(child, nn.QuantizedLinear):
-                in_dims = child.scales.shape[-1] * child.group_size
-                if in_dims != input_dims:
+                if child.scales.shape[-1] * child.group_size != input_dims:
                     continue
-            owner = None
-            for candidate in (child, parent):
-                if "e_score_correction_bias" in candidate:
-                    owner = candidate
-                    break
-            return RouterScorer(child, owner)
+            yield name, child
+
+
+def router_paths(model: nn.Module, block_path: str, num_experts: int,
+                 input_dims: int) -> List[str]:
+    """Module paths of the routers next to the block at ``block_path``."""
+    parent = parent_path(block_path)
+    return [f"{parent}.{name}" for name, _ in
+            _routers(get_module(model, parent), num_experts, input_dims)]
+
+
+def layers_path(block_path: str) -> Optional[str]:
+    """The path of the list of transformer layers a block sits in: its path
+    up to the first integer (``model.layers`` of ``model.layers.3.mlp.x``)."""
+    parts = block_path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i]) if i else None
     return None
 
 

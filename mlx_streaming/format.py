@@ -1,14 +1,19 @@
-"""The stream directory format, version 1 (see docs/FORMAT.md).
+"""The stream directory format, version 2 (see docs/FORMAT.md).
 
 A stream directory is an mlx-lm model directory whose routed experts were
-moved out of the safetensors into one blob per MoE layer:
+moved out of the safetensors into one blob per MoE layer, and whose
+per-layer dense weights into one record per transformer layer:
 
-    config.json, tokenizer files, model*.safetensors   (the resident spine)
+    config.json, tokenizer files, model*.safetensors   (the always-resident spine)
     experts/manifest.json                              (written last)
     experts/layer{L:03d}.blob                          (num_experts records)
+    spine/layer{L:03d}.blob                            (one dense record, version 2)
 
 Each blob holds one fixed-stride record per expert, so reading a missed
-expert is a single ``pread`` of ``stride`` bytes at ``expert * stride``.
+expert is a single ``pread`` of ``stride`` bytes at ``expert * stride``; a
+layer's dense weights (attention, shared experts, dense MLP) are one read.
+Version 1 directories (no dense records: the whole spine in safetensors)
+are still read.
 """
 
 import json
@@ -25,8 +30,12 @@ import mlx.core as mx
 from .errors import CorruptExpertError, FormatError
 
 FORMAT_NAME = "mlx_streaming.experts"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this package reads: 1 has no dense records.
+READ_VERSIONS = (1, 2)
 EXPERTS_DIR = "experts"
+# Version 2: the per-layer dense records (spine layers that may be streamed).
+SPINE_DIR = "spine"
 MANIFEST_NAME = "manifest.json"
 # Written while a conversion runs and removed when it completes.
 CONVERT_STATE_NAME = ".convert-state.json"
@@ -135,6 +144,28 @@ class MtpSpec:
 
 
 @dataclass(frozen=True)
+class DenseSpec:
+    """The dense weights of one transformer layer (version 2): one record of
+    ``nbytes`` (a multiple of ``RECORD_ALIGNMENT``) in ``spine/{file}``.
+    Segment names are relative to ``prefix`` (the layer's module path, e.g.
+    ``model.layers.3``); ``quantization`` gives, per module of the record
+    that is quantized (relative name), its ``{bits, group_size, mode}``."""
+
+    layer: int
+    prefix: str
+    file: str
+    nbytes: int
+    segments: Tuple[Segment, ...]
+    quantization: Dict[str, dict]
+    crc32: int
+
+    @property
+    def tensor_nbytes(self) -> int:
+        """Bytes the layer's tensors occupy in memory (the record without padding)."""
+        return sum(s.nbytes for s in self.segments)
+
+
+@dataclass(frozen=True)
 class Manifest:
     version: int
     layers: Tuple[LayerSpec, ...]
@@ -142,6 +173,13 @@ class Manifest:
     spine: Tuple[SpineFile, ...] = ()
     # Multi-token-prediction layers (mtp.py): their spine file and expert blobs.
     mtp: Optional["MtpSpec"] = None
+    # Version 2: per-layer dense records, in layer order (empty: all in spine).
+    dense: Tuple[DenseSpec, ...] = ()
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of all dense records' tensors (in memory when all resident)."""
+        return sum(d.tensor_nbytes for d in self.dense)
 
     @property
     def expert_nbytes(self) -> int:
@@ -325,8 +363,45 @@ def _manifest_from_dict(d) -> Manifest:
     source = d.get("source", {})
     spine = _spine_from_list(d["spine"]) if "spine" in d else ()
     mtp = _mtp_from_dict(d["mtp"], specs) if d.get("mtp") is not None else None
+    dense = _dense_from_list(d["dense"]) if d.get("version") >= 2 and "dense" in d else ()
     return Manifest(version=d["version"], layers=specs,
-                    source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp)
+                    source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp,
+                    dense=dense)
+
+
+def dense_from_dict(d, where: str = "dense") -> DenseSpec:
+    """A ``DenseSpec`` from its manifest entry, every field checked."""
+    nbytes = _nonneg(_get(d, "nbytes", int, where), f"{where}.nbytes", 1)
+    if nbytes % RECORD_ALIGNMENT:
+        raise _Malformed(f"{where}.nbytes {nbytes} is not a multiple of {RECORD_ALIGNMENT}")
+    segs = _get(d, "segments", list, where)
+    if not segs:
+        raise _Malformed(f"{where} has no segments")
+    segments = tuple(_segment_from_dict(s, f"{where}.segments[{i}]") for i, s in enumerate(segs))
+    _check_record_layout(segments, nbytes, where)
+    file = _get(d, "file", str, where)
+    if Path(file).name != file or file in ("", ".", ".."):
+        raise _Malformed(f"{where}.file {file!r} must be a plain file name")
+    layer = _nonneg(_get(d, "layer", int, where), f"{where}.layer")
+    quantization = _quantization_from_dict(_get(d, "quantization", dict, where), where)
+    if any(q is None for q in quantization.values()):
+        raise _Malformed(f"{where}.quantization lists an unquantized module")
+    crc = _get(d, "crc32", int, where)
+    if not 0 <= crc < 1 << 32:
+        raise _Malformed(f"{where}.crc32 is not an unsigned 32-bit integer")
+    return DenseSpec(layer=layer, prefix=_get(d, "prefix", str, where), file=file,
+                     nbytes=nbytes, segments=segments, quantization=quantization, crc32=crc)
+
+
+def _dense_from_list(entries) -> Tuple[DenseSpec, ...]:
+    if not isinstance(entries, list):
+        raise _Malformed("dense is not a list")
+    specs = tuple(dense_from_dict(e, f"dense[{i}]") for i, e in enumerate(entries))
+    for what in ("layer", "prefix", "file"):
+        values = [getattr(s, what) for s in specs]
+        if len(set(values)) != len(values):
+            raise _Malformed(f"two dense records share a {what}")
+    return specs
 
 
 def _mtp_from_dict(d, main: Tuple[LayerSpec, ...]) -> "MtpSpec":
@@ -355,6 +430,7 @@ def manifest_to_dict(manifest: Manifest) -> dict:
         **({"mtp": {"spine": asdict(manifest.mtp.spine),
                     "layers": [asdict(l) for l in manifest.mtp.layers]}}
            if manifest.mtp is not None else {}),
+        **({"dense": [asdict(d) for d in manifest.dense]} if manifest.version >= 2 else {}),
     }
 
 
@@ -418,10 +494,10 @@ def read_manifest(path, blobs: bool = True) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
         raise FormatError(f"{mpath} is not an mlx_streaming manifest; re-convert the model")
     version = d.get("version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in READ_VERSIONS or isinstance(version, bool):
         raise FormatError(
             f"{mpath} has format version {version!r}, this mlx_streaming reads "
-            f"version {FORMAT_VERSION}; upgrade mlx_streaming or re-convert"
+            f"versions {', '.join(map(str, READ_VERSIONS))}; upgrade mlx_streaming or re-convert"
         )
     try:
         manifest = _manifest_from_dict(d)
@@ -430,7 +506,44 @@ def read_manifest(path, blobs: bool = True) -> Manifest:
     if blobs:
         for spec in manifest.layers + (manifest.mtp.layers if manifest.mtp else ()):
             check_blob_size(path, spec)
+    for spec in manifest.dense:
+        check_dense_size(path, spec)
     return manifest
+
+
+def spine_dir(path) -> Path:
+    return Path(path) / SPINE_DIR
+
+
+def dense_path(path, spec: DenseSpec) -> Path:
+    return spine_dir(path) / spec.file
+
+
+def check_dense_size(path, spec: DenseSpec) -> None:
+    f = dense_path(path, spec)
+    try:
+        size = f.stat().st_size
+    except FileNotFoundError:
+        raise FormatError(f"layer {spec.layer}: dense record {f} is missing; "
+                          "re-convert the model") from None
+    if size < spec.nbytes:
+        raise FormatError(f"layer {spec.layer}: dense record {f} is truncated ({size} of "
+                          f"{spec.nbytes} bytes); re-convert the model")
+
+
+def read_dense(path, spec: DenseSpec) -> bytearray:
+    """A whole dense record (for checks and tools, not the hot path)."""
+    buf = bytearray(spec.nbytes)
+    with open(dense_path(path, spec), "rb", buffering=0) as f:
+        n = f.readinto(memoryview(buf))
+    if n != spec.nbytes:
+        raise FormatError(f"layer {spec.layer}: dense record is truncated; re-convert")
+    return buf
+
+
+def dense_checksum(record, spec: DenseSpec) -> int:
+    view = memoryview(record)
+    return record_checksum(view[s.offset : s.offset + s.nbytes] for s in spec.segments)
 
 
 def blob_path(path, spec: LayerSpec) -> Path:
@@ -566,6 +679,13 @@ def verify_spine(path, manifest: Manifest) -> List[str]:
         f = Path(path) / s.name
         if not f.is_file() or f.stat().st_size != s.nbytes or _crc_or_none(f) != s.crc32:
             bad.append(s.name)
+    for d in manifest.dense:
+        try:
+            ok = dense_checksum(read_dense(path, d), d) == d.crc32
+        except (OSError, FormatError):
+            ok = False
+        if not ok:
+            bad.append(f"{SPINE_DIR}/{d.file}")
     return bad
 
 

@@ -172,6 +172,12 @@ def main(argv=None) -> int:
         print(f"[mlx_streaming] reader: {report['io']} ({report['io_reason']}); "
               f"{report['slots_per_layer']}/{report['num_experts']} experts per layer "
               f"resident ({report['residency']})", file=sys.stderr)
+        memory = report["memory"]
+        if memory["streamed_layers"]:
+            print(f"[mlx_streaming] spine: {memory['pinned_layers']} layers resident, "
+                  f"{len(memory['streamed_layers'])} streamed through "
+                  f"{memory['ring_buffers']} buffers ({memory['ring_gb']:.3f} GB); budget "
+                  f"{memory['budget_gb']:.2f} GB from {memory['source']}", file=sys.stderr)
         prompt = format_prompt(tokenizer, args.prompt, args.ignore_chat_template)
         if not (tokenizer.encode(prompt) if isinstance(prompt, str) else prompt):
             raise ConfigError("the prompt encodes to no tokens; pass some text with --prompt")

@@ -15,12 +15,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, load_tokenizer
 
-from . import budget, hub, mtp
+from . import budget, hub, mtp, spine
 from .block import Paged, Resident, StreamingExperts
 from .config import StreamConfig, config_fields
 from .discover import (
     find_expert_blocks,
     find_router,
+    get_module,
     input_dims_of,
     num_experts,
     projections,
@@ -51,6 +52,7 @@ from .prefetch import (
 )
 from .readers import PythonReader, direct_io_works
 from .speculative import SpecStats
+from .spine import SpineRing
 from .stats import Events, Stats, TraceWriter
 from .store import ExpertStore
 
@@ -60,13 +62,16 @@ class Runtime:
     reader, the stores and the observers. ``model.streaming`` holds it."""
 
     def __init__(self, config: StreamConfig, manifest: Manifest, reader, io_reason: str,
-                 slots: int, direct_io_reason: str):
+                 plan: budget.MemoryPlan, direct_io_reason: str):
         self.config = config
         self.manifest = manifest
         self.reader = reader
         self.io_reason = io_reason
         self.direct_io_reason = direct_io_reason
-        self.slots = slots
+        self.plan = plan
+        self.slots = slots = plan.slots
+        self.ring: Optional[SpineRing] = None  # streamed spine layers (spine.py)
+        self.spine_reader = None  # the ring's own reader, when the experts' is remote
         # Paged pools are rewritten in place: one forward pass at a time.
         self.lock = threading.RLock()
         self.closed = False
@@ -110,6 +115,10 @@ class Runtime:
             self.closed = True
             if self.trace is not None:
                 self.trace.close()
+            if self.ring is not None:
+                self.ring.close()
+            if self.spine_reader is not None:
+                self.spine_reader.close()
             self.reader.close()
 
     @contextmanager
@@ -141,6 +150,8 @@ class Runtime:
         mx.eval(pending)
         for p in self.residencies:
             p.pending = []
+        if self.ring is not None:
+            self.ring.finish()
 
 
 def load(
@@ -209,6 +220,7 @@ def load(
         manifest = _attach_mtp(model, path, manifest, model_config, config)
     runtime = _build_runtime(path, manifest, config, repo)
     try:
+        _install_spine(model, path, manifest, runtime)
         _install_blocks(model, path, manifest, runtime)
         mx.eval(model.parameters() if not lazy else [s.pool.arrays for s in runtime.stores])
     except BaseException:
@@ -217,11 +229,11 @@ def load(
     runtime.stats.reset()
     model.streaming = runtime
     weakref.finalize(model, runtime.close)
-    if runtime.paged:
-        if config.pressure_gb > 0:
-            runtime.pressure = PressureWatch(runtime, int(config.pressure_gb * budget.GB),
-                                             budget.bytes_per_slot(manifest),
-                                             budget.min_slots(manifest))
+    if runtime.paged and config.pressure_gb > 0:
+        runtime.pressure = PressureWatch(runtime, int(config.pressure_gb * budget.GB),
+                                         budget.bytes_per_slot(manifest),
+                                         budget.min_slots(manifest))
+    if runtime.paged or runtime.ring is not None:
         _serialize_calls(model)
     tokenizer = load_tokenizer(
         path, tokenizer_config, eos_token_ids=model_config.get("eos_token_id")
@@ -287,7 +299,8 @@ def _load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_
         check_safetensors(f)
     try:
         model, model_config = load_model(path, lazy=True, strict=False,
-                                         model_config=model_config or {},
+                                         model_config=_dense_quantization(path, manifest,
+                                                                          model_config or {}),
                                          trust_remote_code=trust_remote_code)
     except (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError) as e:
         raise FormatError(f"cannot build the model in {path}: {e}") from None
@@ -308,8 +321,26 @@ def _load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_
     return model, model_config
 
 
+def _dense_quantization(path: Path, manifest: Manifest, model_config: dict) -> dict:
+    """``model_config`` with a per-module quantization entry (mlx-lm's own
+    per-layer mechanism) for each quantized module of the dense records:
+    mlx-lm quantizes a module only when the safetensors hold its scales,
+    and theirs are in the records."""
+    extra = {f"{d.prefix}.{name}": q for d in manifest.dense for name, q in d.quantization.items()}
+    if not extra:
+        return model_config
+    import json
+    on_disk = json.loads((path / "config.json").read_text())
+    base = model_config.get("quantization", on_disk.get("quantization"))
+    if not isinstance(base, dict):
+        raise FormatError(f"{path}/config.json has no quantization, but the dense records "
+                          "hold quantized weights; re-convert the model")
+    return {**model_config, "quantization": {**base, **extra}}
+
+
 def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> None:
     streamed = {f"{l.module}.{s.name}" for l in manifest.layers for s in l.segments}
+    streamed |= {f"{d.prefix}.{s.name}" for d in manifest.dense for s in d.segments}
     weights = {}
     for f in spine_files(path):
         try:
@@ -412,16 +443,36 @@ def choose_direct_io(config: StreamConfig, path: Path, manifest: Manifest,
 
 def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig,
                    repo: Optional["hub.HubRepo"] = None) -> Runtime:
-    spine = spine_bytes(path)
-    slots = budget.plan_slots(manifest, config, spine)
+    plan = budget.plan_memory(manifest, config, spine_bytes(path))
     if repo is not None:
         reader = hub.make_remote_reader(repo, path, manifest, config)
         return Runtime(config, manifest, reader, f"HTTP range requests to {repo.repo_id}",
-                       slots, "records come from the network and the disk cache")
-    resident = spine + slots * budget.bytes_per_slot(manifest)
-    direct, direct_reason = choose_direct_io(config, path, manifest, resident)
+                       plan, "records come from the network and the disk cache")
+    direct, direct_reason = choose_direct_io(config, path, manifest, plan.total)
     reader, reason = _make_reader(config, direct)
-    return Runtime(config, manifest, reader, reason, slots, direct_reason)
+    return Runtime(config, manifest, reader, reason, plan, direct_reason)
+
+
+def _install_spine(model: nn.Module, path: Path, manifest: Manifest, runtime: Runtime) -> None:
+    """Pinned spine layers read once into arrays of their own; the others
+    streamed through a ring of layer buffers (``spine.py``)."""
+    if not manifest.dense:
+        return
+    reader = runtime.reader
+    if reader.name == "remote":  # the dense records were downloaded with the spine
+        reader = runtime.spine_reader = PythonReader(runtime.config.io_threads)
+    plan = runtime.plan
+    for spec in manifest.dense:
+        if spec.layer in plan.pinned:
+            spine.load_pinned(model, path, spec, reader, runtime.config.verify)
+    streamed = [d for d in manifest.dense if d.layer not in plan.pinned]
+    if not streamed:
+        return
+    ring = spine.SpineRing(model, path, streamed, plan.ring_buffers, reader,
+                           runtime.config.verify)
+    runtime.ring = ring
+    for spec in streamed:
+        spine.stream_layer(get_module(model, spec.prefix), ring, spec.layer)
 
 
 def _prefetch_width(config: StreamConfig, spec: LayerSpec) -> int:

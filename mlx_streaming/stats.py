@@ -267,6 +267,8 @@ def stats(model) -> dict:
         report["remote"] = runtime.reader.report()
     report["speculative"] = runtime.speculative.report()
     report["pressure"] = runtime.pressure.report()
+    report["memory"] = runtime.plan.report()
+    report["spine"] = runtime.ring.stats.report() if runtime.ring is not None else None
     staging = getattr(runtime, "staging", None)
     if staging is not None:
         # Dropped records whose reads had not started cost no bytes.
@@ -293,5 +295,7 @@ def reset_stats(model) -> None:
     runtime.speculative.reset()
     if runtime.reader.name == "remote":
         runtime.reader.reset()
+    if runtime.ring is not None:
+        runtime.ring.reset_stats()
     if getattr(runtime, "staging", None) is not None:
         runtime.cancelled_at_reset = runtime.staging.cancelled()

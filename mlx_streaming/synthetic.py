@@ -23,8 +23,9 @@ from mlx_lm.utils import _get_classes, save_config
 
 from . import tiny
 from .discover import find_expert_blocks, layer_index
-from .converter import write_layer
-from .format import FORMAT_VERSION, Manifest, experts_dir, write_manifest
+from .converter import (dense_quantization, dense_tensors, resident_modules, start_dense,
+                        write_dense, write_layer)
+from .format import FORMAT_VERSION, dtype_name, Manifest, experts_dir, write_manifest
 
 QUANTIZATION = {"group_size": 64, "bits": 4, "mode": "affine"}
 
@@ -62,6 +63,35 @@ def _random_experts(rng: np.random.Generator, shapes: dict, num: int) -> dict:
             data = np.zeros(n, dtype=np.float32)
         out[name] = data.reshape(num, *shape)
     return out
+
+
+def _write_dense(out: Path, model, blocks, rng: np.random.Generator, progress):
+    """Dense records of random weights, one layer at a time: quantized
+    tensors drawn in their quantized form, others small normal floats."""
+    start_dense(out)
+    specs = []
+    keep = resident_modules(model, blocks)
+    for prefix, tensors in sorted(dense_tensors(model, blocks, keep).items(),
+                                  key=lambda kv: int(kv[0].rsplit(".", 1)[1])):
+        data = {}
+        for name, value in tensors.items():
+            n = int(np.prod(value.shape))
+            module, kind = name.rsplit(".", 1)
+            if kind == "weight" and value.dtype == mx.uint32:
+                array = np.frombuffer(rng.bytes(n * 4), dtype=np.uint32)
+            elif kind in ("scales", "biases") and f"{module}.weight" in tensors:
+                fan_in = tensors[f"{module}.scales"].shape[-1] * QUANTIZATION["group_size"]
+                step = 2.0 / np.sqrt(fan_in) / 15
+                array = np.full(n, step if kind == "scales" else -7.5 * step, dtype=np.float32)
+            else:
+                array = (rng.standard_normal(n, dtype=np.float32) * 0.02).astype(np.float32)
+            if value.dtype not in (mx.uint32, mx.float32):
+                array = np.array(mx.array(array).astype(value.dtype).view(mx.uint8), copy=False)
+            data[name] = (dtype_name(value.dtype), value.shape, array.view(np.uint8).ravel())
+        specs.append(write_dense(out, prefix, data, dense_quantization(model, prefix, tensors)))
+        if progress is not None:
+            progress(1)
+    return tuple(specs)
 
 
 def make_synthetic(
@@ -115,6 +145,10 @@ def make_synthetic(
             shards.append(shard)
         if progress is not None:
             progress(1)
+    dense = ()
+    if fmt == "stream":
+        dense = _write_dense(out, model, blocks, rng, progress)
+        streamed.update(f"{d.prefix}.{s.name}" for d in dense for s in d.segments)
     spine = {k: v for k, v in tree_flatten(model.parameters()) if k not in streamed}
     mx.save_safetensors(str(out / "model.safetensors"), spine, metadata={"format": "mlx"})
     save_config(config, out / "config.json")
@@ -123,5 +157,5 @@ def make_synthetic(
             (out / f.name).write_bytes(f.read_bytes())
     if fmt == "stream":
         source = {"model": "synthetic", "family": family, "seed": seed, "fingerprint": "synthetic"}
-        write_manifest(out, Manifest(FORMAT_VERSION, tuple(layers), source))
+        write_manifest(out, Manifest(FORMAT_VERSION, tuple(layers), source, dense=dense))
     return out

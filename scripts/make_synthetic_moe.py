@@ -34,27 +34,36 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--shared-intermediate", type=int, default=None,
+                   help="qwen2_moe: the shared expert's width (a wide spine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory (default: train one on local text)")
     args = p.parse_args(argv)
 
-    if args.family != "qwen3_moe":
-        raise SystemExit("only qwen3_moe sizes are exposed as flags; use "
+    if args.family not in ("qwen3_moe", "qwen2_moe"):
+        raise SystemExit("only qwen3_moe and qwen2_moe sizes are exposed as flags; use "
                          "mlx_streaming.synthetic.make_synthetic for other families")
+    extra = {}
+    if args.shared_intermediate is not None:
+        if args.family != "qwen2_moe":
+            raise SystemExit("--shared-intermediate needs --family qwen2_moe")
+        extra["shared_expert_intermediate_size"] = args.shared_intermediate
     start = time.perf_counter()
     tok = args.tokenizer or tiny.train_tokenizer(args.out.parent / f"{args.out.name}-tokenizer",
                                                  args.vocab)
     from tqdm import tqdm
 
-    with tqdm(total=args.layers, unit="layer", file=sys.stderr) as bar:
+    # Stream directories: each layer's experts, then each layer's dense record.
+    steps = args.layers * (2 if args.format == "stream" else 1)
+    with tqdm(total=steps, unit="layer", file=sys.stderr) as bar:
         synthetic.make_synthetic(
             args.out, tok, family=args.family, fmt=args.format, seed=args.seed,
             progress=bar.update, hidden_size=args.hidden_size,
             num_hidden_layers=args.layers, num_experts=args.experts,
             num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate,
             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-            head_dim=args.hidden_size // args.heads,
+            head_dim=args.hidden_size // args.heads, **extra,
         )
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"wrote {args.out} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s",

@@ -121,3 +121,34 @@ def reshard(src: Path, dst: Path, max_bytes: int) -> Path:
     (dst / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     return dst
+
+
+def downgrade_to_v1(stream_dir: Path, out: Path) -> Path:
+    """A copy of a version-2 stream directory in version 1's layout: the
+    dense records' tensors back in the spine safetensors, no ``spine/``."""
+    import json
+    import shutil
+
+    from mlx_streaming.format import (dense_path, dtype_from_name, manifest_path,
+                                      manifest_to_dict, read_manifest, spine_manifest)
+
+    stream_dir, out = Path(stream_dir), Path(out)
+    shutil.copytree(stream_dir, out, ignore=shutil.ignore_patterns("spine"))
+    manifest = read_manifest(stream_dir)
+    weights = {}
+    for f in sorted(out.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+        f.unlink()
+    for d in manifest.dense:
+        record = np.fromfile(dense_path(stream_dir, d), dtype=np.uint8)
+        for s in d.segments:
+            raw = mx.array(record[s.offset:s.offset + s.nbytes])
+            weights[f"{d.prefix}.{s.name}"] = raw.view(dtype_from_name(s.dtype)).reshape(s.shape)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    d = manifest_to_dict(manifest)
+    d["version"] = 1
+    d.pop("dense", None)
+    d["spine"] = [dict(name=s.name, nbytes=s.nbytes, crc32=s.crc32) for s in spine_manifest(out)]
+    manifest_path(out).write_text(json.dumps(d))
+    return out

@@ -35,7 +35,7 @@ def test_layout_aligns_segments_and_stride():
 def test_manifest_records_everything(qwen):
     src, stream_dir = qwen
     manifest = read_manifest(stream_dir)
-    assert manifest.version == 1
+    assert manifest.version == 2
     spec = manifest.layers[0]
     assert spec.module == "model.layers.0.mlp.switch_mlp"
     assert spec.file == "layer000.blob"
@@ -60,11 +60,33 @@ def test_record_bytes_equal_source_weights(qwen):
         assert rec[s.offset : s.offset + s.nbytes] == expected
 
 
+def test_dense_record_bytes_equal_source_weights(qwen):
+    """Version 2: each layer's attention is in its dense record, byte for
+    byte, and nowhere in the spine safetensors; norms and routers stay."""
+    from mlx_streaming.format import dense_path
+
+    src, stream_dir = qwen
+    weights = mx.load(str(src / "model.safetensors"))
+    spine = mx.load(str(stream_dir / "model.safetensors"))
+    for spec in read_manifest(stream_dir).dense:
+        record = dense_path(stream_dir, spec).read_bytes()
+        assert len(record) == spec.nbytes
+        names = {s.name for s in spec.segments}
+        assert "self_attn.q_proj.weight" in names and "mlp.gate.weight" not in names
+        for s in spec.segments:
+            full = f"{spec.prefix}.{s.name}"
+            expected = np.array(weights[full].reshape(-1).view(mx.uint8)).tobytes()
+            assert record[s.offset : s.offset + s.nbytes] == expected
+            assert full not in spine
+        assert f"{spec.prefix}.input_layernorm.weight" in spine
+        assert f"{spec.prefix}.mlp.gate.weight" in spine
+
+
 def test_unknown_version_is_refused(stream_copy):
     d = json.loads(manifest_path(stream_copy).read_text())
     d["version"] = 99
     manifest_path(stream_copy).write_text(json.dumps(d))
-    with pytest.raises(FormatError, match="format version 99.*reads version 1"):
+    with pytest.raises(FormatError, match="format version 99.*reads versions 1, 2"):
         mlx_streaming.load(stream_copy)
 
 

@@ -431,13 +431,15 @@ def test_explicit_pool_beyond_available_memory_is_refused(qwen):
     manifest = read_manifest(qwen[1])
     per_slot = budget.bytes_per_slot(manifest)
     spine = 10_000
-    available = lambda: spine + 6 * per_slot + 100  # noqa: E731
-    assert budget.plan_slots(manifest, StreamConfig(slots_per_layer=6), spine, available) == 6
+    dense = sum(d.nbytes for d in manifest.dense)  # fits beside the pool: stays resident
+    available = lambda: spine + dense + 6 * per_slot + 100  # noqa: E731
+    plan = lambda config: budget.plan_memory(manifest, config, spine, available)  # noqa: E731
+    assert plan(StreamConfig(slots_per_layer=6)).slots == 6
     with pytest.raises(BudgetError, match="only .* GB of memory is available: use "
                                           "--slots-per-layer 6 "):
-        budget.plan_slots(manifest, StreamConfig(slots_per_layer=8), spine, available)
+        plan(StreamConfig(slots_per_layer=8))
     with pytest.raises(BudgetError, match="--slots-per-layer 6 "):
-        budget.plan_slots(manifest, StreamConfig(cache_gb=8 * per_slot / 1e9), spine, available)
+        plan(StreamConfig(cache_gb=(spine + dense + 8 * per_slot) / 1e9))
 
 
 def test_explicit_pool_beyond_the_cgroup_is_refused_not_killed(tmp_path, tokenizer_dir):

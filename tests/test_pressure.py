@@ -133,6 +133,8 @@ def test_the_default_budget_is_what_the_os_says_is_available(qwen):
     manifest = read_manifest(qwen[1])
     per_slot = budget.bytes_per_slot(manifest)
     config = mlx_streaming.StreamConfig(reserve_gb=0)
-    assert budget.plan_slots(manifest, config, 0, available=lambda: 6 * per_slot) == 6
+    dense = sum(d.nbytes for d in manifest.dense)
+    plan = budget.plan_memory(manifest, config, 0, available=lambda: dense + 6 * per_slot)
+    assert plan.slots == 6 and plan.streamed == ()
     with pytest.raises(BudgetError, match="available memory"):
-        budget.plan_slots(manifest, config, 0, available=lambda: 2 * per_slot)
+        budget.plan_memory(manifest, config, 0, available=lambda: 2 * per_slot)

@@ -133,13 +133,16 @@ def test_budget_below_one_call_is_refused_with_the_minimum(qwen):
 
 
 def test_cache_gb_sizes_the_pools(qwen):
+    """The budget covers the spine first (it fits here), the pools the rest."""
     _, stream_dir = qwen
     manifest = read_manifest(stream_dir)
     per_slot = sum(l.expert_nbytes for l in manifest.layers)
-    model, _ = mlx_streaming.load(stream_dir, cache_gb=7.5 * per_slot / 1e9)
+    spine = mlx_streaming.loader.spine_bytes(stream_dir) + sum(d.nbytes for d in manifest.dense)
+    model, _ = mlx_streaming.load(stream_dir, cache_gb=(spine + 7.5 * per_slot) / 1e9)
     s = mlx_streaming.stats(model)
     assert s["slots_per_layer"] == 7
     assert s["cache_bytes"] == 7 * per_slot
+    assert s["memory"]["streamed_layers"] == [] and s["spine"] is None
 
 
 def test_default_budget_comes_from_free_memory(qwen):

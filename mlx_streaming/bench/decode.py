@@ -15,7 +15,6 @@ from pathlib import Path
 
 from ..config import DIRECT_IO_CHOICES
 from ..format import blob_path, read_manifest
-from ..loader import spine_bytes
 from . import routing
 from .common import (
     BenchError,
@@ -36,7 +35,8 @@ COLUMNS = [
     ("bound_serial_tps", "no-overlap", ".3g"), ("stall_share", "stall", ".0%"),
     ("prefetch_wasted_share", "pf wasted", ".0%"),
     ("vs_belady", "x MIN", ".2f"), ("peak_gb", "peak RSS GB", ".2f"),
-    ("mlx_peak_gb", "MLX peak GB", ".3f"), ("spine_pool_gb", "spine+pool GB", ".3f"),
+    ("mlx_peak_gb", "MLX peak GB", ".3f"), ("cgroup_peak_gb", "cgroup peak GB", ".3f"),
+    ("spine_pool_gb", "spine+pool GB", ".3f"),
 ]
 
 
@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pools", default="0.25,0.5",
                    help="pool sizes as fractions of each layer's experts")
     p.add_argument("--memory-limit-gb", type=float, default=None)
+    p.add_argument("--cache-gb", type=float, default=None,
+                   help="streaming cases load with this whole-model budget instead of "
+                        "--pools: the spine layers that do not fit are streamed")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each case")
     p.add_argument("--temp", type=float, default=0.0,
                    help="sampling temperature of the decode runs (0: greedy)")
@@ -71,7 +74,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
 
 
-def _summary(name, r, pool=None, spine_gb=None):
+def _summary(name, r, pool=None):
     row = dict(case=name, pool=pool, status=r["status"], peak_gb=r.get("peak_rss_bytes", 0) / 1e9,
                mlx_peak_gb=r.get("mlx_peak_bytes", 0) / 1e9,
                cgroup_peak_gb=r.get("cgroup_max_usage_bytes", 0) / 1e9 or None)
@@ -81,12 +84,17 @@ def _summary(name, r, pool=None, spine_gb=None):
         if s:
             t = s["total"]
             row["hit_rate"] = t["hit_rate"]
-            row["gb_per_token"] = t["bytes_read"] / r["decode_tokens"] / 1e9
+            # Streamed spine layers are read on every pass, as misses are.
+            spine_read = (s.get("spine") or {}).get("read_gb", 0.0)
+            row["gb_per_token"] = (t["bytes_read"] / 1e9 + spine_read) / r["decode_tokens"]
+            row["spine_gb_per_token"] = spine_read / r["decode_tokens"]
+            row["stall_share"] = ((t["stall_seconds"] + (s.get("spine") or {}).get("stall_s", 0))
+                                  / r["decode_s"])
             row["syncs_per_token"] = t["syncs"] / r["decode_tokens"]
-            row["stall_share"] = t["stall_seconds"] / r["decode_s"]
             row["prefetch_wasted_share"] = t.get("prefetch_wasted_read_share")
             row["cache_gb"] = s["cache_bytes"] / 1e9
-            row["spine_pool_gb"] = spine_gb + row["cache_gb"]
+            row["spine_pool_gb"] = s["memory"]["total_gb"]
+            row["memory"] = s["memory"]
             row["io"] = s["io"]
     return row
 
@@ -103,13 +111,22 @@ def run(args) -> dict:
                       dict(common, kind="mlx-lm", model=args.mlx_model), None))
         cases.append(("(b) mlx-lm lazy", None,
                       dict(common, kind="mlx-lm-lazy", model=args.mlx_model), args.memory_limit_gb))
+    elif args.cache_gb is not None:
+        # The compute reference: the same model with everything resident,
+        # no memory limit, the page cache warm.
+        cases.append(("(a) mlx_streaming all resident", None,
+                      dict(common, kind="streaming", model=str(stream_dir),
+                           load=dict(slots_per_layer=num_experts, io=args.io)), None))
     modes = args.verify.split(",")
     policies = args.policies.split(",") if args.policies else [None]
     prefetches = args.prefetch.split(",")
-    for pool in [float(p) for p in args.pools.split(",")]:
-        slots = pool_slots(manifest.layers[0], pool)
+    pools = [float(p) for p in args.pools.split(",")] if args.cache_gb is None else [None]
+    for pool in pools:
+        size = dict(cache_gb=args.cache_gb)
+        if pool is not None:
+            size = dict(slots_per_layer=pool_slots(manifest.layers[0], pool))
         for verify, policy, prefetch in itertools.product(modes, policies, prefetches):
-            load = dict(slots_per_layer=slots, io=args.io, prefetch=prefetch,
+            load = dict(size, io=args.io, prefetch=prefetch,
                         direct_io=DIRECT_IO_CHOICES[args.direct_io], verify=verify)
             if policy:
                 load["policy"] = policy
@@ -117,7 +134,7 @@ def run(args) -> dict:
                 f" {label}={value}" for label, value, choices in
                 [("verify", verify, modes), ("policy", policy, policies),
                  ("prefetch", prefetch, prefetches)] if len(choices) > 1)
-            cases.append((name, slots / num_experts,
+            cases.append((name, pool and size["slots_per_layer"] / num_experts,
                           dict(common, kind="streaming", model=str(stream_dir), load=load),
                           args.memory_limit_gb))
     # Rounds interleave the cases, so slow spells of a shared machine hit
@@ -129,10 +146,9 @@ def run(args) -> dict:
             runs[i].append(run_case(case, memory_limit_gb=limit, cold=args.cold,
                                     read_mbps=throttle))
     rows, raw = [], {}
-    spine_gb = spine_bytes(stream_dir) / 1e9
     for (name, pool, _, _), results in zip(cases, runs):
         raw[f"{name} {pool or ''}".strip()] = results
-        row = _summary(name, median_run(results), pool, spine_gb)
+        row = _summary(name, median_run(results), pool)
         row["load"] = results[0].get("load")
         row["runs_tps"] = [x.get("decode_tps") for x in results]
         rows.append(row)
@@ -141,7 +157,8 @@ def run(args) -> dict:
         drop_page_cache()
     blob = blob_path(stream_dir, manifest.layers[0])
     disk_gbps = disk_read_gbps(blob, manifest.layers[0].stride, read_mbps=args.read_mbps)
-    resident_tps = rows[0].get("decode_tps") if args.mlx_model else None
+    reference = args.mlx_model or args.cache_gb is not None
+    resident_tps = rows[0].get("decode_tps") if reference else None
     belady = _belady_gb_per_token(common, stream_dir, manifest, args) if args.mlx_model else {}
     for row in rows:
         if resident_tps and row.get("decode_tps"):

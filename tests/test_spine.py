@@ -1,0 +1,250 @@
+"""Spine streaming (format version 2): a model whose dense layers do not
+fit the budget streams them through a ring of layer buffers, bit-identical
+to mlx-lm running the same weights in memory; one budget split between the
+spine and the pools; version 1 directories still load."""
+
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_streaming
+from mlx_streaming import budget, spine
+from mlx_streaming.config import StreamConfig
+from mlx_streaming.errors import BudgetError, FormatError
+from mlx_streaming.format import dense_path, read_manifest
+from mlx_streaming.tiny_families import FAMILIES
+from helpers import (PROMPT, assert_same_logits, check_matches_resident, downgrade_to_v1,
+                     logits_trace)
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["q4", "f32"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_streams_its_spine_exactly(models, family, quantized):
+    """No spine layer pinned, two buffers, one token's experts per layer."""
+    src, stream_dir = models.get(family, quantized)
+    manifest = read_manifest(stream_dir)
+    assert manifest.version == 2 and manifest.dense, "the converter wrote no dense records"
+    top_k = max(l.top_k for l in manifest.layers)
+    model = check_matches_resident(src, stream_dir, slots_per_layer=top_k, pinned_layers=0)
+    report = mlx_streaming.stats(model)
+    assert report["memory"]["pinned_layers"] == 0
+    assert report["memory"]["streamed_layers"] == [d.layer for d in manifest.dense]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "qwen3_next", "kimi_k3"])
+@pytest.mark.parametrize("options", [
+    dict(pinned_layers=1, spine_ring=1),
+    dict(pinned_layers=0, spine_ring=3, prefetch="next-layer"),
+    dict(pinned_layers=0, io="python", direct_io=False),
+], ids=["one-buffer", "three-buffers-prefetch", "python-reader"])
+def test_ring_variants_are_exact(models, family, options):
+    """Shared experts (qwen2_moe, deepseek_v3, kimi_k3), dense first layers
+    (deepseek_v3, kimi_k3), a hybrid with linear attention (qwen3_next)."""
+    for quantized in (True, False):
+        src, stream_dir = models.get(family, quantized)
+        check_matches_resident(src, stream_dir, slots_per_layer=4, **options)
+
+
+def test_a_spine_larger_than_the_budget_is_streamed(models):
+    """The budget holds the resident part, one token's experts, the ring and
+    one pinned layer: the rest of the spine streams, output unchanged, and
+    every pass reads each streamed layer once."""
+    src, stream_dir = models.get("deepseek_v3", True, num_hidden_layers=6)
+    manifest = read_manifest(stream_dir)
+    assert len(manifest.dense) == 6
+    base = mlx_streaming.loader.spine_bytes(stream_dir)
+    per_slot = budget.bytes_per_slot(manifest)
+    record = max(d.nbytes for d in manifest.dense)
+    cache_gb = (base + 4 * per_slot + 3 * record) / 1e9
+    model = check_matches_resident(src, stream_dir, cache_gb=cache_gb)
+    report = mlx_streaming.stats(model)
+    memory = report["memory"]
+    assert memory["pinned_layers"] >= 1 and memory["ring_buffers"] == 2
+    assert len(memory["streamed_layers"]) == 6 - memory["pinned_layers"] >= 3
+    assert memory["total_gb"] <= cache_gb + 1e-12
+    assert memory["slots_per_layer"] == 4
+
+    model, _ = mlx_streaming.load(stream_dir, cache_gb=cache_gb)
+    logits_trace(model, steps=4)
+    ring = mlx_streaming.stats(model)["spine"]
+    passes = 5  # prefill and four decode steps
+    # Each pass reads every streamed layer (the last read may be the next
+    # pass's first layer, started ahead).
+    streamed = len(memory["streamed_layers"])
+    assert passes * streamed <= ring["reads"] <= passes * streamed + 1
+    assert ring["preloaded"] >= passes * streamed - passes
+    model.streaming.close()
+
+
+def test_the_budget_prefers_spine_layers_to_expert_slots(models):
+    src, stream_dir = models.get("qwen3_moe", True)
+    manifest = read_manifest(stream_dir)
+    per_slot = budget.bytes_per_slot(manifest)
+    dense = sum(d.nbytes for d in manifest.dense)
+    base = 50_000
+    plenty = lambda: 10**12  # noqa: E731
+    # Room for everything pinned and 6 slots.
+    plan = budget.plan_memory(manifest, StreamConfig(cache_gb=(base + dense + 6 * per_slot) / 1e9),
+                              base, plenty)
+    assert plan.streamed == () and plan.slots == 6 and plan.ring == 0
+    # One record short of the whole spine: a ring, pins, and the minimum pool.
+    cache = base + dense - 1 + 4 * per_slot
+    plan = budget.plan_memory(manifest, StreamConfig(cache_gb=cache / 1e9), base, plenty)
+    assert plan.streamed and plan.slots == 4 and plan.total <= cache
+    assert plan.ring == plan.ring_buffers * max(d.nbytes for d in manifest.dense)
+    assert len(plan.pinned) + len(plan.streamed) == len(manifest.dense)
+    # Pins are spread over the depth, not bunched at the front.
+    if len(plan.pinned) >= 2:
+        assert max(plan.pinned) > len(manifest.dense) // 2
+    # Below the minimum: refused, the minimum named.
+    least = base + 2 * max(d.nbytes for d in manifest.dense) + 4 * per_slot
+    with pytest.raises(BudgetError, match=r"use --cache-gb (\d+\.\d+) or more") as e:
+        budget.plan_memory(manifest, StreamConfig(cache_gb=(least - 1) / 1e9), base, plenty)
+    assert float(e.value.args[0].rsplit("--cache-gb ", 1)[1].split()[0]) * 1e9 >= least - 1e6
+    plan = budget.plan_memory(manifest, StreamConfig(cache_gb=least / 1e9), base, plenty)
+    assert plan.pinned == () and plan.slots == 4
+
+
+def test_explicit_pools_leave_the_spine_what_is_available(models):
+    src, stream_dir = models.get("qwen3_moe", True)
+    manifest = read_manifest(stream_dir)
+    per_slot = budget.bytes_per_slot(manifest)
+    record = max(d.nbytes for d in manifest.dense)
+    base = 50_000
+    available = lambda: base + 2 * record + 6 * per_slot + 100  # noqa: E731
+    plan = budget.plan_memory(manifest, StreamConfig(slots_per_layer=6, reserve_gb=0), base,
+                              available)
+    assert plan.slots == 6 and plan.ring_buffers == 2 and plan.total <= available()
+    # The advice keeps the whole spine resident when it fits beside one
+    # token's experts, else it counts on the ring.
+    whole = base + sum(d.nbytes for d in manifest.dense)
+    most = ((available() - whole) // per_slot if whole + 4 * per_slot <= available()
+            else (available() - base - 2 * record) // per_slot)
+    with pytest.raises(BudgetError, match=f"use --slots-per-layer {most} "):
+        budget.plan_memory(manifest, StreamConfig(slots_per_layer=8), base, available)
+
+
+def test_version_1_directories_still_load(models, tmp_path):
+    src, stream_dir = models.get("qwen3_moe", True)
+    v1 = downgrade_to_v1(stream_dir, tmp_path / "v1")
+    manifest = read_manifest(v1)
+    assert manifest.version == 1 and manifest.dense == ()
+    check_matches_resident(src, v1, slots_per_layer=4)
+    # A version 1 spine cannot stream: too small a budget says to re-convert.
+    with pytest.raises(BudgetError, match="format version 2"):
+        mlx_streaming.load(v1, cache_gb=1e-4)
+
+
+@pytest.mark.parametrize("pinned", [None, 0], ids=["pinned", "streamed"])
+def test_a_damaged_dense_record_is_an_error(models, tmp_path, pinned):
+    _, stream_dir = models.get("qwen3_moe", True)
+    copy = tmp_path / "damaged"
+    shutil.copytree(stream_dir, copy)
+    spec = read_manifest(copy).dense[1]
+    with open(dense_path(copy, spec), "r+b") as f:
+        f.seek(spec.segments[0].offset + 5)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    if pinned is None:
+        with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
+            mlx_streaming.load(copy)
+    else:
+        model, _ = mlx_streaming.load(copy, pinned_layers=0, slots_per_layer=4)
+        with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
+            model(mx.array([PROMPT]))
+        model.streaming.close()
+    proc = subprocess.run([sys.executable, "-m", "mlx_streaming.verify", str(copy)],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "spine/layer001.blob" in proc.stdout + proc.stderr
+
+
+def test_a_truncated_dense_record_is_refused_at_load(models, tmp_path):
+    _, stream_dir = models.get("qwen3_moe", True)
+    copy = tmp_path / "short"
+    shutil.copytree(stream_dir, copy)
+    spec = read_manifest(copy).dense[0]
+    with open(dense_path(copy, spec), "r+b") as f:
+        f.truncate(spec.nbytes - 1)
+    with pytest.raises(FormatError, match="layer 0: dense record .* truncated"):
+        mlx_streaming.load(copy)
+
+
+def test_a_pass_broken_by_an_error_leaves_the_ring_exact(models):
+    """A call that fails mid-pass breaks the ring's order; the next calls
+    still compute with the right layers' weights."""
+    src, stream_dir = models.get("qwen3_moe", True)
+    reference, _ = mlx_lm_load(src)
+    model, _ = mlx_streaming.load(stream_dir, pinned_layers=0, slots_per_layer=4)
+    layers = model.model.layers
+    original = type(layers[2]).__mro__[1].__call__
+    boom = {"on": True}
+
+    def failing(self, *args, **kwargs):
+        if boom["on"] and self is layers[2]:
+            raise RuntimeError("boom")
+        return original(self, *args, **kwargs)
+
+    type(layers[2]).__mro__[1].__call__ = failing
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(mx.array([PROMPT]))
+    finally:
+        type(layers[2]).__mro__[1].__call__ = original
+    assert_same_logits(logits_trace(reference), logits_trace(model))
+    model.streaming.close()
+
+
+def mlx_lm_load(src):
+    import mlx_lm
+
+    return mlx_lm.load(str(src))
+
+
+def test_the_ring_rule_is_what_keeps_it_exact(models, monkeypatch):
+    """Overwriting a buffer without first evaluating what reads it changes
+    the output: the parity tests above can see a broken ring. (Every expert
+    resident, so no layer syncs on its own; the layers are not started
+    early either, so the breakage is certain, not a race.)"""
+    src, stream_dir = models.get("qwen3_moe", False)
+    reference, _ = mlx_lm_load(src)
+    experts = read_manifest(stream_dir).layers[0].num_experts
+
+    def careless(self, b):
+        if self.future[b] is not None:
+            self.future[b].result()
+        self.future[b] = self.held[b] = None
+        self.pending[b] = []
+
+    model, _ = mlx_streaming.load(stream_dir, pinned_layers=0, spine_ring=1,
+                                  slots_per_layer=experts)
+    want = logits_trace(reference, steps=2)
+    assert_same_logits(want, logits_trace(model, steps=2))
+    monkeypatch.setattr(spine.SpineRing, "_release", careless)
+    monkeypatch.setattr(spine.mx, "async_eval", lambda *arrays: None)
+    got = logits_trace(model, steps=2)
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(want, got))
+    model.streaming.close()
+
+
+def test_typed_views_share_the_buffer():
+    """Writes into a ring buffer's bytes are what its typed views hold."""
+    from mlx_streaming.format import DenseSpec, layout_record
+
+    segments, nbytes = layout_record([("a.weight", "float32", (4, 8), 128),
+                                      ("b.weight", "bfloat16", (2, 16), 64)])
+    spec = DenseSpec(0, "x", "f", nbytes, segments, {}, 0)
+    raw = mx.zeros((nbytes,), dtype=mx.uint8)
+    mx.eval(raw)
+    views = spine.typed_views(raw, spec)
+    host = np.array(raw, copy=False)
+    values = np.arange(32, dtype=np.float32).reshape(4, 8)
+    host[segments[0].offset:segments[0].offset + 128] = values.view(np.uint8).ravel()
+    assert np.array_equal(np.array(views["a.weight"]), values)
+    assert views["b.weight"].dtype == mx.bfloat16 and views["b.weight"].shape == (2, 16)
