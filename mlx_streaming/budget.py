@@ -1,5 +1,6 @@
 """Sizing the slot pools from a memory budget."""
 
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -7,7 +8,6 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-import numpy as np
 
 from .config import StreamConfig
 from .errors import BudgetError
@@ -156,9 +156,8 @@ def _split_spine(dense: Sequence[DenseSpec], room: int, buffers: int,
                  pinned_layers: Optional[int]):
     """``(pinned layers, streamed layers, ring buffers, ring bytes, pinned
     bytes)`` for ``room`` bytes of spine memory: everything pinned when it
-    fits, else a ring and as many pins as the rest holds, spread over the
-    depth (each pinned layer gives the ring a layer's compute time to read
-    the next streamed one). ``room`` may come out short: the caller checks."""
+    fits, else a ring and as many pins as the rest holds (``_spread`` says
+    which). ``room`` may come out short: the caller checks."""
     total = sum(d.nbytes for d in dense)
     if not dense or (pinned_layers is None and total <= room):
         return tuple(d.layer for d in dense), (), 0, 0, total
@@ -179,10 +178,14 @@ def _split_spine(dense: Sequence[DenseSpec], room: int, buffers: int,
 
 
 def _spread(dense: Sequence[DenseSpec], count: int) -> set:
-    if count >= len(dense):
-        return {d.layer for d in dense}
-    picks = np.linspace(0, len(dense) - 1, count).round().astype(int) if count else []
-    return {dense[i].layer for i in picks}
+    """The ``count`` layers to pin: the largest records first (a smaller
+    largest streamed record makes a smaller ring), and among records of one
+    size, layers spread over the depth (bit-reversed order), so that pinned
+    layers' compute time falls between streamed ones."""
+    bits = max(1, (len(dense) - 1).bit_length())
+    spread = lambda i: int(f"{i:0{bits}b}"[::-1], 2)  # noqa: E731
+    order = sorted(range(len(dense)), key=lambda i: (-dense[i].nbytes, spread(i)))
+    return {dense[i].layer for i in order[:count]}
 
 
 def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
@@ -205,9 +208,10 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     per_slot = bytes_per_slot(manifest)
     dense = manifest.dense
     buffers = cfg.spine_ring
-    # The least the spine can run in: base and a ring of the largest record.
-    least_spine = base_bytes + (min(buffers, len(dense)) * max(d.nbytes for d in dense)
-                                if dense else 0)
+    # The least the spine can run in: base and a ring of the largest record
+    # (or every record pinned, when that is less).
+    least_spine = base_bytes + (min(min(buffers, len(dense)) * max(d.nbytes for d in dense),
+                                    sum(d.nbytes for d in dense)) if dense else 0)
     if dense and cfg.pinned_layers is not None:
         pins = _split_spine(dense, 0, buffers, cfg.pinned_layers)
         least_spine = base_bytes + pins[3] + pins[4]
@@ -221,7 +225,10 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
                 "(the experts one token routes to); use at least that")
         slots = min(slots, max_slots(manifest))
         asked = f"slots_per_layer={cfg.slots_per_layer}"
-        budget, source = avail, f"available memory ({avail / GB:.2f} GB)"
+        # What the spine may pin keeps the reserve free for the KV cache,
+        # activations and everything else; the pools are as asked.
+        budget = max(int(avail - cfg.reserve_gb * GB), least_spine + slots * per_slot)
+        source = f"available memory ({avail / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve)"
         # The advice keeps the spine resident when it can be: streaming it
         # costs more reads than the slots it would make room for save.
         whole = base_bytes + sum(d.nbytes for d in dense)
@@ -237,13 +244,13 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
             source = f"available memory ({avail / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve)"
         least = least_spine + need * per_slot
         if budget < least:
-            spine = (f"the {base_bytes / GB:.3f} GB resident spine"
-                     + (f", {min(buffers, len(dense))} spine layer buffer(s)" if dense else ""))
             raise BudgetError(
-                f"{source} holds less than {spine} and one token's experts ({need} per "
-                f"layer, {need * per_slot / GB:.3f} GB): use --cache-gb {least / GB:.3f} or more"
-                + ("" if dense else "; a stream directory of format version 2 (convert it "
-                   "again) can stream the spine layers too"))
+                f"{source} holds less than one token's experts (the minimum of {need} per "
+                f"layer, {_gb(need * per_slot)} GB) and the {_gb(least_spine)} GB the spine "
+                f"needs at least: use --cache-gb {_gb(least, up=True)} or more"
+                + ("" if dense else "; this directory keeps its whole spine in safetensors, "
+                   "while one converted by `mlx_streaming convert` (format version 2) "
+                   "streams its spine layers too"))
         slots = need
 
     spine_room = budget - base_bytes - slots * per_slot
@@ -252,21 +259,37 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     if cfg.slots_per_layer is None:
         left = budget - base_bytes - pinned_bytes - ring
         slots = max(need, min(int(left // per_slot), max_slots(manifest)))
-        if cfg.cache_gb is not None:
-            _check_fits(f"cache_gb={cfg.cache_gb:g}",
-                        base_bytes + pinned_bytes + ring + slots * per_slot, avail,
-                        base_bytes + pinned_bytes + ring, per_slot)
+        total = base_bytes + pinned_bytes + ring + slots * per_slot
+        if cfg.cache_gb is not None and total > avail:
+            fits = avail >= least_spine + need * per_slot
+            raise BudgetError(
+                f"cache_gb={cfg.cache_gb:g} needs {_gb(total, up=True)} GB, but only "
+                f"{_gb(avail)} GB of memory is available: "
+                + (f"use --cache-gb {_gb(avail)} or less" if fits else
+                   "free memory or use a machine with more"))
     return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
                       ring_buffers, ring, pinned_bytes)
 
 
+def _gb(n: int, up: bool = False, digits: int = 4) -> str:
+    """``n`` bytes in GB to ``digits`` significant digits, rounded down (or
+    up), so that advice to use at most (or at least) that is right."""
+    x = n / GB
+    if x <= 0:
+        return "0"
+    e = math.floor(math.log10(x)) - (digits - 1)
+    r = (math.ceil if up else math.floor)(x / 10**e) * 10**e
+    return f"{r:.{max(0, -e)}f}"
+
+
 def _check_fits(asked: str, needs: int, available: int, spine: int, per_slot: int) -> None:
+    """Refuse ``needs`` bytes beyond ``available``, advising the most slots
+    that fit beside ``spine`` bytes of spine."""
     if needs <= available:
         return
     most = max(0, int((available - spine) // per_slot))
-    advice = (f"use --slots-per-layer {most} (--cache-gb {(spine + most * per_slot) / GB:.3f}) "
-              "or less" if most else "free memory or use a machine with more")
+    advice = (f"use --slots-per-layer {most} or less (with {_gb(spine, up=True)} GB of spine "
+              "resident)" if most else "free memory or use a machine with more")
     raise BudgetError(
-        f"{asked} needs {needs / GB:.2f} GB with the {spine / GB:.2f} GB spine, but only "
-        f"{available / GB:.2f} GB of memory is available: {advice}"
-    )
+        f"{asked} needs at least {_gb(needs, up=True)} GB, but only {_gb(available)} GB of "
+        f"memory is available: {advice}")

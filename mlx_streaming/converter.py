@@ -551,18 +551,28 @@ def dense_tensors(model, blocks, keep: set) -> Dict[str, Dict[str, mx.array]]:
     into its dense record: every tensor of the layer with two or more axes
     (attention, shared experts, dense MLP) outside the modules ``keep``.
     Norms, biases and other vectors stay in the resident spine."""
-    lists = {layers_path(path) for path, _ in blocks} - {None}
+    # One list of layers (the one holding the most expert blocks), so that
+    # layer numbers name records uniquely; any other stays resident.
+    paths = [layers_path(path) for path, _ in blocks]
+    lst = max(set(paths) - {None}, key=paths.count, default=None)
+    if lst is None:
+        return {}
+    params = tree_flatten(model.parameters())
+    # A tensor that two modules share (tied weights) stays resident: a
+    # record would hold one copy per layer, and a ring one per buffer.
+    uses: Dict[int, int] = {}
+    for _, value in params:
+        uses[id(value)] = uses.get(id(value), 0) + 1
     out: Dict[str, Dict[str, mx.array]] = {}
-    for name, value in tree_flatten(model.parameters()):
-        for lst in lists:
-            if not name.startswith(lst + "."):
-                continue
-            index, rest = name[len(lst) + 1:].split(".", 1)
-            module = parent_path(name)
-            if (not index.isdigit() or value.ndim < 2
-                    or any(module == k or module.startswith(k + ".") for k in keep)):
-                continue
-            out.setdefault(f"{lst}.{index}", {})[rest] = value
+    for name, value in params:
+        if not name.startswith(lst + "."):
+            continue
+        index, rest = name[len(lst) + 1:].split(".", 1)
+        module = parent_path(name)
+        if (not index.isdigit() or value.ndim < 2 or uses[id(value)] > 1
+                or any(module == k or module.startswith(k + ".") for k in keep)):
+            continue
+        out.setdefault(f"{lst}.{index}", {})[rest] = value
     return out
 
 

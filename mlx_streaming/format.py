@@ -364,6 +364,13 @@ def _manifest_from_dict(d) -> Manifest:
     spine = _spine_from_list(d["spine"]) if "spine" in d else ()
     mtp = _mtp_from_dict(d["mtp"], specs) if d.get("mtp") is not None else None
     dense = _dense_from_list(d["dense"]) if d.get("version") >= 2 and "dense" in d else ()
+    experts = {l.module for l in specs}
+    for spec in dense:
+        for seg in spec.segments:
+            full = f"{spec.prefix}.{seg.name}"
+            if any(full.startswith(m + ".") for m in experts):
+                raise _Malformed(f"dense record of layer {spec.layer} holds {full}, a "
+                                 "streamed expert tensor")
     return Manifest(version=d["version"], layers=specs,
                     source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp,
                     dense=dense)
@@ -383,13 +390,21 @@ def dense_from_dict(d, where: str = "dense") -> DenseSpec:
     if Path(file).name != file or file in ("", ".", ".."):
         raise _Malformed(f"{where}.file {file!r} must be a plain file name")
     layer = _nonneg(_get(d, "layer", int, where), f"{where}.layer")
+    prefix = _get(d, "prefix", str, where)
+    if not prefix.endswith(f".{layer}") or prefix.startswith("."):
+        raise _Malformed(f"{where}.prefix {prefix!r} is not the path of layer {layer}")
+    if any(s.offset % SEGMENT_ALIGNMENT for s in segments):
+        raise _Malformed(f"{where}: a segment is not aligned to {SEGMENT_ALIGNMENT} bytes")
     quantization = _quantization_from_dict(_get(d, "quantization", dict, where), where)
     if any(q is None for q in quantization.values()):
         raise _Malformed(f"{where}.quantization lists an unquantized module")
+    modules = {s.name.rsplit(".", 1)[0] for s in segments if "." in s.name}
+    if not set(quantization) <= modules:
+        raise _Malformed(f"{where}.quantization names a module the record does not hold")
     crc = _get(d, "crc32", int, where)
     if not 0 <= crc < 1 << 32:
         raise _Malformed(f"{where}.crc32 is not an unsigned 32-bit integer")
-    return DenseSpec(layer=layer, prefix=_get(d, "prefix", str, where), file=file,
+    return DenseSpec(layer=layer, prefix=prefix, file=file,
                      nbytes=nbytes, segments=segments, quantization=quantization, crc32=crc)
 
 
@@ -397,6 +412,8 @@ def _dense_from_list(entries) -> Tuple[DenseSpec, ...]:
     if not isinstance(entries, list):
         raise _Malformed("dense is not a list")
     specs = tuple(dense_from_dict(e, f"dense[{i}]") for i, e in enumerate(entries))
+    if [s.layer for s in specs] != sorted(s.layer for s in specs):
+        raise _Malformed("dense records are not in layer order")
     for what in ("layer", "prefix", "file"):
         values = [getattr(s, what) for s in specs]
         if len(set(values)) != len(values):

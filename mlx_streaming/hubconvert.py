@@ -6,8 +6,10 @@ experts it completes and its spine tensors, delete it. Expert tensors of a
 layer that continues in a later shard wait on disk (``.pending``) until
 then, so the extra disk is one shard and the tensors of layers split across
 shards. The model is laid out from the shards' safetensors headers (fetched
-by range request) before anything is downloaded, and the records are those
-``mlx_streaming convert`` writes for the same model.
+by range request) before anything is downloaded, and the expert records
+are those ``mlx_streaming convert`` writes for the same model. The spine
+stays whole in safetensors (a version 2 manifest without dense records):
+its layers cannot be streamed, as they can after ``mlx_streaming convert``.
 
 The conversion is written into ``DST.partial`` and renamed to ``DST`` when
 complete; a run that was killed starts over.

@@ -24,7 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .discover import get_module, parent_path
-from .errors import FormatError
+from .errors import ExpertReadError, FormatError
 from .format import DenseSpec, dense_path, dtype_from_name
 
 
@@ -108,11 +108,13 @@ class RingStats:
     reads: int = 0
     bytes: int = 0
     preloaded: int = 0  # layers whose read was started before they were needed
-    stall_s: float = 0.0  # time the forward pass waited for a layer's bytes
+    # Time the forward pass waited for a layer's bytes. The layers before
+    # it may still be computing meanwhile: this is not idle compute time.
+    wait_s: float = 0.0
 
     def report(self) -> dict:
         return {"reads": self.reads, "read_gb": self.bytes / 1e9,
-                "preloaded": self.preloaded, "stall_s": self.stall_s}
+                "preloaded": self.preloaded, "wait_s": self.wait_s}
 
 
 class SpineRing:
@@ -149,6 +151,7 @@ class SpineRing:
         self.checked = set()  # layers whose record passed its first-read check
         self.current: Optional[int] = None
         self.stats = RingStats()
+        self.closed = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlxs-spine")
         for layer in self.order:
             bind(self.pairs[layer], self.views[0][layer])  # lazy inits never evaluated
@@ -158,6 +161,8 @@ class SpineRing:
         return len(self.raw)
 
     def before(self, layer: int) -> None:
+        if self.closed:
+            raise ExpertReadError("this model was closed; load it again to use it")
         b = self._holding(layer)
         if b is None:
             b = self._victim(exclude={self.current})
@@ -178,7 +183,7 @@ class SpineRing:
             self.held[b] = self.future[b] = None
             raise
         finally:
-            self.stats.stall_s += time.perf_counter() - start
+            self.stats.wait_s += time.perf_counter() - start
         self.future[b] = None
         if crc is not None:
             try:
@@ -188,10 +193,16 @@ class SpineRing:
                 raise
             self.checked.add(layer)
 
-    def after(self, layer: int, out) -> None:
+    def after(self, layer: int, out, caches=()) -> None:
+        """``out`` and ``caches`` (what the layer wrote into its caches,
+        which may not all feed ``out``: DeepSeek-V3.2's indexer keys) are
+        what reads the layer's buffer."""
         b = self.current
-        arrays = [v for _, v in tree_flatten(out) if isinstance(v, mx.array)]
-        self.pending[b] = arrays
+        arrays = _arrays(out) + [a for c in caches for a in _cache_arrays(c)]
+        self.pending[b].extend(arrays)
+        if len(self.pending[b]) > MAX_PENDING:
+            mx.eval(self.pending[b])
+            self.pending[b] = []
         # The layer computes while the next layers are read.
         mx.async_eval(arrays)
         i = self.order.index(layer)
@@ -203,6 +214,21 @@ class SpineRing:
             if victim is None:
                 break
             self._start(victim, target)
+
+    def failed(self) -> None:
+        """The running layer raised: whatever it left unevaluated may still
+        read its buffer, and nothing says what. The buffer is retired (its
+        memory lives on as long as anything reads it) for a fresh one."""
+        b = self.current
+        if b is None:
+            return
+        self.raw[b] = mx.zeros((self.raw[b].size,), dtype=mx.uint8)
+        mx.eval(self.raw[b])
+        self.address[b] = np.array(self.raw[b], copy=False).ctypes.data
+        self.views[b] = {s.layer: typed_views(self.raw[b], s) for s in self.specs.values()}
+        self.held[b] = self.future[b] = None
+        self.pending[b] = []
+        self.current = None
 
     def _holding(self, layer: int) -> Optional[int]:
         for b, held in enumerate(self.held):
@@ -238,7 +264,7 @@ class SpineRing:
         if self.future[b] is not None:
             try:
                 self.future[b].result()
-            except BaseException:
+            except Exception:
                 pass  # the bytes are discarded either way
             self.future[b] = None
         self.held[b] = None
@@ -259,7 +285,31 @@ class SpineRing:
                 self.pending[b] = []
 
     def close(self) -> None:
+        self.closed = True
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+# A layer that keeps its buffer pass after pass (as many buffers as
+# streamed layers) evaluates what reads it beyond this many arrays.
+MAX_PENDING = 256
+
+
+def _arrays(tree) -> List[mx.array]:
+    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
+
+
+def _cache_arrays(cache) -> List[mx.array]:
+    """The arrays a layer's cache holds (an empty cache has none)."""
+    try:
+        return _arrays(cache.state)
+    except Exception:  # a cache not yet written (its state is None)
+        return []
+
+
+def _caches(args, kwargs) -> list:
+    """The cache objects among a layer call's arguments."""
+    return [a for a in (*args, *kwargs.values()) if hasattr(a, "update_and_fetch")
+            or hasattr(a, "state") and not isinstance(a, mx.array)]
 
 
 _STREAMED: Dict[type, type] = {}
@@ -276,8 +326,12 @@ def stream_layer(module: nn.Module, ring: SpineRing, layer: int) -> None:
         def __call__(self, *args, **kwargs):
             ring, index = self.__dict__["_mlxs_spine"]
             ring.before(index)
-            out = base.__call__(self, *args, **kwargs)
-            ring.after(index, out)
+            try:
+                out = base.__call__(self, *args, **kwargs)
+            except BaseException:
+                ring.failed()
+                raise
+            ring.after(index, out, _caches(args, kwargs))
             return out
 
         cls = type(base.__name__, (base,), {"__call__": __call__,

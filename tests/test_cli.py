@@ -66,7 +66,7 @@ def test_convert_non_moe_and_missing(tmp_path):
 def test_budget_too_small_names_the_minimum(qwen):
     proc = run("mlx_streaming.generate", "--model", str(qwen[1]), "--cache-gb", "0.000001",
                check_ok=False)
-    assert_one_line_error(proc, r"minimum of 4: use --cache-gb \d")
+    assert_one_line_error(proc, r"minimum of 4 per layer.*: use --cache-gb \d")
 
 
 def test_unknown_version(stream_copy):

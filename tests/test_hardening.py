@@ -438,8 +438,12 @@ def test_explicit_pool_beyond_available_memory_is_refused(qwen):
     with pytest.raises(BudgetError, match="only .* GB of memory is available: use "
                                           "--slots-per-layer 6 "):
         plan(StreamConfig(slots_per_layer=8))
-    with pytest.raises(BudgetError, match="--slots-per-layer 6 "):
+    # cache_gb covers the spine too: the advice is the memory available.
+    with pytest.raises(BudgetError, match=r"only .* available: use --cache-gb 0\.000\d+ or") as e:
         plan(StreamConfig(cache_gb=(spine + dense + 8 * per_slot) / 1e9))
+    advised = float(str(e.value).split("--cache-gb ")[1].split()[0])
+    assert advised * 1e9 <= available() and advised * 1e9 > available() * 0.999
+    assert plan(StreamConfig(cache_gb=advised)).total <= available()
 
 
 def test_explicit_pool_beyond_the_cgroup_is_refused_not_killed(tmp_path, tokenizer_dir):

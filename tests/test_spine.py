@@ -248,3 +248,16 @@ def test_typed_views_share_the_buffer():
     host[segments[0].offset:segments[0].offset + 128] = values.view(np.uint8).ravel()
     assert np.array_equal(np.array(views["a.weight"]), values)
     assert views["b.weight"].dtype == mx.bfloat16 and views["b.weight"].shape == (2, 16)
+
+
+def test_cache_writes_that_skip_the_output_are_waited_for(models):
+    """DeepSeek-V3.2's indexer caches its keys on every call but uses them
+    only once the context is longer than ``index_topk``: until then the
+    cached keys are not part of the layer's output, yet they read the
+    layer's buffer. A ring that waited for the output alone would overwrite
+    the buffer first, and the tokens after the context passes 56 would
+    differ."""
+    src, stream_dir = models.get("deepseek_v32", True, index_topk=56)
+    # Three streamed layers in two buffers: a layer's buffer changes from
+    # pass to pass, so stale reads would see another layer's weights.
+    check_matches_resident(src, stream_dir, slots_per_layer=4, pinned_layers=1)

@@ -33,6 +33,7 @@ COLUMNS = [
     ("hit_rate", "hit", ".0%"), ("gb_per_token", "GB/tok", ".3f"),
     ("bound_overlap_tps", "bound", ".3g"), ("vs_bound", "x bound", ".2f"),
     ("bound_serial_tps", "no-overlap", ".3g"), ("stall_share", "stall", ".0%"),
+    ("spine_wait_share", "spine wait", ".0%"),
     ("prefetch_wasted_share", "pf wasted", ".0%"),
     ("vs_belady", "x MIN", ".2f"), ("peak_gb", "peak RSS GB", ".2f"),
     ("mlx_peak_gb", "MLX peak GB", ".3f"), ("cgroup_peak_gb", "cgroup peak GB", ".3f"),
@@ -88,8 +89,9 @@ def _summary(name, r, pool=None):
             spine_read = (s.get("spine") or {}).get("read_gb", 0.0)
             row["gb_per_token"] = (t["bytes_read"] / 1e9 + spine_read) / r["decode_tokens"]
             row["spine_gb_per_token"] = spine_read / r["decode_tokens"]
-            row["stall_share"] = ((t["stall_seconds"] + (s.get("spine") or {}).get("stall_s", 0))
-                                  / r["decode_s"])
+            row["stall_share"] = t["stall_seconds"] / r["decode_s"]
+            # The spine ring's wait overlaps the compute of earlier layers.
+            row["spine_wait_share"] = (s.get("spine") or {}).get("wait_s", 0) / r["decode_s"]
             row["syncs_per_token"] = t["syncs"] / r["decode_tokens"]
             row["prefetch_wasted_share"] = t.get("prefetch_wasted_read_share")
             row["cache_gb"] = s["cache_bytes"] / 1e9
