@@ -342,8 +342,10 @@ class HubServer:
         return self.state.faults
 
     def ranged(self, suffix: str = ".blob") -> List[Request]:
-        """The GETs of files ending in ``suffix`` (expert record fetches)."""
-        return [r for r in self.log if r.method == "GET" and r.path.endswith(suffix)]
+        """The GETs of expert blobs (``experts/*{suffix}``): record fetches.
+        Dense records (``spine/``) are downloaded whole with the spine."""
+        return [r for r in self.log if r.method == "GET" and r.path.endswith(suffix)
+                and r.path.startswith("experts/")]
 
     def start(self) -> "HubServer":
         self._thread.start()

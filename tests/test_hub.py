@@ -111,12 +111,17 @@ def test_a_second_run_reads_from_the_disk_cache(qwen, served, tmp_path):
     assert third["disk_cache_bytes"] <= 100e3 and third["bytes_fetched"] > 0
 
 
-def once(action, suffix=".blob"):
-    """A fault hook that answers the first blob GET with ``action``."""
+def is_record(request) -> bool:
+    """An expert record fetch (dense records come whole with the spine)."""
+    return request.path.startswith("experts/") and request.path.endswith(".blob")
+
+
+def once(action):
+    """A fault hook that answers the first record GET with ``action``."""
     fired = []
 
     def hook(request):
-        if request.method == "GET" and request.path.endswith(suffix) and not fired:
+        if request.method == "GET" and is_record(request) and not fired:
             fired.append(request)
             return action
         return None
@@ -142,14 +147,14 @@ def test_a_fault_once_is_retried_and_the_output_stays_exact(qwen, served, tmp_pa
 
 def test_a_server_ignoring_range_still_gives_exact_output(qwen, served, tmp_path, caplog):
     reference = local_reference(qwen[1])
-    served.faults.append(lambda r: "full" if r.path.endswith(".blob") else None)
+    served.faults.append(lambda r: "full" if is_record(r) else None)
     with caplog.at_level(logging.WARNING, logger="mlx_streaming.remote"):
         assert_exact(served, tmp_path, reference, disk_cache_gb=0)
     assert any("ignores HTTP Range" in r.message for r in caplog.records)
 
 
 def test_bytes_wrong_twice_are_an_error_and_never_cached(qwen, served, tmp_path):
-    served.faults.append(lambda r: "corrupt" if r.path.endswith(".blob") else None)
+    served.faults.append(lambda r: "corrupt" if is_record(r) else None)
     model, tokenizer = load_remote(served, tmp_path, disk_cache_gb=1.0)
     with pytest.raises(ExpertFetchError, match="fail the manifest's checksum twice"):
         greedy_text(model, tokenizer)
@@ -159,7 +164,7 @@ def test_bytes_wrong_twice_are_an_error_and_never_cached(qwen, served, tmp_path)
 
 
 def test_a_server_that_stops_answering_is_a_clear_error(served, tmp_path):
-    served.faults.append(lambda r: "hang" if r.path.endswith(".blob") else None)
+    served.faults.append(lambda r: "hang" if is_record(r) else None)
     model, tokenizer = load_remote(served, tmp_path, fetch_timeout=0.5, fetch_retries=1)
     start = time.perf_counter()
     with pytest.raises(ExpertFetchError, match="no answer within 0.5 s"):
@@ -345,7 +350,7 @@ def test_retry_after_is_honoured_and_named(served):
     seen = []
 
     def limited(request):
-        if request.path.endswith(".blob") and len(seen) < 2:
+        if is_record(request) and len(seen) < 2:
             seen.append(request)
             return (429, {"Retry-After": "3"})
         return None
@@ -353,7 +358,7 @@ def test_retry_after_is_honoured_and_named(served):
     served.faults.append(limited)
     assert len(fetcher.fetch(url, 0, 100)) == 100
     assert waits == [3.0, 3.0]  # the server's Retry-After, not the 0.01 s backoff
-    served.faults[:] = [lambda r: (429, {}) if r.path.endswith(".blob") else None]
+    served.faults[:] = [lambda r: (429, {}) if is_record(r) else None]
     with pytest.raises(ExpertFetchError, match="rate limited"):
         fetcher.fetch(url, 0, 100)
 
@@ -371,7 +376,7 @@ def test_records_damaged_in_the_cache_mid_run_are_fetched_again(qwen, served, tm
 
 
 def test_close_does_not_wait_for_hung_fetches(served, tmp_path):
-    served.faults.append(lambda r: "hang" if r.path.endswith(".blob") else None)
+    served.faults.append(lambda r: "hang" if is_record(r) else None)
     model, _ = load_remote(served, tmp_path, fetch_timeout=20, fetch_retries=3)
     reader = model.streaming.reader
     staging = reader.staging(8, read_manifest_stride(model))

@@ -19,11 +19,13 @@ from helpers import PROMPT, assert_same_logits, logits_trace
 CGROUP = Path("/sys/fs/cgroup/memory")
 
 
-def test_pools_shrink_and_grow_with_available_memory_and_stay_exact(qwen):
+@pytest.mark.parametrize("spine", [None, 0], ids=["spine-resident", "spine-streamed"])
+def test_pools_shrink_and_grow_with_available_memory_and_stay_exact(qwen, spine):
     src, stream = qwen
     reference, _ = mlx_lm.load(str(src))
     want = logits_trace(reference)
-    model, _ = mlx_streaming.load(stream, slots_per_layer=12)  # of 16 experts
+    # of 16 experts; the spine's layers resident or all streamed
+    model, _ = mlx_streaming.load(stream, slots_per_layer=12, pinned_layers=spine)
     runtime = model.streaming
     free = {"bytes": 10 << 30}
     per_slot = runtime.pressure.per_slot

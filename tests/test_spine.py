@@ -51,11 +51,15 @@ def test_ring_variants_are_exact(models, family, options):
         check_matches_resident(src, stream_dir, slots_per_layer=4, **options)
 
 
-def test_a_spine_larger_than_the_budget_is_streamed(models):
+@pytest.mark.parametrize("quantized", [True, False], ids=["q4", "f32"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe", "qwen3_next"])
+def test_a_spine_larger_than_the_budget_is_streamed(models, family, quantized):
     """The budget holds the resident part, one token's experts, the ring and
-    one pinned layer: the rest of the spine streams, output unchanged, and
-    every pass reads each streamed layer once."""
-    src, stream_dir = models.get("deepseek_v3", True, num_hidden_layers=6)
+    a layer's worth of pins: the rest of the spine streams, output
+    unchanged, and every pass reads each streamed layer once. DeepSeek-V3
+    (dense first layer, shared experts), Qwen2-MoE (shared experts),
+    Qwen3-Next (hybrid: linear attention and shared experts)."""
+    src, stream_dir = models.get(family, quantized, num_hidden_layers=6)
     manifest = read_manifest(stream_dir)
     assert len(manifest.dense) == 6
     base = mlx_streaming.loader.spine_bytes(stream_dir)
@@ -71,6 +75,7 @@ def test_a_spine_larger_than_the_budget_is_streamed(models):
     assert memory["slots_per_layer"] == 4
 
     model, _ = mlx_streaming.load(stream_dir, cache_gb=cache_gb)
+    assert mlx_streaming.stats(model)["memory"] == memory  # the same split
     logits_trace(model, steps=4)
     ring = mlx_streaming.stats(model)["spine"]
     passes = 5  # prefill and four decode steps
