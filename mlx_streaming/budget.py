@@ -216,6 +216,10 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
         pins = _split_spine(dense, 0, buffers, cfg.pinned_layers)
         least_spine = base_bytes + pins[3] + pins[4]
     avail = available()
+    # What advice leaves free for the KV cache, activations and the rest of
+    # the process: the reserve, or a quarter of what is available if less.
+    headroom = min(int(cfg.reserve_gb * GB), avail // 4)
+    least = least_spine + need * per_slot
 
     if cfg.slots_per_layer is not None:
         slots = cfg.slots_per_layer
@@ -224,16 +228,27 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
                 f"slots_per_layer={slots} is below the minimum of {need} "
                 "(the experts one token routes to); use at least that")
         slots = min(slots, max_slots(manifest))
-        asked = f"slots_per_layer={cfg.slots_per_layer}"
-        # What the spine may pin keeps the reserve free for the KV cache,
-        # activations and everything else; the pools are as asked.
-        budget = max(int(avail - cfg.reserve_gb * GB), least_spine + slots * per_slot)
-        source = f"available memory ({avail / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve)"
-        # The advice keeps the spine resident when it can be: streaming it
-        # costs more reads than the slots it would make room for save.
-        whole = base_bytes + sum(d.nbytes for d in dense)
-        advice = whole if whole + need * per_slot <= avail else least_spine
-        _check_fits(asked, least_spine + slots * per_slot, avail, advice, per_slot)
+        # What the spine may pin keeps the headroom free; the pools are as asked.
+        budget = max(avail - headroom, least_spine + slots * per_slot)
+        source = f"available memory ({_gb(avail)} GB, less {_gb(headroom)} GB headroom)"
+        if least_spine + slots * per_slot > avail:
+            # The advice keeps the spine resident when it can be: streaming
+            # it costs more reads than the slots it would make room for save.
+            whole = base_bytes + sum(d.nbytes for d in dense)
+            spine = whole if whole + need * per_slot <= avail - headroom else least_spine
+            most = min(int((avail - headroom - spine) // per_slot), max_slots(manifest))
+            if most >= need:
+                advice = (f"use --slots-per-layer {most} or less (with "
+                          f"{_gb(spine, up=True)} GB of spine resident)")
+            elif least <= avail:
+                advice = (f"use --slots-per-layer {need} (the least that loads, leaving "
+                          f"{_gb(avail - least)} GB for the rest of the process)")
+            else:
+                advice = _no_room(least, avail)
+            raise BudgetError(
+                f"slots_per_layer={cfg.slots_per_layer} needs at least "
+                f"{_gb(least_spine + slots * per_slot, up=True)} GB, but only {_gb(avail)} GB "
+                f"of memory is available: {advice}")
     else:
         if cfg.cache_gb is not None:
             budget, source = int(cfg.cache_gb * GB), f"cache budget {cfg.cache_gb:g} GB"
@@ -241,13 +256,15 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
             # What the OS says this process can take (available, not just
             # free: reclaimable page cache counts), less a reserve.
             budget = int(avail - cfg.reserve_gb * GB)
-            source = f"available memory ({avail / GB:.2f} GB, less {cfg.reserve_gb:g} GB reserve)"
-        least = least_spine + need * per_slot
+            source = f"available memory ({_gb(avail)} GB, less {cfg.reserve_gb:g} GB reserve)"
         if budget < least:
+            value = _gb_in(least, avail)
+            advice = (f"use --cache-gb {value} or more" if value is not None
+                      else _no_room(least, avail))
             raise BudgetError(
                 f"{source} holds less than one token's experts (the minimum of {need} per "
                 f"layer, {_gb(need * per_slot)} GB) and the {_gb(least_spine)} GB the spine "
-                f"needs at least: use --cache-gb {_gb(least, up=True)} or more"
+                f"needs at least: {advice}"
                 + ("" if dense else "; this directory keeps its whole spine in safetensors, "
                    "while one converted by `mlx_streaming convert` (format version 2) "
                    "streams its spine layers too"))
@@ -261,14 +278,42 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
         slots = max(need, min(int(left // per_slot), max_slots(manifest)))
         total = base_bytes + pinned_bytes + ring + slots * per_slot
         if cfg.cache_gb is not None and total > avail:
-            fits = avail >= least_spine + need * per_slot
             raise BudgetError(
                 f"cache_gb={cfg.cache_gb:g} needs {_gb(total, up=True)} GB, but only "
                 f"{_gb(avail)} GB of memory is available: "
-                + (f"use --cache-gb {_gb(avail)} or less" if fits else
-                   "free memory or use a machine with more"))
+                + _cache_advice(least, avail, headroom))
     return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
                       ring_buffers, ring, pinned_bytes)
+
+
+def _no_room(least: int, avail: int) -> str:
+    return (f"the model needs at least {_gb(least, up=True)} GB and only {_gb(avail)} GB "
+            "is available; free memory or use a machine with more")
+
+
+def _cache_advice(least: int, avail: int, headroom: int) -> str:
+    """A ``--cache-gb`` that loads and leaves the headroom free when there
+    is room for it, else the least that loads, else none."""
+    value = _gb_in(least, avail - headroom, high_end=True)
+    if value is not None:
+        return f"use --cache-gb {value} or less"
+    value = _gb_in(least, avail)
+    if value is not None:
+        return (f"use --cache-gb {value} (the least that loads, leaving "
+                f"{_gb(avail - least)} GB for the rest of the process)")
+    return _no_room(least, avail)
+
+
+def _gb_in(low: int, high: int, high_end: bool = False) -> Optional[str]:
+    """The shortest GB figure (4 to 12 significant digits) whose bytes lie
+    in ``[low, high]``, near ``high`` or near ``low``; None if none."""
+    if high < low or high <= 0:
+        return None
+    for digits in range(4, 13):
+        text = _gb(high if high_end else low, up=not high_end, digits=digits)
+        if low <= float(text) * GB <= high:
+            return text
+    return None
 
 
 def _gb(n: int, up: bool = False, digits: int = 4) -> str:
@@ -280,16 +325,3 @@ def _gb(n: int, up: bool = False, digits: int = 4) -> str:
     e = math.floor(math.log10(x)) - (digits - 1)
     r = (math.ceil if up else math.floor)(x / 10**e) * 10**e
     return f"{r:.{max(0, -e)}f}"
-
-
-def _check_fits(asked: str, needs: int, available: int, spine: int, per_slot: int) -> None:
-    """Refuse ``needs`` bytes beyond ``available``, advising the most slots
-    that fit beside ``spine`` bytes of spine."""
-    if needs <= available:
-        return
-    most = max(0, int((available - spine) // per_slot))
-    advice = (f"use --slots-per-layer {most} or less (with {_gb(spine, up=True)} GB of spine "
-              "resident)" if most else "free memory or use a machine with more")
-    raise BudgetError(
-        f"{asked} needs at least {_gb(needs, up=True)} GB, but only {_gb(available)} GB of "
-        f"memory is available: {advice}")

@@ -92,6 +92,7 @@ def summarize(response, report: dict) -> dict:
         "peak_memory_gb": response.peak_memory,
         "hit_rate": t["hit_rate"],
         "gb_read": t["bytes_read"] / 1e9,
+        "spine_gb_read": (report["spine"] or {}).get("read_gb"),
         "read_gb_per_s": t["read_gb_per_s"],
         "io": report["io"],
         "residency": report["residency"],
@@ -113,6 +114,8 @@ def print_summary(s: dict) -> None:
         f"experts: hit rate {hit}, {s['gb_read']:.3f} GB read, {rate} | "
         f"{s['slots_per_layer']}/{s['num_experts']} slots per layer ({s['cache_gb']:.3f} GB) | "
         f"peak memory {s['peak_memory_gb']:.3f} GB | io {s['io']}"
+        + ("" if s["spine_gb_read"] is None else
+           f" | spine layers: {s['spine_gb_read']:.3f} GB read")
         + ("" if s["draft_acceptance"] is None else
            f" | drafts accepted {s['draft_acceptance']:.0%}"),
         file=sys.stderr,

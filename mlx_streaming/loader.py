@@ -1,6 +1,7 @@
 """``load()``: a stream directory becomes a normal mlx-lm model whose routed
 experts are streamed from SSD through per-layer slot pools."""
 
+import json
 import threading
 from contextlib import contextmanager
 import warnings
@@ -294,14 +295,18 @@ def _serialize_calls(model: nn.Module) -> None:
 
 
 def _load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_code=False):
-    """Build the mlx-lm model lazily and load everything but the experts."""
+    """Build the mlx-lm model lazily and load everything but the experts
+    and the dense records. The config returned is the model's own (without
+    the per-module quantization handed to mlx-lm for the records)."""
     for f in spine_files(path):
         check_safetensors(f)
+    overrides, added = _dense_quantization(path, manifest, model_config or {})
     try:
         model, model_config = load_model(path, lazy=True, strict=False,
-                                         model_config=_dense_quantization(path, manifest,
-                                                                          model_config or {}),
+                                         model_config=overrides,
                                          trust_remote_code=trust_remote_code)
+        for key in added:
+            model_config["quantization"].pop(key, None)
     except (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError) as e:
         raise FormatError(f"cannot build the model in {path}: {e}") from None
     blocks = dict(find_expert_blocks(model))
@@ -321,21 +326,21 @@ def _load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_
     return model, model_config
 
 
-def _dense_quantization(path: Path, manifest: Manifest, model_config: dict) -> dict:
+def _dense_quantization(path: Path, manifest: Manifest, model_config: dict):
     """``model_config`` with a per-module quantization entry (mlx-lm's own
     per-layer mechanism) for each quantized module of the dense records:
     mlx-lm quantizes a module only when the safetensors hold its scales,
-    and theirs are in the records."""
+    and theirs are in the records. Also returns the keys it added."""
     extra = {f"{d.prefix}.{name}": q for d in manifest.dense for name, q in d.quantization.items()}
     if not extra:
-        return model_config
-    import json
+        return model_config, []
     on_disk = json.loads((path / "config.json").read_text())
     base = model_config.get("quantization", on_disk.get("quantization"))
     if not isinstance(base, dict):
         raise FormatError(f"{path}/config.json has no quantization, but the dense records "
                           "hold quantized weights; re-convert the model")
-    return {**model_config, "quantization": {**base, **extra}}
+    added = [k for k in extra if k not in base]
+    return {**model_config, "quantization": {**base, **extra}}, added
 
 
 def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> None:
@@ -457,6 +462,12 @@ def _install_spine(model: nn.Module, path: Path, manifest: Manifest, runtime: Ru
     """Pinned spine layers read once into arrays of their own; the others
     streamed through a ring of layer buffers (``spine.py``)."""
     if not manifest.dense:
+        if runtime.config.pinned_layers is not None:
+            warnings.warn(
+                f"mlx_streaming: {path} (format version {manifest.version}) keeps its whole "
+                "spine in safetensors, so pinned_layers and spine_ring have no effect; "
+                "convert it again with `mlx_streaming convert` to stream its layers",
+                RuntimeWarning, stacklevel=3)
         return
     reader = runtime.reader
     if reader.name == "remote":  # the dense records were downloaded with the spine

@@ -13,7 +13,9 @@ the outputs of the layer that last used it are evaluated; those outputs
 depend on every operation that read the layer's weights.
 """
 
+import os
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,6 +28,7 @@ from mlx.utils import tree_flatten
 from .discover import get_module, parent_path
 from .errors import ExpertReadError, FormatError
 from .format import DenseSpec, dense_path, dtype_from_name
+from .readers import buffer_at
 
 
 def typed_views(raw: mx.array, spec: DenseSpec) -> Dict[str, mx.array]:
@@ -79,6 +82,22 @@ def read_into(reader, file: int, spec: DenseSpec, address: int, checksum: bool) 
     crcs = reader.read(file, np.zeros(1, dtype=np.int64), segments, dst,
                        np.array([checksum]), spec.nbytes)
     return int(crcs[0])
+
+
+def _stamp(path) -> Tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def record_crc(address: int, spec: DenseSpec) -> int:
+    """CRC-32 of a record's segments in memory at ``address``."""
+    crc = 0
+    for s in spec.segments:
+        crc = zlib.crc32(buffer_at(address + s.offset, s.nbytes), crc)
+    return crc & 0xFFFFFFFF
 
 
 def _check_crc(spec: DenseSpec, crc: int) -> None:
@@ -145,6 +164,10 @@ class SpineRing:
         self.pairs = {s.layer: bindings(model, s) for s in specs}
         self.views = [{s.layer: typed_views(r, s) for s in specs} for r in self.raw]
         self.files = {s.layer: reader.open(str(dense_path(path, s))) for s in specs}
+        # (inode, size, mtime) at open: a record changed on disk since is
+        # checked again on every read, as the expert blobs are.
+        self.paths = {s.layer: dense_path(path, s) for s in specs}
+        self.stamps = {layer: _stamp(p) for layer, p in self.paths.items()}
         self.held: List[Optional[int]] = [None] * buffers
         self.future: List[Optional[Future]] = [None] * buffers
         self.pending: List[list] = [[] for _ in range(buffers)]
@@ -255,9 +278,16 @@ class SpineRing:
         self.stats.bytes += spec.nbytes
 
     def _read(self, b: int, layer: int, check: bool) -> Optional[int]:
-        crc = read_into(self.reader, self.files[layer], self.specs[layer], self.address[b],
-                        check)
-        return crc if check else None
+        spec = self.specs[layer]
+        crc = read_into(self.reader, self.files[layer], spec, self.address[b], check)
+        if check:
+            return crc
+        if self.verify != "off" and _stamp(self.paths[layer]) != self.stamps[layer]:
+            # Rewritten since it was opened: these bytes are checked, and
+            # so is every later read of it.
+            self.verify = "always"
+            return record_crc(self.address[b], spec)
+        return None
 
     def _release(self, b: int) -> None:
         """Wait until no read writes and no computation reads buffer ``b``."""

@@ -42,6 +42,8 @@ def main(argv=None) -> int:
             )
         spine_note = (f"{len(manifest.spine)} spine files and " if manifest.spine else
                       "(this manifest predates spine checksums: spine not checked) ")
+        if manifest.dense:
+            spine_note += f"{len(manifest.dense)} dense layer records and "
         print(f"{args.model}: {spine_note}all {total} expert records match their checksums")
 
     return run_main(body)

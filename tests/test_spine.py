@@ -3,6 +3,7 @@ fit the budget streams them through a ring of layer buffers, bit-identical
 to mlx-lm running the same weights in memory; one budget split between the
 spine and the pools; version 1 directories still load."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 import mlx_streaming
 from mlx_streaming import budget, spine
+from mlx_streaming.loader import spine_bytes
 from mlx_streaming.config import StreamConfig
 from mlx_streaming.errors import BudgetError, FormatError
 from mlx_streaming.format import dense_path, read_manifest
@@ -62,7 +64,7 @@ def test_a_spine_larger_than_the_budget_is_streamed(models, family, quantized):
     src, stream_dir = models.get(family, quantized, num_hidden_layers=6)
     manifest = read_manifest(stream_dir)
     assert len(manifest.dense) == 6
-    base = mlx_streaming.loader.spine_bytes(stream_dir)
+    base = spine_bytes(stream_dir)
     per_slot = budget.bytes_per_slot(manifest)
     record = max(d.nbytes for d in manifest.dense)
     cache_gb = (base + 4 * per_slot + 3 * record) / 1e9
@@ -126,13 +128,40 @@ def test_explicit_pools_leave_the_spine_what_is_available(models):
     plan = budget.plan_memory(manifest, StreamConfig(slots_per_layer=6, reserve_gb=0), base,
                               available)
     assert plan.slots == 6 and plan.ring_buffers == 2 and plan.total <= available()
-    # The advice keeps the whole spine resident when it fits beside one
-    # token's experts, else it counts on the ring.
-    whole = base + sum(d.nbytes for d in manifest.dense)
-    most = ((available() - whole) // per_slot if whole + 4 * per_slot <= available()
-            else (available() - base - 2 * record) // per_slot)
-    with pytest.raises(BudgetError, match=f"use --slots-per-layer {most} "):
+    with pytest.raises(BudgetError, match=r"use --slots-per-layer (\d+) ") as e:
         budget.plan_memory(manifest, StreamConfig(slots_per_layer=8), base, available)
+    most = int(str(e.value).split("--slots-per-layer ")[1].split()[0])
+    plan = budget.plan_memory(manifest, StreamConfig(slots_per_layer=most), base, available)
+    assert plan.total <= available()
+
+
+def test_budget_advice_is_followable(models):
+    """Every number an error advises loads; where nothing can, it says so."""
+    src, stream_dir = models.get("qwen3_moe", True)
+    manifest = read_manifest(stream_dir)
+    per_slot = budget.bytes_per_slot(manifest)
+    record = max(d.nbytes for d in manifest.dense)
+    base = 50_000
+    least = base + 2 * record + 4 * per_slot
+    for avail in (least - 1, least, least + 7, int(least * 1.1), int(least * 1.5), least * 4):
+        available = lambda: avail  # noqa: E731
+        for config in (StreamConfig(cache_gb=1.0), StreamConfig(slots_per_layer=16),
+                       StreamConfig(reserve_gb=0.5)):
+            try:
+                plan = budget.plan_memory(manifest, config, base, available)
+            except BudgetError as e:
+                text = str(e)
+                if "--cache-gb " in text:
+                    value = float(text.split("--cache-gb ")[1].split()[0])
+                    retry = StreamConfig(cache_gb=value)
+                elif "--slots-per-layer " in text:
+                    retry = StreamConfig(slots_per_layer=int(
+                        text.split("--slots-per-layer ")[1].split()[0]))
+                else:
+                    assert "free memory" in text and avail < least, text
+                    continue
+                plan = budget.plan_memory(manifest, retry, base, available)
+            assert plan.total <= avail
 
 
 def test_version_1_directories_still_load(models, tmp_path):
@@ -141,6 +170,10 @@ def test_version_1_directories_still_load(models, tmp_path):
     manifest = read_manifest(v1)
     assert manifest.version == 1 and manifest.dense == ()
     check_matches_resident(src, v1, slots_per_layer=4)
+    with pytest.warns(RuntimeWarning, match="pinned_layers and spine_ring have no effect"):
+        model, _ = mlx_streaming.load(v1, pinned_layers=0, slots_per_layer=4)
+    assert mlx_streaming.stats(model)["spine"] is None
+    model.streaming.close()
     # A version 1 spine cannot stream: too small a budget says to re-convert.
     with pytest.raises(BudgetError, match="format version 2"):
         mlx_streaming.load(v1, cache_gb=1e-4)
@@ -266,3 +299,34 @@ def test_cache_writes_that_skip_the_output_are_waited_for(models):
     # Three streamed layers in two buffers: a layer's buffer changes from
     # pass to pass, so stale reads would see another layer's weights.
     check_matches_resident(src, stream_dir, slots_per_layer=4, pinned_layers=1)
+
+
+def test_a_dense_record_rewritten_mid_run_is_checked_again(models, tmp_path):
+    """After its first read a streamed record is trusted, until its file
+    changes on disk: then every read of it is checked."""
+    _, stream_dir = models.get("qwen3_moe", True)
+    copy = tmp_path / "rewritten"
+    shutil.copytree(stream_dir, copy)
+    model, _ = mlx_streaming.load(copy, pinned_layers=0, slots_per_layer=4)
+    mx.eval(model(mx.array([PROMPT])))
+    spec = read_manifest(copy).dense[1]
+    with open(dense_path(copy, spec), "r+b") as f:  # rewritten in place
+        f.seek(spec.segments[0].offset + 3)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
+        for _ in range(3):
+            mx.eval(model(mx.array([PROMPT[:3]])))
+    model.streaming.close()
+
+
+def test_the_returned_config_is_the_models_own(models):
+    """The per-module quantization handed to mlx-lm for the dense records
+    does not leak into the config ``load`` returns."""
+    _, stream_dir = models.get("qwen3_moe", True)
+    on_disk = json.loads((stream_dir / "config.json").read_text())
+    model, _, config = mlx_streaming.load(stream_dir, return_config=True, pinned_layers=0,
+                                          slots_per_layer=4)
+    assert config["quantization"] == on_disk["quantization"]
+    model.streaming.close()

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming.errors import BudgetError
 from mlx_streaming.format import read_manifest
+from mlx_streaming.loader import spine_bytes
 from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.policy import LRU, make_policy
 from helpers import PROMPT, check_matches_resident, logits_trace, pool_bytes, record_bytes
@@ -137,7 +138,7 @@ def test_cache_gb_sizes_the_pools(qwen):
     _, stream_dir = qwen
     manifest = read_manifest(stream_dir)
     per_slot = sum(l.expert_nbytes for l in manifest.layers)
-    spine = mlx_streaming.loader.spine_bytes(stream_dir) + sum(d.nbytes for d in manifest.dense)
+    spine = spine_bytes(stream_dir) + sum(d.nbytes for d in manifest.dense)
     model, _ = mlx_streaming.load(stream_dir, cache_gb=(spine + 7.5 * per_slot) / 1e9)
     s = mlx_streaming.stats(model)
     assert s["slots_per_layer"] == 7

@@ -184,7 +184,8 @@ def validate(args) -> dict:
     spec = manifest.layers[0]
     ns = argparse.Namespace(
         model=args.model, mlx_model=args.mlx_model, pools=args.pools, memory_limit_gb=None,
-        cache_gb=None, cold=False, temp=args.temp, max_tokens=args.max_tokens, prompt_tokens=32, io="auto",
+        cache_gb=None, cold=False, temp=args.temp, max_tokens=args.max_tokens,
+        prompt_tokens=32, io="auto",
         prefetch=args.prefetch, direct_io="on" if args.read_mbps else "auto",
         verify="first-read", policies=args.policies, read_mbps=args.read_mbps,
         routing_tokens=64, repeats=args.repeats, out=args.out / "decode")
