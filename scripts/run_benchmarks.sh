@@ -74,3 +74,17 @@ python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-mode
   --temp 0.8 --out "$out/simulate-trained-throttled"
 python -m mlx_streaming.bench simulate --project --policies lru,lfu-decay \
   --trace "$out/cache-trained/routing-trace-w4.jsonl" --out "$out/projection-apple"
+
+# Issue 12: a spine (2.06 GB of dense layer records, qwen2_moe with a wide
+# shared expert) 2.9x a 0.7 GB memory limit, streamed through two layer
+# buffers; as the disk reads and with reads throttled to 400 MB/s.
+[ -f "$models/spine3x/experts/manifest.json" ] ||
+  python scripts/make_synthetic_moe.py --out "$models/spine3x" --family qwen2_moe \
+    --hidden-size 2048 --layers 28 --experts 16 --top-k 4 --moe-intermediate 512 --heads 16 \
+    --kv-heads 16 --shared-intermediate 16384 --tokenizer "$T/mlx"
+for mbps in "" 400; do
+  python -m mlx_streaming.bench decode --model "$models/spine3x" --cache-gb 0.38 \
+    --memory-limit-gb 0.7 --max-tokens 8 --prompt-tokens 16 --temp 0.8 --repeats 3 \
+    --routing-tokens 16 ${mbps:+--read-mbps $mbps} \
+    --out "$out/decode-spine3x${mbps:+-throttled}"
+done
