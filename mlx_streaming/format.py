@@ -294,6 +294,26 @@ def _quantization_from_dict(q, where: str) -> Dict[str, Optional[dict]]:
     return q
 
 
+def _record_fields(d, where: str, size_key: str):
+    """``(record size, segments, file, layer)`` of an expert layer's or a
+    dense record's manifest entry, each checked."""
+    size = _nonneg(_get(d, size_key, int, where), f"{where}.{size_key}", 1)
+    if size % RECORD_ALIGNMENT:
+        raise _Malformed(f"{where}.{size_key} {size} is not a multiple of {RECORD_ALIGNMENT}")
+    segs = _get(d, "segments", list, where)
+    if not segs:
+        raise _Malformed(f"{where} has no segments")
+    segments = tuple(_segment_from_dict(s, f"{where}.segments[{i}]") for i, s in enumerate(segs))
+    _check_record_layout(segments, size, where)
+    file = _get(d, "file", str, where)
+    if Path(file).name != file or file in ("", ".", ".."):
+        raise _Malformed(f"{where}.file {file!r} must be a plain file name")
+    layer = _nonneg(_get(d, "layer", int, where), f"{where}.layer")
+    if layer >= MAX_DIM:
+        raise _Malformed(f"{where}.layer {layer} is too large")
+    return size, segments, file, layer
+
+
 def layer_from_dict(d, where: str = "layer") -> LayerSpec:
     """A ``LayerSpec`` from its manifest entry, every field checked.
 
@@ -301,25 +321,12 @@ def layer_from_dict(d, where: str = "layer") -> LayerSpec:
         _Malformed: a field is missing, of the wrong type or out of range.
     """
     num = _nonneg(_get(d, "num_experts", int, where), f"{where}.num_experts", 1)
-    stride = _nonneg(_get(d, "stride", int, where), f"{where}.stride", 1)
-    if stride % RECORD_ALIGNMENT:
-        raise _Malformed(f"{where}.stride {stride} is not a multiple of {RECORD_ALIGNMENT}")
-    segs = _get(d, "segments", list, where)
-    if not segs:
-        raise _Malformed(f"{where} has no segments")
-    segments = tuple(_segment_from_dict(s, f"{where}.segments[{i}]") for i, s in enumerate(segs))
-    _check_record_layout(segments, stride, where)
+    stride, segments, file, layer = _record_fields(d, where, "stride")
     checksums = _get(d, "checksums", list, where)
     if len(checksums) != num or not all(
         isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32 for c in checksums
     ):
         raise _Malformed(f"{where}.checksums must be {num} unsigned 32-bit integers")
-    file = _get(d, "file", str, where)
-    if Path(file).name != file or file in ("", ".", ".."):
-        raise _Malformed(f"{where}.file {file!r} must be a plain file name")
-    layer = _nonneg(_get(d, "layer", int, where), f"{where}.layer")
-    if layer >= MAX_DIM:
-        raise _Malformed(f"{where}.layer {layer} is too large")
     top_k = _nonneg(_get(d, "top_k", int, where), f"{where}.top_k", 1)
     if top_k > num:
         raise _Malformed(f"{where}.top_k {top_k} exceeds num_experts {num}")
@@ -378,18 +385,7 @@ def _manifest_from_dict(d) -> Manifest:
 
 def dense_from_dict(d, where: str = "dense") -> DenseSpec:
     """A ``DenseSpec`` from its manifest entry, every field checked."""
-    nbytes = _nonneg(_get(d, "nbytes", int, where), f"{where}.nbytes", 1)
-    if nbytes % RECORD_ALIGNMENT:
-        raise _Malformed(f"{where}.nbytes {nbytes} is not a multiple of {RECORD_ALIGNMENT}")
-    segs = _get(d, "segments", list, where)
-    if not segs:
-        raise _Malformed(f"{where} has no segments")
-    segments = tuple(_segment_from_dict(s, f"{where}.segments[{i}]") for i, s in enumerate(segs))
-    _check_record_layout(segments, nbytes, where)
-    file = _get(d, "file", str, where)
-    if Path(file).name != file or file in ("", ".", ".."):
-        raise _Malformed(f"{where}.file {file!r} must be a plain file name")
-    layer = _nonneg(_get(d, "layer", int, where), f"{where}.layer")
+    nbytes, segments, file, layer = _record_fields(d, where, "nbytes")
     prefix = _get(d, "prefix", str, where)
     if not prefix.endswith(f".{layer}") or prefix.startswith("."):
         raise _Malformed(f"{where}.prefix {prefix!r} is not the path of layer {layer}")
