@@ -89,12 +89,17 @@ def test_a_spine_larger_than_the_budget_is_streamed(models, family, quantized):
     model.streaming.close()
 
 
+def budget_case(models):
+    """The tiny qwen3_moe's manifest, bytes per slot, largest dense record,
+    and a made-up resident spine of 50 kB, for planning without loading."""
+    manifest = read_manifest(models.get("qwen3_moe", True)[1])
+    return (manifest, budget.bytes_per_slot(manifest),
+            max(d.nbytes for d in manifest.dense), 50_000)
+
+
 def test_the_budget_prefers_spine_layers_to_expert_slots(models):
-    src, stream_dir = models.get("qwen3_moe", True)
-    manifest = read_manifest(stream_dir)
-    per_slot = budget.bytes_per_slot(manifest)
+    manifest, per_slot, record, base = budget_case(models)
     dense = sum(d.nbytes for d in manifest.dense)
-    base = 50_000
     plenty = lambda: 10**12  # noqa: E731
     # Room for everything pinned and 6 slots.
     plan = budget.plan_memory(manifest, StreamConfig(cache_gb=(base + dense + 6 * per_slot) / 1e9),
@@ -119,11 +124,7 @@ def test_the_budget_prefers_spine_layers_to_expert_slots(models):
 
 
 def test_explicit_pools_leave_the_spine_what_is_available(models):
-    src, stream_dir = models.get("qwen3_moe", True)
-    manifest = read_manifest(stream_dir)
-    per_slot = budget.bytes_per_slot(manifest)
-    record = max(d.nbytes for d in manifest.dense)
-    base = 50_000
+    manifest, per_slot, record, base = budget_case(models)
     available = lambda: base + 2 * record + 6 * per_slot + 100  # noqa: E731
     plan = budget.plan_memory(manifest, StreamConfig(slots_per_layer=6, reserve_gb=0), base,
                               available)
@@ -137,11 +138,7 @@ def test_explicit_pools_leave_the_spine_what_is_available(models):
 
 def test_budget_advice_is_followable(models):
     """Every number an error advises loads; where nothing can, it says so."""
-    src, stream_dir = models.get("qwen3_moe", True)
-    manifest = read_manifest(stream_dir)
-    per_slot = budget.bytes_per_slot(manifest)
-    record = max(d.nbytes for d in manifest.dense)
-    base = 50_000
+    manifest, per_slot, record, base = budget_case(models)
     least = base + 2 * record + 4 * per_slot
     for avail in (least - 1, least, least + 7, int(least * 1.1), int(least * 1.5), least * 4):
         available = lambda: avail  # noqa: E731
