@@ -53,7 +53,6 @@ from .prefetch import (
 )
 from .readers import PythonReader, direct_io_works
 from .speculative import SpecStats
-from .spine import SpineRing
 from .stats import Events, Stats, TraceWriter
 from .store import ExpertStore
 
@@ -71,7 +70,7 @@ class Runtime:
         self.direct_io_reason = direct_io_reason
         self.plan = plan
         self.slots = slots = plan.slots
-        self.ring: Optional[SpineRing] = None  # streamed spine layers (spine.py)
+        self.ring: Optional[spine.SpineRing] = None  # streamed spine layers (spine.py)
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
         # Paged pools are rewritten in place: one forward pass at a time.
         self.lock = threading.RLock()

@@ -13,9 +13,7 @@ the outputs of the layer that last used it are evaluated; those outputs
 depend on every operation that read the layer's weights.
 """
 
-import os
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -27,8 +25,9 @@ from mlx.utils import tree_flatten
 
 from .discover import get_module, parent_path
 from .errors import ExpertReadError, FormatError
-from .format import DenseSpec, dense_path, dtype_from_name
+from .format import DenseSpec, dense_checksum, dense_path, dtype_from_name
 from .readers import buffer_at
+from .store import BlobWatch
 
 
 def typed_views(raw: mx.array, spec: DenseSpec) -> Dict[str, mx.array]:
@@ -84,20 +83,9 @@ def read_into(reader, file: int, spec: DenseSpec, address: int, checksum: bool) 
     return int(crcs[0])
 
 
-def _stamp(path) -> Tuple[int, int, int]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return (-1, -1, -1)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 def record_crc(address: int, spec: DenseSpec) -> int:
     """CRC-32 of a record's segments in memory at ``address``."""
-    crc = 0
-    for s in spec.segments:
-        crc = zlib.crc32(buffer_at(address + s.offset, s.nbytes), crc)
-    return crc & 0xFFFFFFFF
+    return dense_checksum(buffer_at(address, spec.nbytes), spec)
 
 
 def _check_crc(spec: DenseSpec, crc: int) -> None:
@@ -151,6 +139,7 @@ class SpineRing:
                  reader, verify: str):
         self.specs = {s.layer: s for s in specs}
         self.order = [s.layer for s in specs]
+        self.position = {layer: i for i, layer in enumerate(self.order)}
         self.reader = reader
         self.verify = verify
         buffers = max(1, min(buffers, len(specs)))
@@ -164,10 +153,10 @@ class SpineRing:
         self.pairs = {s.layer: bindings(model, s) for s in specs}
         self.views = [{s.layer: typed_views(r, s) for s in specs} for r in self.raw]
         self.files = {s.layer: reader.open(str(dense_path(path, s))) for s in specs}
-        # (inode, size, mtime) at open: a record changed on disk since is
-        # checked again on every read, as the expert blobs are.
-        self.paths = {s.layer: dense_path(path, s) for s in specs}
-        self.stamps = {layer: _stamp(p) for layer, p in self.paths.items()}
+        # A record changed on disk after its first check is checked again,
+        # as the expert blobs are.
+        self.watches = ({s.layer: BlobWatch(dense_path(path, s)) for s in specs}
+                        if verify == "first-read" else {})
         self.held: List[Optional[int]] = [None] * buffers
         self.future: List[Optional[Future]] = [None] * buffers
         self.pending: List[list] = [[] for _ in range(buffers)]
@@ -213,6 +202,7 @@ class SpineRing:
                 _check_crc(self.specs[layer], crc)
             except FormatError:
                 self.held[b] = None
+                self.checked.discard(layer)  # every read is checked until one passes
                 raise
             self.checked.add(layer)
 
@@ -228,7 +218,7 @@ class SpineRing:
             self.pending[b] = []
         # The layer computes while the next layers are read.
         mx.async_eval(arrays)
-        i = self.order.index(layer)
+        i = self.position[layer]
         upcoming = [self.order[(i + j) % len(self.order)] for j in range(1, self.buffers)]
         for target in upcoming:
             if target == layer or self._holding(target) is not None:
@@ -282,11 +272,8 @@ class SpineRing:
         crc = read_into(self.reader, self.files[layer], spec, self.address[b], check)
         if check:
             return crc
-        if self.verify != "off" and _stamp(self.paths[layer]) != self.stamps[layer]:
-            # Rewritten since it was opened: these bytes are checked, and
-            # so is every later read of it.
-            self.verify = "always"
-            return record_crc(self.address[b], spec)
+        if layer in self.watches and self.watches[layer].changed():
+            return record_crc(self.address[b], spec)  # rewritten since its last check
         return None
 
     def _release(self, b: int) -> None:

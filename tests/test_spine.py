@@ -315,6 +315,9 @@ def test_a_dense_record_rewritten_mid_run_is_checked_again(models, tmp_path):
     with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
         for _ in range(3):
             mx.eval(model(mx.array([PROMPT[:3]])))
+    # Still damaged: the next call fails again rather than using the bytes.
+    with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
+        mx.eval(model(mx.array([PROMPT[:3]])))
     model.streaming.close()
 
 
