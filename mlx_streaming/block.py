@@ -12,8 +12,10 @@ How ids become slots is a residency strategy chosen at load:
 - ``Resident``: the pool holds every expert in the slot of its own index, so
   the ids are the slots: no remap, no host sync.
 - ``Paged``: a partial pool. One host sync per call evaluates the router's
-  ids; misses are read into least-recently-used slots; the ids are remapped
-  to slots on the device with the layer's table.
+  ids; misses are read into the slots the policy values least; the ids are
+  remapped to slots on the device with the layer's table.
+- ``NativePaged``: ``Paged`` with the host's bookkeeping of a call in C++
+  (``store.NativeStore``), when the extension and the policy allow it.
 """
 
 import math
@@ -152,3 +154,15 @@ class Paged:
         inverse = np.argsort(np.concatenate(pair_order))
         y = mx.concatenate(outputs)[mx.array(inverse)]
         return y.reshape(*indices.shape, y.shape[-1])
+
+
+class NativePaged(Paged):
+    """``Paged`` whose route runs in the native step of a ``NativeStore``
+    (its ``ensure`` is native too). ``Paged`` is the reference; the two
+    agree call for call (tests/test_native_paging.py)."""
+
+    def _route(self, indices, probs):
+        ids = np.array(indices)
+        hits, experts = self.store.route(ids)
+        self.events.on_paged_call(self.layer, _tokens(indices), ids, experts, hits, None)
+        return ids, experts, probs

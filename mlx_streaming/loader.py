@@ -17,7 +17,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, load_tokenizer
 
 from . import budget, hub, mtp, spine
-from .block import Paged, Resident, StreamingExperts
+from .block import NativePaged, Paged, Resident, StreamingExperts
 from .config import StreamConfig, config_fields
 from .discover import (
     find_expert_blocks,
@@ -54,7 +54,7 @@ from .prefetch import (
 from .readers import PythonReader, direct_io_works
 from .speculative import SpecStats
 from .stats import Events, Stats, TraceWriter
-from .store import ExpertStore
+from .store import ExpertStore, NativeStore, native_store_fits
 
 
 class Runtime:
@@ -509,7 +509,12 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
         if runtime.reader.name == "remote":
             blob = None  # fetched records are checked by the reader, not watched
         policy = make_policy(config.policy, spec.num_experts)
-        runtime.stores.append(ExpertStore(spec, pool, runtime.reader, file, runtime.events,
+        # The native step where it can run; the trace wants the router's
+        # probabilities, which only the Python route gathers.
+        native = (runtime.paged and config.trace is None
+                  and native_store_fits(runtime.reader, policy, staging))
+        store_class = NativeStore if native else ExpertStore
+        runtime.stores.append(store_class(spec, pool, runtime.reader, file, runtime.events,
                                           config.verify, staging, blob, policy))
     prefetchers = _make_prefetchers(model, runtime, blocks, staging) if staging else {}
     for store in runtime.stores:
@@ -518,7 +523,8 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
             if store.policy.router or config.trace:
                 router = find_router(model, store.spec.module, store.spec.num_experts,
                                      input_dims_of(blocks[store.spec.module]))
-            residency = Paged(store, runtime.events, prefetchers.get(store.layer), router)
+            paged = NativePaged if isinstance(store, NativeStore) else Paged
+            residency = paged(store, runtime.events, prefetchers.get(store.layer), router)
             runtime.residencies.append(residency)
         else:
             store.preload()

@@ -47,6 +47,11 @@ class NativeReader:
         except self.ext.ReadError as e:
             raise ExpertReadError(str(e)) from None
 
+    @property
+    def native_handle(self):
+        """The C++ reader, for native steps that read through it."""
+        return self._reader
+
     def drain(self) -> None:
         """Wait until no read (prefetch included) is queued or running."""
         self._reader.drain()

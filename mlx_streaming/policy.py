@@ -66,9 +66,9 @@ class Policy:
     def victims(self, n: int, protected: np.ndarray) -> np.ndarray:
         key = self.keep_score()[self.expert_of_slot]  # a fresh array
         key[protected] = np.inf
-        if n >= len(key):
-            return np.argsort(key, kind="stable")[:n]
-        return np.argpartition(key, n - 1)[:n]
+        # Stable: ties go to the lowest slot, as in the native step
+        # (native/paged.cpp), so both paths fill the same slots.
+        return np.argsort(key, kind="stable")[:n]
 
 
 class LRU(Policy):

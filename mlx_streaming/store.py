@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-from .errors import CorruptExpertError
+from .errors import CorruptExpertError, ExpertReadError
 from .format import LayerSpec
-from .policy import LRU, Policy
+from .policy import LRU, DecayedLFU, Policy
 from .pool import SlotPool
 from .stats import Events
 
@@ -193,3 +193,70 @@ class ExpertStore:
             dropped = self.staging.drop(self.layer)
             if dropped:
                 self.events.on_prefetch(self.layer, wasted=dropped)
+
+
+# The policies the native step implements, and its code for each verify mode.
+NATIVE_POLICIES = (LRU, DecayedLFU)
+_VERIFY_CODES = {"off": 0, "first-read": 1, "always": 2}
+
+
+def native_store_fits(reader, policy: Policy, staging) -> bool:
+    """Whether ``NativeStore`` can stand in for ``ExpertStore``: the C++
+    reader, a policy the step implements, and no prefetch staging (whose
+    records ``ensure`` takes one by one in Python)."""
+    return reader.name == "native" and type(policy) in NATIVE_POLICIES and staging is None
+
+
+class NativeStore(ExpertStore):
+    """``ExpertStore`` with a call's bookkeeping in C++ (native/paged.cpp):
+    ``route`` (distinct experts, hits, the policy's update) and ``ensure``
+    (victims, reads, checks, tables) are one native step each instead of
+    some twenty numpy calls, which cost more than the compute of a small
+    layer. It updates the same arrays as the reference (the pool's tables,
+    the policy's scores), so either may run any call; a test checks that
+    both make the same choices."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reader = self.reader
+        self.index = reader.ext.PagedIndex(
+            reader.native_handle, self.file, self.spec.stride, self.pool.segments,
+            getattr(self.policy, "decay", 1.0), _VERIFY_CODES[self.verify])
+        self._bind()
+
+    def _bind(self) -> None:
+        pool, policy = self.pool, self.policy
+        self.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
+                        policy.last_use, getattr(policy, "score", None), self.checksums,
+                        self.unverified)
+
+    def resize(self, slots: int) -> None:
+        super().resize(slots)
+        self._bind()  # the pool's arrays were reallocated
+
+    def route(self, ids: np.ndarray):
+        """``(hits, distinct experts)`` of a call's ``ids``, which the
+        policy observes."""
+        self.policy.clock += 1
+        if ids.dtype != np.uint32:
+            ids = ids.astype(np.uint32)
+        return self.index.route(ids, self.policy.clock)
+
+    def ensure(self, experts: np.ndarray, last: bool = True) -> None:
+        try:
+            read, bad, read_s, load_s = self.index.ensure(experts)
+        except self.reader.ext.ReadError as e:
+            if self.reader.closed:
+                raise ExpertReadError("this model was closed; load it again to use it") from None
+            raise ExpertReadError(str(e)) from None
+        if not read:
+            return
+        self.events.on_read(self.layer, read, read * self.expert_nbytes, read_s)
+        self.events.on_stall(self.layer, load_s)
+        if self.watch is not None and self.watch.changed():
+            # The bytes may come from a new file: read them again, checked,
+            # on the reference path.
+            self.unverified[:] = True
+            self.load(self.index.misses(), self.index.victims(), last)
+        elif bad >= 0:
+            raise CorruptExpertError(self.layer, bad, "checksum mismatch")

@@ -6,10 +6,12 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 
 #include "mlx/version.h"
 
 #include "crc32.h"
+#include "paged.h"
 #include "prefetch.h"
 #include "reader.h"
 #include "staging.h"
@@ -22,6 +24,9 @@ namespace {
 
 template <typename T, int D>
 using CArray = nb::ndarray<const T, nb::ndim<D>, nb::c_contig, nb::device::cpu>;
+// A writable array Python owns and the native side updates in place.
+template <typename T, int D>
+using MArray = nb::ndarray<T, nb::ndim<D>, nb::c_contig, nb::device::cpu>;
 
 std::vector<Segment> to_segments(const CArray<int64_t, 2>& segs) {
   if (segs.shape(1) != 2) {
@@ -34,10 +39,11 @@ std::vector<Segment> to_segments(const CArray<int64_t, 2>& segs) {
   return out;
 }
 
-nb::ndarray<nb::numpy, uint32_t, nb::ndim<1>> to_numpy(std::vector<uint32_t> v) {
-  auto* data = new std::vector<uint32_t>(std::move(v));
-  nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<uint32_t>*>(p); });
-  return nb::ndarray<nb::numpy, uint32_t, nb::ndim<1>>(data->data(), {data->size()}, owner);
+template <typename T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T> v) {
+  auto* data = new std::vector<T>(std::move(v));
+  nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(data->data(), {data->size()}, owner);
 }
 
 // The Python face of a reader: owns the C++ reader through a shared_ptr so
@@ -141,6 +147,65 @@ NB_MODULE(_ext, m) {
             return std::make_shared<Staging>(r.reader, capacity, stride);
           },
           "capacity"_a, "stride"_a);
+
+  nb::class_<PagedIndex>(m, "PagedIndex")
+      .def(
+          "__init__",
+          [](PagedIndex* self, PyReader& r, int file, int64_t stride, CArray<int64_t, 2> segments,
+             double decay, int verify) {
+            if (verify < 0 || verify > 2) {
+              throw std::invalid_argument("verify must be 0 (off), 1 (first-read) or 2 (always)");
+            }
+            new (self) PagedIndex(r.reader, file, stride, to_segments(segments), decay,
+                                  static_cast<Verify>(verify));
+          },
+          "reader"_a, "file"_a, "stride"_a, "segments"_a, "decay"_a, "verify"_a)
+      .def(
+          "bind",
+          [](PagedIndex& p, MArray<int32_t, 1> slot_of_expert, MArray<int64_t, 1> expert_of_slot,
+             CArray<int64_t, 2> addresses, MArray<double, 1> last_use,
+             std::optional<MArray<double, 1>> score, CArray<uint32_t, 1> checksums,
+             MArray<bool, 1> unverified) {
+            size_t experts = slot_of_expert.shape(0), slots = expert_of_slot.shape(0);
+            bool ok = addresses.shape(0) == slots && last_use.shape(0) == experts + 1 &&
+                checksums.shape(0) == experts && unverified.shape(0) == experts &&
+                (!score || score->shape(0) == experts + 1);
+            if (!ok) {
+              throw std::invalid_argument("bind: table, slot and policy arrays disagree in shape");
+            }
+            p.bind({slot_of_expert.data(), expert_of_slot.data(), addresses.data(),
+                    last_use.data(), score ? score->data() : nullptr, checksums.data(),
+                    unverified.data(), static_cast<int64_t>(experts),
+                    static_cast<int64_t>(slots)});
+          },
+          "slot_of_expert"_a, "expert_of_slot"_a, "addresses"_a, "last_use"_a, "score"_a.none(),
+          "checksums"_a, "unverified"_a,
+          "Borrow the pool's tables and the policy's scores (rebind after a resize).")
+      .def(
+          "route",
+          [](PagedIndex& p, nb::ndarray<const uint32_t, nb::c_contig, nb::device::cpu> ids,
+             double clock) {
+            std::vector<int64_t> experts;
+            int64_t hits = p.route(ids.data(), ids.size(), clock, experts);
+            return std::make_tuple(hits, to_numpy(std::move(experts)));
+          },
+          "ids"_a, "clock"_a,
+          "(hits, distinct experts) of a call's ids; the policy observes it at `clock`.")
+      .def(
+          "ensure",
+          [](PagedIndex& p, CArray<int64_t, 1> experts) {
+            EnsureResult r;
+            {
+              nb::gil_scoped_release release;
+              r = p.ensure(experts.data(), experts.shape(0));
+            }
+            return std::make_tuple(r.read, r.bad, r.read_s, r.load_s);
+          },
+          "experts"_a,
+          "Make `experts` resident: (records read, expert whose checksum failed or -1, "
+          "read seconds, stall seconds).")
+      .def("misses", [](PagedIndex& p) { return to_numpy(p.misses()); })
+      .def("victims", [](PagedIndex& p) { return to_numpy(p.victims()); });
 
   m.def(
       "prefetch_on_complete",

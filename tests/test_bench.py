@@ -178,9 +178,11 @@ def test_bench_overhead_and_simulate(models, tmp_path):
     _run(["overhead", "--model", str(stream_dir), "--repeats", "20", "--tokens", "4",
           "--rounds", "1"], tmp_path / "o")
     o = json.loads((tmp_path / "o" / "overhead.json").read_text())
-    steps = o["decode"]["paged, pool 25%"]["steps_us"]
-    assert set(steps) == {"_start", "_sync", "_route", "ensure", "_launch", "rest of the token"}
-    assert all(v > 0 for k, v in steps.items() if k != "rest of the token")
+    for case in ("paged, all hits", "paged, pool 25%", "paged, pool 25%, io=python"):
+        steps = o["decode"][case]["steps_us"]
+        assert set(steps) == {"_start", "_sync", "_route", "ensure", "_launch",
+                              "rest of the token"}
+        assert all(v > 0 for k, v in steps.items() if k != "rest of the token")
     assert o["decode"]["resident"]["steps_us"] is None  # resident models have no steps
 
     _run(["simulate", "--validate", "--model", str(stream_dir), "--mlx-model", str(src),

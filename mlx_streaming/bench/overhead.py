@@ -19,8 +19,11 @@ In decode, the steps of every paged call timed while the model decodes
 expert graph), sync (wait for the ids), route (numpy, counters, policy),
 ensure (evict and read the misses), launch (schedule the experts), and the
 rest of the token (mlx-lm's own graph and scheduling). Rounds of decode with
-the model resident, paged with every expert in its pool, and paged at
-``--pool`` alternate, and the tok/s of each is reported.
+the model resident, paged with every expert in its pool, paged at
+``--pool``, and paged at ``--pool`` with ``io="python"`` (the reference path:
+route and ensure in numpy, the Python reader) alternate, and the tok/s of
+each is reported. With the native step (``store.NativeStore``) the route and
+ensure steps are one C++ call each.
 """
 
 import time
@@ -193,10 +196,14 @@ def run(args) -> dict:
     _force_paged(paged)
     timings = pieces(paged, args.repeats)
     resident, _ = load(args.model, slots_per_layer=experts)
-    partial, _ = load(args.model, slots_per_layer=max(spec.top_k, round(args.pool * experts)),
-                      policy=args.policy)
-    decode = in_decode({"resident": resident, "paged, all hits": paged,
-                        f"paged, pool {args.pool:.0%}": partial}, tok, args.tokens, args.rounds)
+    slots = max(spec.top_k, round(args.pool * experts))
+    partial, _ = load(args.model, slots_per_layer=slots, policy=args.policy)
+    # The reference path: route and ensure in Python (and the Python reader).
+    python, _ = load(args.model, slots_per_layer=slots, policy=args.policy, io="python")
+    cases = {"resident": resident, "paged, all hits": paged,
+             f"paged, pool {args.pool:.0%}": partial,
+             f"paged, pool {args.pool:.0%}, io=python": python}
+    decode = in_decode(cases, tok, args.tokens, args.rounds)
     r = decode["resident"]["tps"]
     rows = [dict(piece=f"isolated: {k}", us=v) for k, v in timings.items()]
     for name in list(decode)[1:]:
@@ -215,7 +222,8 @@ def run(args) -> dict:
 def _force_paged(model):
     """Turn a resident model's blocks paged: the pool holds every expert in
     the slot of its id, so every lookup hits and nothing is read."""
-    from ..block import Paged
+    from ..block import NativePaged, Paged
+    from ..store import NativeStore, native_store_fits
 
     runtime = model.streaming
     if runtime.residencies:
@@ -224,8 +232,15 @@ def _force_paged(model):
         residency = getattr(module, "residency", None)
         if residency is None:
             continue
-        store = next(s for s in runtime.stores if s.layer == residency.layer)
-        paged = Paged(store, runtime.events)
+        i, store = next((i, s) for i, s in enumerate(runtime.stores)
+                        if s.layer == residency.layer)
+        if native_store_fits(store.reader, store.policy, None):
+            # The native step, as the loader would choose for a paged pool.
+            blob = store.watch.path if store.watch is not None else None
+            store = NativeStore(store.spec, store.pool, store.reader, store.file,
+                                runtime.events, store.verify, None, blob, store.policy)
+            runtime.stores[i] = store
+        paged = (NativePaged if isinstance(store, NativeStore) else Paged)(store, runtime.events)
         module.residency = paged
         runtime.residencies.append(paged)
     runtime.paged = True

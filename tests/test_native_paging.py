@@ -1,0 +1,121 @@
+"""The native step of a paged call (native/paged.cpp via store.NativeStore
+and block.NativePaged) against its reference, the Python ExpertStore and
+Paged: the same distinct experts, hits, policy state, victims, reads and
+tables after every call, and the same logits."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_streaming
+from mlx_streaming import loader
+from mlx_streaming.block import NativePaged, Paged
+from mlx_streaming.store import NativeStore
+
+from helpers import PROMPT, check_matches_resident
+
+
+def _residencies(model):
+    return model.streaming.residencies
+
+
+def _load_reference(monkeypatch, stream_dir, **kwargs):
+    with monkeypatch.context() as m:
+        m.setattr(loader, "native_store_fits", lambda *a: False)
+        return mlx_streaming.load(stream_dir, **kwargs)
+
+
+def _state(model):
+    """Everything a call's bookkeeping changes, per layer."""
+    out = []
+    for store in model.streaming.stores:
+        policy = store.policy
+        out.append((
+            store.pool.expert_of_slot.copy(),
+            store.pool.slot_of_expert.copy(),
+            policy.last_use.copy(),
+            getattr(policy, "score", np.zeros(1)).copy(),
+            policy.clock,
+            store.unverified.copy(),
+        ))
+    return out
+
+
+def _counters(model):
+    return {layer: (c.calls, c.hits, c.misses, c.records_read, c.bytes_read, c.distinct_experts)
+            for layer, c in model.streaming.stats.counters.items()}
+
+
+def _assert_same_state(a, b, step):
+    for layer, (x, y) in enumerate(zip(_state(a), _state(b))):
+        for name, u, v in zip(("slots", "table", "last_use", "score", "clock", "unverified"),
+                              x, y):
+            assert np.array_equal(u, v), f"step {step}, layer {layer}: {name} differ"
+
+
+def test_native_step_is_chosen_where_it_can_run(qwen, tmp_path):
+    _, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+    assert all(type(r) is NativePaged for r in _residencies(model))
+    assert all(type(s) is NativeStore for s in model.streaming.stores)
+    model.streaming.close()
+    for kwargs in ({"io": "python"}, {"prefetch": "next-layer"}, {"policy": "arc"},
+                   {"trace": str(tmp_path / "t.jsonl")}):
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, **kwargs)
+        assert all(type(r) is Paged for r in _residencies(model)), kwargs
+        model.streaming.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-decay"])
+@pytest.mark.parametrize("verify", ["first-read", "always", "off"])
+def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch, policy,
+                                                             verify):
+    # Four slots of eight: the 48-token prefill has more distinct experts
+    # than slots (the chunked path) and every decode step evicts.
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    kwargs = dict(slots_per_layer=4, policy=policy, verify=verify)
+    native, _ = mlx_streaming.load(stream_dir, **kwargs)
+    reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
+    assert type(_residencies(reference)[0]) is Paged
+    caches = [make_prompt_cache(m) for m in (native, reference)]
+    tokens = mx.array([PROMPT])
+    evictions = 0
+    for step in range(24):
+        before = _state(native)
+        out = [m(tokens, cache=c)[:, -1] for m, c in zip((native, reference), caches)]
+        mx.eval(out)
+        assert mx.array_equal(out[0], out[1]).item(), f"logits differ at step {step}"
+        _assert_same_state(native, reference, step)
+        assert _counters(native) == _counters(reference), f"counters differ at step {step}"
+        evictions += sum(not np.array_equal(b[0], a[0]) for b, a in zip(before, _state(native)))
+        tokens = mx.argmax(out[0], axis=-1, keepdims=True)
+    assert evictions > 24, "the pools hardly changed: nothing was compared"
+    for m in (native, reference):
+        m.streaming.close()
+
+
+@pytest.mark.parametrize("family,quantized", [("deepseek_v3", False), ("qwen3_next", True)])
+def test_native_step_is_exact_on_other_families(models, family, quantized):
+    src, stream_dir = models.get(family, quantized=quantized)
+    model = check_matches_resident(src, stream_dir, slots_per_layer=4)
+    assert type(_residencies(model)[0]) is NativePaged
+
+
+def test_native_step_rebinds_after_a_resize(qwen, monkeypatch):
+    # A pool resized between calls (memory pressure) reallocates the tables
+    # the native step writes: it must follow them.
+    _, stream_dir = qwen
+    native, _ = mlx_streaming.load(stream_dir, slots_per_layer=6)
+    reference, _ = _load_reference(monkeypatch, stream_dir, slots_per_layer=6)
+    caches = [make_prompt_cache(m) for m in (native, reference)]
+    tokens = mx.array([PROMPT[:8]])
+    for step, slots in enumerate([6, 3, 3, 8, 5, 8]):
+        for m in (native, reference):
+            for store in m.streaming.stores:
+                store.resize(slots)
+        out = [m(tokens, cache=c)[:, -1] for m, c in zip((native, reference), caches)]
+        mx.eval(out)
+        assert mx.array_equal(out[0], out[1]).item(), f"logits differ at step {step}"
+        _assert_same_state(native, reference, step)
+        tokens = mx.argmax(out[0], axis=-1, keepdims=True)
