@@ -279,6 +279,8 @@ def _serialize_calls(model: nn.Module) -> None:
     thread's, starts overwriting slots.
     """
     base = type(model)
+    if base in _SERIALIZED.values():
+        return  # already
     cls = _SERIALIZED.get(base)
     if cls is None:
 

@@ -231,3 +231,34 @@ def test_bench_verify_with_real_drafts(models, tmp_path):
     assert all(r["exact"] in ("True", "-") for r in rows)
     own = [r for r in streamed if r["draft"] == f"model:{src}"]
     assert all(r["acceptance"] > 0.5 for r in own)
+
+
+def test_paired_ratio_cancels_the_machines_drift():
+    from mlx_streaming.bench.common import paired_ratio
+
+    # A case at 0.8x of its baseline in every round, the machine twice as
+    # fast in the last rounds: the ratio of medians says 1.07x.
+    baseline = [100, 100, 200, 200, 200]
+    case = [80, 80, 160, 160, 160]
+    assert paired_ratio(case, baseline) == pytest.approx(0.8)
+    assert np.median(case) / np.median(baseline[:2]) > 1
+    assert paired_ratio([None, 50], [100, 100]) == pytest.approx(0.5)
+    assert paired_ratio([None], [100]) is None
+
+
+def test_simulator_charges_the_host_work_of_each_missed_record():
+    from mlx_streaming.bench.cache import Call
+    from mlx_streaming.bench.simulate import project_case
+
+    rng = np.random.default_rng(0)
+    calls = {0: []}
+    for _ in range(40):
+        ids = rng.choice(16, size=2, replace=False)[None]
+        calls[0].append(Call(np.unique(ids), ids))
+    common = dict(calls=calls, fraction=0.25, policy="lru", prefetch=False, compute_s=0.01,
+                  sync_s=0.0, moe_layers=1, expert_bytes=1e6, top_k=2, ssd_gbps=1.0,
+                  ssd_latency_s=0.0)
+    base = project_case(**common)
+    charged = project_case(**common, miss_s=1e-3)
+    misses_per_call = (1 - base["hit_rate"]) * 2
+    assert charged["seconds"] - base["seconds"] == pytest.approx(misses_per_call * 1e-3)

@@ -254,6 +254,14 @@ def pool_slots(spec, fraction: float) -> int:
     return max(spec.top_k, round(fraction * spec.num_experts))
 
 
+def paired_ratio(runs: List[Optional[float]], baseline: List[Optional[float]]) -> Optional[float]:
+    """The median over rounds of each round's value over the baseline's in
+    the same round: interleaved rounds share the machine's slow and fast
+    spells, which this cancels (a ratio of medians does not)."""
+    pairs = [a / b for a, b in zip(runs, baseline) if a and b]
+    return float(np.median(pairs)) if pairs else None
+
+
 def median_run(results: List[dict]) -> dict:
     """The run of median decode speed among those that succeeded, else the
     first (failed) one."""

@@ -18,6 +18,7 @@ from ..format import blob_path, read_manifest
 from . import routing
 from .common import (
     BenchError,
+    paired_ratio,
     disk_read_gbps,
     drop_page_cache,
     figure,
@@ -30,6 +31,7 @@ from .common import (
 COLUMNS = [
     ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),
     ("decode_tps", "tok/s", ".3g"), ("vs_resident", "x (a)", ".2f"),
+    ("vs_resident_paired", "x (a) paired", ".2f"),
     ("hit_rate", "hit", ".0%"), ("gb_per_token", "GB/tok", ".3f"),
     ("bound_overlap_tps", "bound", ".3g"), ("vs_bound", "x bound", ".2f"),
     ("bound_serial_tps", "no-overlap", ".3g"), ("stall_share", "stall", ".0%"),
@@ -165,6 +167,7 @@ def run(args) -> dict:
     for row in rows:
         if resident_tps and row.get("decode_tps"):
             row["vs_resident"] = row["decode_tps"] / resident_tps
+            row["vs_resident_paired"] = paired_ratio(row["runs_tps"], rows[0]["runs_tps"])
         if resident_tps and row.get("gb_per_token") is not None:
             compute = 1 / resident_tps
             io = row["gb_per_token"] / disk_gbps

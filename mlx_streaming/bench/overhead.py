@@ -158,17 +158,23 @@ class StepTimer:
         self.calls = 0
 
 
+def _records_read(model) -> int:
+    return sum(c.records_read for c in model.streaming.stats.counters.values())
+
+
 def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
-    """tok/s of each model (interleaved rounds, medians) and, for the
-    paged ones, microseconds per call of each step in the median round."""
+    """tok/s of each model (interleaved rounds, medians; ``runs_tps`` in
+    round order) and, for the paged ones, microseconds per call of each step
+    and the ensure step's microseconds per record read, in the median round."""
     timers = {k: StepTimer(m) for k, m in models.items() if m.streaming.residencies}
     runs = {k: [] for k in models}
     for _ in range(rounds):
         for name, model in models.items():
             if name in timers:
                 timers[name].reset()
+            records = _records_read(model)
             tps = _decode_tps(model, tokenizer, tokens)
-            steps = None
+            steps, per_record = None, None
             if name in timers:
                 t = timers[name]
                 per_call = {k: v / t.calls * 1e6 for k, v in t.seconds.items()}
@@ -176,12 +182,14 @@ def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
                 layers = len(model.streaming.residencies)
                 per_call["rest of the token"] = token_us / layers - sum(per_call.values())
                 steps = per_call
-            runs[name].append((tps, steps))
+                records = _records_read(model) - records
+                per_record = t.seconds["ensure"] / records * 1e6 if records else None
+            runs[name].append((tps, steps, per_record))
     out = {}
     for name, results in runs.items():
-        results.sort(key=lambda r: r[0])
-        tps, steps = results[len(results) // 2]
-        out[name] = dict(tps=tps, steps_us=steps, runs_tps=[r[0] for r in results])
+        tps, steps, per_record = sorted(results, key=lambda r: r[0])[len(results) // 2]
+        out[name] = dict(tps=tps, steps_us=steps, ensure_us_per_record=per_record,
+                         runs_tps=[r[0] for r in results])
     return out
 
 
@@ -223,6 +231,7 @@ def _force_paged(model):
     """Turn a resident model's blocks paged: the pool holds every expert in
     the slot of its id, so every lookup hits and nothing is read."""
     from ..block import NativePaged, Paged
+    from ..loader import _serialize_calls
     from ..store import NativeStore, native_store_fits
 
     runtime = model.streaming
@@ -244,6 +253,9 @@ def _force_paged(model):
         module.residency = paged
         runtime.residencies.append(paged)
     runtime.paged = True
+    # Calls as a loaded paged model makes them (the lock, the pending
+    # readers evaluated at the end of each).
+    _serialize_calls(model)
 
 
 def _plot(rows, path, title):

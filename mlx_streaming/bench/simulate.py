@@ -9,8 +9,9 @@ The model of one decode token (one token per MoE call):
     + moe_layers x sync     one host sync per paged MoE call, with its
                             bookkeeping (``bench overhead`` measures it)
     + reads                 per call with m missed experts: latency + m x
-                            expert bytes / SSD bandwidth, not overlapped
-                            with compute (demand reads wait for the sync)
+                            (expert bytes / SSD bandwidth + the host's work
+                            per missed record), not overlapped with compute
+                            (demand reads wait for the sync)
 
 With prefetch, the previous layer's prediction (recorded in the trace) is
 read while that layer computes: the part of its read time that fits in one
@@ -43,7 +44,7 @@ from ..format import read_manifest
 from ..policy import make_policy
 from .cache import Call, decode_records, replay_misses
 from .case import WARMUP_TOKENS
-from .common import BenchError, figure, finish, run_case
+from .common import BenchError, figure, finish, paired_ratio, run_case
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Profile:
     ssd_latency_s: float  # added once per call that reads
     weight_gbps: float  # bandwidth the compute reaches on weights (decode)
     sync_s: float  # one host sync of a paged MoE call, with its bookkeeping
+    miss_s: float = 0.0  # host work per missed record beyond the read (tables, checks)
     memory_gb: float = 0.0
     sources: Dict[str, str] = field(default_factory=dict)
 
@@ -72,15 +74,17 @@ _APPLE_SOURCES = {
     "ssd_gbps": "reviewers' disk-speed tests of the internal SSD (1-2 TB configurations)",
     "ssd_latency_s": "NVMe queue + first byte, ~100 us (assumption)",
     "sync_s": "Metal commit + wait + bookkeeping, ~100 us (assumption)",
+    "miss_s": "host work per missed record with the native step, 10 us (assumption; "
+              "this machine's 2-core x86 VM measures 10-25 us)",
 }
 PROFILES = {
-    "m4-pro-48gb": Profile("MacBook Pro M4 Pro 48 GB", 5.0, 1e-4, 0.65 * 273, 1e-4, 48,
+    "m4-pro-48gb": Profile("MacBook Pro M4 Pro 48 GB", 5.0, 1e-4, 0.65 * 273, 1e-4, 1e-5, 48,
                            _APPLE_SOURCES),
-    "m4-max-128gb": Profile("MacBook Pro M4 Max 128 GB", 6.0, 1e-4, 0.65 * 546, 1e-4, 128,
+    "m4-max-128gb": Profile("MacBook Pro M4 Max 128 GB", 6.0, 1e-4, 0.65 * 546, 1e-4, 1e-5, 128,
                             _APPLE_SOURCES),
-    "m3-ultra-256gb": Profile("Mac Studio M3 Ultra 256 GB", 6.5, 1e-4, 0.65 * 819, 1e-4, 256,
+    "m3-ultra-256gb": Profile("Mac Studio M3 Ultra 256 GB", 6.5, 1e-4, 0.65 * 819, 1e-4, 1e-5, 256,
                               _APPLE_SOURCES),
-    "m2-air-24gb": Profile("MacBook Air M2 24 GB", 3.0, 1e-4, 0.65 * 100, 1e-4, 24,
+    "m2-air-24gb": Profile("MacBook Air M2 24 GB", 3.0, 1e-4, 0.65 * 100, 1e-4, 1e-5, 24,
                            _APPLE_SOURCES),
 }
 
@@ -115,7 +119,8 @@ SHAPES = {
 
 def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, prefetch: bool,
                  compute_s: float, sync_s: float, moe_layers: int, expert_bytes: float,
-                 top_k: int, ssd_gbps: float, ssd_latency_s: float, skip: int = 0) -> dict:
+                 top_k: int, ssd_gbps: float, ssd_latency_s: float, skip: int = 0,
+                 miss_s: float = 0.0) -> dict:
     """Projected seconds per token and its parts, replaying each traced
     layer at ``fraction`` of its experts; the traced layers stand for all
     ``moe_layers`` (their mean per call). The first ``skip`` calls warm the
@@ -131,14 +136,15 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
             hits += call.ids.size - len(missed)
             lookups += call.ids.size
             m = len(missed) * scale
-            read = (m > 0) * ssd_latency_s + m * expert_bytes / ssd_gbps / 1e9
+            read = (m > 0) * ssd_latency_s + m * (expert_bytes / ssd_gbps / 1e9 + miss_s)
             per_call_read.append(read)
             if prefetch and call.predicted is not None:
                 caught = len(set(missed.tolist()) & set(call.predicted.tolist())) * scale
                 staged = len(call.predicted) * scale * (len(missed) / max(1, len(call.experts)))
                 t_pf = (staged > 0) * ssd_latency_s + staged * expert_bytes / ssd_gbps / 1e9
                 rest = m - caught
-                t_demand = (rest > 0) * ssd_latency_s + rest * expert_bytes / ssd_gbps / 1e9
+                t_demand = (rest > 0) * ssd_latency_s + rest * expert_bytes / ssd_gbps / 1e9 \
+                    + m * miss_s
                 per_call_stall.append(max(0.0, t_pf - layer_compute) + t_demand)
             else:
                 per_call_stall.append(read)
@@ -194,21 +200,27 @@ def validate(args) -> dict:
                                          rounds=max(3, args.repeats), policy="lru", pool=0.25,
                                          out=args.out / "overhead"))
     d = ov["decode"]
-    # One paged call's cost as decode sees it: all hits, nothing read.
-    sync_s = (1 / d["paged, all hits"]["tps"] - 1 / d["resident"]["tps"]) / ov["moe_layers"]
-    resident_tps = measured["rows"][0]["decode_tps"]
-    rd = run_case(dict(op="reads", kind="streaming", model=args.model, batch=spec.top_k,
-                       load=dict(slots_per_layer=spec.top_k, verify="off",
-                                 direct_io=bool(args.read_mbps))),
-                  read_mbps=args.read_mbps)
-    if rd["status"] != "ok":
-        raise BenchError(f"measuring the reader failed: {rd.get('error', rd['status'])}")
-    gbps, latency = rd["gbps"], rd["latency_s"]
+    layers = ov["moe_layers"]
+    # One paged call's cost as decode sees it: all hits, nothing read, each
+    # round against the resident model's same round.
+    sync_s = float(np.median([(1 / a - 1 / r) / layers for a, r in
+                              zip(d["paged, all hits"]["runs_tps"], d["resident"]["runs_tps"])]))
+    resident = measured["rows"][0]
+    resident_tps = resident["decode_tps"]
+    warm = _read_cost(args.model, spec, None)
+    # The host's work per missed record: the ensure step's time per record
+    # in decode (warm, bench overhead's partial pool) less the read itself.
+    per_record = d[f"paged, pool {0.25:.0%}"]["ensure_us_per_record"]
+    seconds = {int(n): t for n, t in warm["seconds"].items()}
+    batch = max(seconds)
+    iso = seconds[batch] / batch
+    miss_s = max(0.0, (per_record or 0.0) * 1e-6 - iso)
+    gbps, latency = warm["gbps"], warm["latency_s"]
     if args.read_mbps:
         # A token-bucket throttle lets short bursts through at the disk's own
         # speed, so single reads overstate it; over a token it holds the rate.
         gbps, latency = args.read_mbps / 1e3, 0.0
-    here = Profile("this machine", gbps, latency, 0.0, max(0.0, sync_s))
+    here = Profile("this machine", gbps, latency, 0.0, max(0.0, sync_s), miss_s)
     calls = decode_records(args.out / "decode" / "decode-trace.jsonl")
     rows = []
     for row in measured["rows"][2:]:
@@ -216,19 +228,37 @@ def validate(args) -> dict:
         p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
                          load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
-                         here.ssd_latency_s, skip=WARMUP_TOKENS)
+                         here.ssd_latency_s, skip=WARMUP_TOKENS, miss_s=here.miss_s)
+        # Judged as ratios to mlx-lm resident, paired round by round: the
+        # machine's speed drifts between rounds by more than the error allowed.
+        measured_ratio = paired_ratio(row["runs_tps"], resident["runs_tps"])
+        projected_ratio = p["tps"] / resident_tps
         rows.append(dict(case=row["case"], pool=row["pool"], measured_tps=row.get("decode_tps"),
-                         projected_tps=p["tps"], projected_hit=p["hit_rate"],
+                         projected_tps=p["tps"], measured_ratio=measured_ratio,
+                         projected_ratio=projected_ratio, projected_hit=p["hit_rate"],
                          measured_hit=row.get("hit_rate"),
-                         error=p["tps"] / row["decode_tps"] - 1 if row.get("decode_tps") else None))
+                         error=projected_ratio / measured_ratio - 1 if measured_ratio else None))
     result = dict(rows=rows, profile=asdict(here), resident_tps=resident_tps,
                   max_abs_error=max(abs(r["error"]) for r in rows if r["error"] is not None))
     title = (f"bench simulate --validate: projected vs measured decode on this machine "
              f"(max error {result['max_abs_error']:.0%})")
     cols = [("case", "case", "s"), ("pool", "pool", ".0%"), ("measured_tps", "measured", ".3g"),
-            ("projected_tps", "projected", ".3g"), ("error", "error", "+.0%"),
+            ("projected_tps", "projected", ".3g"),
+            ("measured_ratio", "measured x resident (paired)", ".3f"),
+            ("projected_ratio", "projected x resident", ".3f"), ("error", "error", "+.0%"),
             ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%")]
     return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
+
+
+def _read_cost(model, spec, read_mbps) -> dict:
+    """The reader's latency per call and rate, read into a pool's slots."""
+    rd = run_case(dict(op="reads", kind="streaming", model=model, batch=spec.top_k,
+                       load=dict(slots_per_layer=spec.top_k, verify="off",
+                                 direct_io=bool(read_mbps))),
+                  read_mbps=read_mbps)
+    if rd["status"] != "ok":
+        raise BenchError(f"measuring the reader failed: {rd.get('error', rd['status'])}")
+    return rd
 
 
 def project(args) -> dict:
@@ -261,7 +291,8 @@ def project(args) -> dict:
                     continue
                 p = project_case(calls, fraction, policy, False, compute, prof.sync_s,
                                  shape.moe_layers, shape.expert_bytes(), shape.top_k,
-                                 prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_TOKENS)
+                                 prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_TOKENS,
+                                 miss_s=prof.miss_s)
                 rows.append(dict(row, policy=policy, pool=fraction, hit_rate=p["hit_rate"],
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"]))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
