@@ -156,10 +156,39 @@ class Paged:
         return y.reshape(*indices.shape, y.shape[-1])
 
 
+def calls_in_graph() -> bool:
+    """Whether paged calls can run inside the graph: the remap primitive has
+    a CPU implementation only (a GPU would need the host between kernels)."""
+    return mx.default_device() == mx.cpu
+
+
 class NativePaged(Paged):
-    """``Paged`` whose route runs in the native step of a ``NativeStore``
-    (its ``ensure`` is native too). ``Paged`` is the reference; the two
-    agree call for call (tests/test_native_paging.py)."""
+    """``Paged`` on a ``NativeStore``. With ``in_graph`` (the CPU backend), a
+    call of at most ``slots`` ids (decode, short verify calls) makes no host
+    sync at all: its ids become slots through ``store.remap``, an MLX
+    primitive that routes, reads the misses and maps them on the stream's
+    thread once the router has computed the ids. That thread runs the
+    stream's work in order, so the call's expert compute, queued after it,
+    sees the filled slots, and every earlier reader of the pool finished
+    before it. Larger calls (prefill) sync as ``Paged`` does, with the
+    native route and ensure. ``Paged`` is the reference; the two agree call
+    for call (tests/test_native_paging.py)."""
+
+    def __init__(self, store, events, prefetch=None, router=None, in_graph: bool = False):
+        super().__init__(store, events, prefetch, router)
+        self.in_graph = in_graph
+
+    def __call__(self, inner, x, indices):
+        if self.in_graph and indices.size <= self.store.pool.slots:
+            return self._in_graph(inner, x, indices)
+        return super().__call__(inner, x, indices)
+
+    def _in_graph(self, inner, x, indices):
+        y = inner(x, self.store.remap(indices))
+        # Evaluated by the runtime at the end of the forward pass (and by
+        # this layer's next sync), before anything else may write the pool.
+        self.pending.append(y)
+        return y
 
     def _route(self, indices, probs):
         ids = np.array(indices)

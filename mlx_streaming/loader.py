@@ -17,7 +17,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, load_tokenizer
 
 from . import budget, hub, mtp, spine
-from .block import NativePaged, Paged, Resident, StreamingExperts
+from .block import NativePaged, Paged, Resident, StreamingExperts, calls_in_graph
 from .config import StreamConfig, config_fields
 from .discover import (
     find_expert_blocks,
@@ -134,6 +134,10 @@ class Runtime:
 
     def resize(self, slots: int) -> None:
         """Give every paged pool ``slots`` slots (``pressure.py``)."""
+        with self.lock:  # the native step writes the tables without the GIL
+            self._resize(slots)
+
+    def _resize(self, slots: int) -> None:
         self.finish_pending()
         if self.staging is not None:
             for store in self.stores:
@@ -152,6 +156,9 @@ class Runtime:
             p.pending = []
         if self.ring is not None:
             self.ring.finish()
+        for store in self.stores:
+            if isinstance(store, NativeStore):
+                store.flush()  # calls made inside the graph: counters, failures
 
 
 def load(
@@ -525,8 +532,12 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
             if store.policy.router or config.trace:
                 router = find_router(model, store.spec.module, store.spec.num_experts,
                                      input_dims_of(blocks[store.spec.module]))
-            paged = NativePaged if isinstance(store, NativeStore) else Paged
-            residency = paged(store, runtime.events, prefetchers.get(store.layer), router)
+            if isinstance(store, NativeStore):
+                # Calls inside the graph need the CPU backend (block.NativePaged).
+                residency = NativePaged(store, runtime.events, prefetchers.get(store.layer),
+                                        router, in_graph=calls_in_graph())
+            else:
+                residency = Paged(store, runtime.events, prefetchers.get(store.layer), router)
             runtime.residencies.append(residency)
         else:
             store.preload()

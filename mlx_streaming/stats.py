@@ -30,6 +30,11 @@ class Observer:
                  probs: Optional[np.ndarray] = None) -> None: ...
     def on_predict(self, layer: int, ids: np.ndarray) -> None: ...
     def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
+    def on_graph_calls(self, layer: int, calls: int, tokens: int, hits: int, misses: int,
+                       distinct: int, records: int, nbytes: int, read_seconds: float,
+                       stall_seconds: float) -> None:
+        """Paged calls made inside the graph, with no sync (store.NativeStore),
+        summed over one forward pass."""
 
     def on_paged_call(self, layer: int, tokens: int, ids: np.ndarray, experts: np.ndarray,
                       hits: int, probs: Optional[np.ndarray] = None) -> None:
@@ -72,6 +77,7 @@ class LayerCounters:
     read_seconds: float = 0.0
     stall_seconds: float = 0.0
     syncs: int = 0
+    graph_calls: int = 0  # paged calls made inside the graph, without a sync
     prefetch_issued: int = 0
     prefetch_useful: int = 0
     prefetch_wasted: int = 0
@@ -97,7 +103,8 @@ class LayerCounters:
         )
         # Distinct experts one call needs (known where calls sync).
         d["experts_per_call"] = (
-            self.distinct_experts / self.syncs if self.syncs else None
+            self.distinct_experts / (self.syncs + self.graph_calls)
+            if self.syncs + self.graph_calls else None
         )
         return d
 
@@ -145,6 +152,20 @@ class Stats(Observer):
         c.distinct_experts += len(experts)
         if self._predicted:
             self._count_predicted(c, layer, experts)
+
+    def on_graph_calls(self, layer, calls, tokens, hits, misses, distinct, records, nbytes,
+                       read_seconds, stall_seconds):
+        c = self.counters[layer]
+        c.calls += calls
+        c.graph_calls += calls
+        c.tokens += tokens
+        c.hits += hits
+        c.misses += misses
+        c.distinct_experts += distinct
+        c.records_read += records
+        c.bytes_read += nbytes
+        c.read_seconds += read_seconds
+        c.stall_seconds += stall_seconds
 
     def on_predict(self, layer, ids):
         # Sets, not np.isin: on a few ids np.isin costs ~150 us a call.

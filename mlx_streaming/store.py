@@ -210,18 +210,24 @@ def native_store_fits(reader, policy: Policy, staging) -> bool:
 class NativeStore(ExpertStore):
     """``ExpertStore`` with a call's bookkeeping in C++ (native/paged.cpp):
     ``route`` (distinct experts, hits, the policy's update) and ``ensure``
-    (victims, reads, checks, tables) are one native step each instead of
-    some twenty numpy calls, which cost more than the compute of a small
-    layer. It updates the same arrays as the reference (the pool's tables,
-    the policy's scores), so either may run any call; a test checks that
-    both make the same choices."""
+    (victims, reads, checks, the blob watch, tables) are one native step
+    each instead of some twenty numpy calls, which cost more than the
+    compute of a small layer. ``remap`` runs both inside the graph (see
+    ``block.NativePaged``). It updates the same arrays as the reference
+    (the pool's tables, the policy's scores), so either may run any call;
+    tests/test_native_paging.py checks that both make the same choices."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         reader = self.reader
-        self.index = reader.ext.PagedIndex(
-            reader.native_handle, self.file, self.spec.stride, self.pool.segments,
-            getattr(self.policy, "decay", 1.0), _VERIFY_CODES[self.verify])
+        # The native step watches the blob (after its reads, as load() does).
+        blob = str(self.watch.path) if self.watch is not None else ""
+        self.watch = None
+        self.ext = reader.ext
+        self.index = reader.native_handle.paged_index(
+            self.file, self.spec.stride, self.pool.segments,
+            getattr(self.policy, "decay", 1.0), _VERIFY_CODES[self.verify], blob)
+        self.index.clock = self.policy.clock
         self._bind()
 
     def _bind(self) -> None:
@@ -231,32 +237,59 @@ class NativeStore(ExpertStore):
                         self.unverified)
 
     def resize(self, slots: int) -> None:
-        super().resize(slots)
-        self._bind()  # the pool's arrays were reallocated
+        try:
+            super().resize(slots)
+        finally:
+            self._bind()  # the pool's arrays were reallocated (or kept, if it failed)
 
     def route(self, ids: np.ndarray):
         """``(hits, distinct experts)`` of a call's ``ids``, which the
         policy observes."""
-        self.policy.clock += 1
         if ids.dtype != np.uint32:
             ids = ids.astype(np.uint32)
-        return self.index.route(ids, self.policy.clock)
+        out = self.index.route(ids)
+        self.policy.clock = self.index.clock
+        return out
 
     def ensure(self, experts: np.ndarray, last: bool = True) -> None:
         try:
             read, bad, read_s, load_s = self.index.ensure(experts)
-        except self.reader.ext.ReadError as e:
-            if self.reader.closed:
-                raise ExpertReadError("this model was closed; load it again to use it") from None
-            raise ExpertReadError(str(e)) from None
+        except self.ext.ReadError as e:
+            raise self._read_error(str(e)) from None
         if not read:
             return
         self.events.on_read(self.layer, read, read * self.expert_nbytes, read_s)
-        self.events.on_stall(self.layer, load_s)
-        if self.watch is not None and self.watch.changed():
-            # The bytes may come from a new file: read them again, checked,
-            # on the reference path.
-            self.unverified[:] = True
-            self.load(self.index.misses(), self.index.victims(), last)
-        elif bad >= 0:
+        if bad >= 0:
             raise CorruptExpertError(self.layer, bad, "checksum mismatch")
+        self.events.on_stall(self.layer, load_s)
+
+    def _read_error(self, message: str) -> ExpertReadError:
+        if self.reader.closed:
+            return ExpertReadError("this model was closed; load it again to use it")
+        return ExpertReadError(message)
+
+    def remap(self, indices):
+        """The slots of ``indices`` (at most ``pool.slots`` of them) as an
+        array of the graph, computed when the ids are: no host sync. What
+        the calls did is reported, and their failures raised, by ``flush``
+        after the forward pass."""
+        return self.ext.paged_remap(indices, self.pool.table, self.index)
+
+    def flush(self) -> None:
+        """After a forward pass (every remap evaluated): report the calls
+        made in the graph and raise the first failure."""
+        calls, tokens, hits, misses, distinct, records, read_s, stall_s = \
+            self.index.take_counters()
+        self.policy.clock = self.index.clock
+        if calls:
+            self.events.on_graph_calls(self.layer, calls, tokens, hits, misses, distinct,
+                                       records, records * self.expert_nbytes, read_s, stall_s)
+        error = self.index.take_error()
+        if error is None:
+            return
+        kind, expert, message = error
+        if kind == 2:
+            raise CorruptExpertError(self.layer, expert, message)
+        if kind == 1:
+            raise self._read_error(message)
+        raise ExpertReadError(f"layer {self.layer}: {message}")

@@ -142,24 +142,29 @@ NB_MODULE(_ext, m) {
           },
           "file"_a, "offsets"_a, "segments"_a, "dst"_a, "checksum"_a, "stride"_a)
       .def(
+          "paged_index",
+          [](PyReader& r, int file, int64_t stride, CArray<int64_t, 2> segments, double decay,
+             int verify, std::string blob) {
+            if (verify < 0 || verify > 2) {
+              throw std::invalid_argument("verify must be 0 (off), 1 (first-read) or 2 (always)");
+            }
+            return std::make_shared<PagedIndex>(r.reader, file, stride, to_segments(segments),
+                                                decay, static_cast<Verify>(verify),
+                                                std::move(blob));
+          },
+          "file"_a, "stride"_a, "segments"_a, "decay"_a, "verify"_a, "blob"_a,
+          "The native bookkeeping of one paged layer reading `file` (store.NativeStore).")
+      .def(
           "staging",
           [](PyReader& r, int capacity, int64_t stride) {
             return std::make_shared<Staging>(r.reader, capacity, stride);
           },
           "capacity"_a, "stride"_a);
 
+  // Made by ExpertReader.paged_index, owned through shared_ptrs: the MLX
+  // stream thread that drops a finished remap releases a plain C++ object
+  // and never needs the GIL.
   nb::class_<PagedIndex>(m, "PagedIndex")
-      .def(
-          "__init__",
-          [](PagedIndex* self, PyReader& r, int file, int64_t stride, CArray<int64_t, 2> segments,
-             double decay, int verify) {
-            if (verify < 0 || verify > 2) {
-              throw std::invalid_argument("verify must be 0 (off), 1 (first-read) or 2 (always)");
-            }
-            new (self) PagedIndex(r.reader, file, stride, to_segments(segments), decay,
-                                  static_cast<Verify>(verify));
-          },
-          "reader"_a, "file"_a, "stride"_a, "segments"_a, "decay"_a, "verify"_a)
       .def(
           "bind",
           [](PagedIndex& p, MArray<int32_t, 1> slot_of_expert, MArray<int64_t, 1> expert_of_slot,
@@ -167,7 +172,8 @@ NB_MODULE(_ext, m) {
              std::optional<MArray<double, 1>> score, CArray<uint32_t, 1> checksums,
              MArray<bool, 1> unverified) {
             size_t experts = slot_of_expert.shape(0), slots = expert_of_slot.shape(0);
-            bool ok = addresses.shape(0) == slots && last_use.shape(0) == experts + 1 &&
+            bool ok = addresses.shape(0) == slots && addresses.shape(1) == p.segments() &&
+                last_use.shape(0) == experts + 1 &&
                 checksums.shape(0) == experts && unverified.shape(0) == experts &&
                 (!score || score->shape(0) == experts + 1);
             if (!ok) {
@@ -178,19 +184,21 @@ NB_MODULE(_ext, m) {
                     unverified.data(), static_cast<int64_t>(experts),
                     static_cast<int64_t>(slots)});
           },
-          "slot_of_expert"_a, "expert_of_slot"_a, "addresses"_a, "last_use"_a, "score"_a.none(),
-          "checksums"_a, "unverified"_a,
+          // noconvert: a converted temporary would be freed when bind returns.
+          "slot_of_expert"_a.noconvert(), "expert_of_slot"_a.noconvert(),
+          "addresses"_a.noconvert(), "last_use"_a.noconvert(), "score"_a.noconvert().none(),
+          "checksums"_a.noconvert(), "unverified"_a.noconvert(),
           "Borrow the pool's tables and the policy's scores (rebind after a resize).")
+      .def_prop_rw("clock", &PagedIndex::clock, &PagedIndex::set_clock,
+                   "The policy's call counter (last_use values).")
       .def(
           "route",
-          [](PagedIndex& p, nb::ndarray<const uint32_t, nb::c_contig, nb::device::cpu> ids,
-             double clock) {
+          [](PagedIndex& p, nb::ndarray<const uint32_t, nb::c_contig, nb::device::cpu> ids) {
             std::vector<int64_t> experts;
-            int64_t hits = p.route(ids.data(), ids.size(), clock, experts);
+            int64_t hits = p.route(ids.data(), ids.size(), experts);
             return std::make_tuple(hits, to_numpy(std::move(experts)));
           },
-          "ids"_a, "clock"_a,
-          "(hits, distinct experts) of a call's ids; the policy observes it at `clock`.")
+          "ids"_a, "(hits, distinct experts) of a call's ids; the policy observes it.")
       .def(
           "ensure",
           [](PagedIndex& p, CArray<int64_t, 1> experts) {
@@ -204,8 +212,37 @@ NB_MODULE(_ext, m) {
           "experts"_a,
           "Make `experts` resident: (records read, expert whose checksum failed or -1, "
           "read seconds, stall seconds).")
+      .def(
+          "take_counters",
+          [](PagedIndex& p) {
+            PagedCounters c = p.take_counters();
+            return std::make_tuple(c.calls, c.tokens, c.hits, c.misses, c.distinct, c.records,
+                                   c.read_s, c.stall_s);
+          },
+          "(calls, tokens, hits, misses, distinct, records, read_s, stall_s) of the calls "
+          "made in the graph since the last take; resets them.")
+      .def(
+          "take_error",
+          [](PagedIndex& p) -> std::optional<std::tuple<int, int64_t, std::string>> {
+            PagedError e = p.take_error();
+            if (e.kind == 0) {
+              return std::nullopt;
+            }
+            return std::make_tuple(e.kind, e.expert, e.message);
+          },
+          "The first failure of a call made in the graph (kind 1 read, 2 checksum, 3 other; "
+          "expert; message), or None; resets it.")
       .def("misses", [](PagedIndex& p) { return to_numpy(p.misses()); })
       .def("victims", [](PagedIndex& p) { return to_numpy(p.victims()); });
+
+  m.def(
+      "paged_remap",
+      [](const mx::array& ids, const mx::array& table, std::shared_ptr<PagedIndex> index) {
+        return paged_remap(ids, table, std::move(index));
+      },
+      "ids"_a, "table"_a, "index"_a,
+      "The slot of each id once `index` made them resident, computed in the graph "
+      "(CPU backend): no host sync.");
 
   m.def(
       "prefetch_on_complete",

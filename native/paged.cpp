@@ -1,11 +1,17 @@
 #include "paged.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
 
 namespace mlx_streaming {
 
@@ -24,14 +30,38 @@ PagedIndex::PagedIndex(
     int64_t stride,
     std::vector<Segment> segments,
     double decay,
-    Verify verify)
+    Verify verify,
+    std::string blob)
     : reader_(std::move(reader)),
       file_(file),
+      blob_(verify == Verify::FirstRead ? std::move(blob) : std::string()),
       stride_(stride),
       segments_(std::move(segments)),
       decay_(decay),
       verify_(verify) {
   check_segments(segments_, stride_);
+  blob_changed(); // the reference stamp
+}
+
+bool PagedIndex::blob_changed() {
+  if (blob_.empty()) {
+    return false;
+  }
+  Stamp now;
+  struct stat st;
+  if (::stat(blob_.c_str(), &st) == 0) {
+#ifdef __APPLE__
+    int64_t mtime = int64_t(st.st_mtimespec.tv_sec) * 1000000000 + st.st_mtimespec.tv_nsec;
+#else
+    int64_t mtime = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+#endif
+    now = {uint64_t(st.st_ino), uint64_t(st.st_size), mtime, true};
+  }
+  if (now == stamp_) {
+    return false;
+  }
+  stamp_ = now;
+  return true;
 }
 
 void PagedIndex::bind(const PagedArrays& arrays) {
@@ -40,8 +70,8 @@ void PagedIndex::bind(const PagedArrays& arrays) {
   tick_ = 0;
 }
 
-int64_t PagedIndex::route(
-    const uint32_t* ids, size_t n, double clock, std::vector<int64_t>& experts) {
+int64_t PagedIndex::route(const uint32_t* ids, size_t n, std::vector<int64_t>& experts) {
+  double clock = clock_ + 1; // advanced once the ids are known to be valid
   if (++tick_ == 0) { // wrapped: forget every stamp
     std::fill(seen_.begin(), seen_.end(), 0);
     tick_ = 1;
@@ -61,6 +91,7 @@ int64_t PagedIndex::route(
     }
   }
   std::sort(experts.begin(), experts.end());
+  clock_ = clock;
   // The policy's observe(), in the reference's order of operations (a
   // multiply over every score, then the adds) so the doubles agree exactly.
   for (int64_t e : experts) {
@@ -139,8 +170,17 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
   std::vector<uint32_t> crcs = reader_->read(
       file_, offsets_.data(), m, segments_, dst_.data(),
       want_.get(), stride_);
-  result.read_s = now() - read_start;
   result.read = static_cast<int64_t>(m);
+  if (blob_changed()) {
+    // These bytes may come from the new file: read them again, checked,
+    // and check every later first read from it (ExpertStore.load's rule).
+    std::fill(a_.unverified, a_.unverified + a_.experts, true);
+    std::fill(want_.get(), want_.get() + m, true);
+    any_crc = true;
+    crcs = reader_->read(file_, offsets_.data(), m, segments_, dst_.data(), want_.get(), stride_);
+    result.read += static_cast<int64_t>(m);
+  }
+  result.read_s = now() - read_start;
   if (any_crc) {
     for (size_t i = 0; i < m; ++i) {
       if (want_[i] && crcs[i] != a_.checksums[misses_[i]]) {
@@ -159,6 +199,94 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
   }
   result.load_s = now() - start;
   return result;
+}
+
+void PagedIndex::remap(const uint32_t* ids, size_t n, size_t k, int32_t* slots) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    int64_t hits = route(ids, n, experts_);
+    EnsureResult r = ensure(experts_.data(), experts_.size());
+    counters_.calls += 1;
+    counters_.tokens += static_cast<int64_t>(k ? n / k : 0);
+    counters_.hits += hits;
+    counters_.misses += static_cast<int64_t>(n) - hits;
+    counters_.distinct += static_cast<int64_t>(experts_.size());
+    counters_.records += r.read;
+    counters_.read_s += r.read_s;
+    if (r.bad < 0) {
+      counters_.stall_s += r.load_s;
+    } else if (error_.kind == 0) {
+      error_ = {2, r.bad, "checksum mismatch"};
+    }
+  } catch (const ReadError& e) {
+    if (error_.kind == 0) {
+      error_ = {1, -1, e.what()};
+    }
+  } catch (const std::exception& e) {
+    if (error_.kind == 0) {
+      error_ = {3, -1, e.what()};
+    }
+  }
+  // An expert not resident after a failure computes with slot 0: the
+  // output is wrong, and Python raises the error before returning it.
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t e = ids[i];
+    int32_t s = e < static_cast<uint32_t>(a_.experts) ? a_.slot_of_expert[e] : -1;
+    slots[i] = s < 0 ? 0 : s;
+  }
+}
+
+PagedCounters PagedIndex::take_counters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PagedCounters out = counters_;
+  counters_ = PagedCounters();
+  return out;
+}
+
+PagedError PagedIndex::take_error() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PagedError out = error_;
+  error_ = PagedError();
+  return out;
+}
+
+mx::array paged_remap(
+    const mx::array& ids, const mx::array& table, std::shared_ptr<PagedIndex> index,
+    mx::StreamOrDevice s) {
+  if ((ids.dtype() != mx::int32 && ids.dtype() != mx::uint32) || table.dtype() != mx::int32 ||
+      table.ndim() != 1) {
+    throw std::invalid_argument("paged_remap takes int32 or uint32 ids and a 1-D int32 table");
+  }
+  if (static_cast<int64_t>(ids.size()) > index->slots()) {
+    throw std::invalid_argument("paged_remap: more ids than slots; use the host-synced call");
+  }
+  auto stream = mx::to_stream(s);
+  auto flat = mx::contiguous(ids, false, stream);
+  return mx::array(
+      ids.shape(), mx::int32, std::make_shared<PagedRemap>(stream, std::move(index)),
+      {flat, table});
+}
+
+void PagedRemap::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_input_array(inputs[1]);
+  encoder.set_output_array(out);
+  // Runs on the stream's thread after everything queued before it, so no
+  // computation that reads this layer's pool is still running when it
+  // writes slots; everything that reads them is queued after it.
+  encoder.dispatch([ids = inputs[0], out, index = index_]() mutable {
+    size_t k = ids.ndim() ? ids.shape(-1) : 1;
+    index->remap(reinterpret_cast<const uint32_t*>(ids.data<int32_t>()), ids.size(), k,
+                 out.data<int32_t>());
+  });
+}
+
+void PagedRemap::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  // A GPU would need the host to fill slots between two kernels; there the
+  // paged call syncs instead (block.NativePaged chooses at load).
+  throw std::runtime_error("paged_remap runs on the CPU backend only");
 }
 
 } // namespace mlx_streaming

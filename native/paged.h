@@ -12,7 +12,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
 
 #include "reader.h"
 
@@ -32,6 +38,26 @@ struct PagedArrays {
   int64_t slots;
 };
 
+// What the calls made inside the graph (paged_remap) did, per layer, until
+// Python takes them (one event per forward pass instead of one per call).
+struct PagedCounters {
+  int64_t calls = 0;
+  int64_t tokens = 0;
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t distinct = 0;
+  int64_t records = 0;
+  double read_s = 0;
+  double stall_s = 0;
+};
+
+// A failure inside the graph, raised by Python after the forward pass.
+struct PagedError {
+  int kind = 0; // 0 none, 1 read error, 2 checksum mismatch, 3 other
+  int64_t expert = -1;
+  std::string message;
+};
+
 struct EnsureResult {
   int64_t read = 0; // records read
   int64_t bad = -1; // an expert whose checksum failed (its slot left empty)
@@ -39,25 +65,48 @@ struct EnsureResult {
   double load_s = 0; // evict, read, check and map (the stall)
 };
 
-class PagedIndex {
+class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
  public:
+  // `blob`: the file's path, stat-ed after reads when verify is first-read
+  // (a blob rewritten or replaced on disk is re-checked); empty: never.
   PagedIndex(
       std::shared_ptr<ExpertReader> reader,
       int file,
       int64_t stride,
       std::vector<Segment> segments,
       double decay,
-      Verify verify);
+      Verify verify,
+      std::string blob);
 
   void bind(const PagedArrays& arrays);
 
   // The distinct experts of `ids` (sorted, into `experts`) and how many of
-  // the n ids hit; the policy observes the call at `clock`.
-  int64_t route(const uint32_t* ids, size_t n, double clock, std::vector<int64_t>& experts);
+  // the n ids hit; the policy observes the call (its clock advances).
+  int64_t route(const uint32_t* ids, size_t n, std::vector<int64_t>& experts);
 
   // Makes the distinct `experts` resident: misses take the slots of lowest
   // keep-score (empty first, ties to the lowest slot, never a hit's slot).
   EnsureResult ensure(const int64_t* experts, size_t n);
+
+  // A whole call inside the graph (n ids, k per token): route, ensure, and each id's slot into
+  // `slots`; failures are recorded (error()), never thrown, and leave every
+  // slot id in range.
+  void remap(const uint32_t* ids, size_t n, size_t k, int32_t* slots);
+
+  double clock() const {
+    return clock_;
+  }
+  void set_clock(double clock) {
+    clock_ = clock;
+  }
+  int64_t slots() const {
+    return a_.slots;
+  }
+  size_t segments() const {
+    return segments_.size();
+  }
+  PagedCounters take_counters();
+  PagedError take_error();
 
   // The misses and their slots of the last ensure (for a re-read).
   const std::vector<int64_t>& misses() const {
@@ -68,8 +117,22 @@ class PagedIndex {
   }
 
  private:
+  bool blob_changed();
+
   std::shared_ptr<ExpertReader> reader_;
   int file_;
+  std::string blob_;
+  struct Stamp {
+    uint64_t ino = 0, size = 0;
+    int64_t mtime_ns = 0;
+    bool exists = false;
+    bool operator==(const Stamp&) const = default;
+  } stamp_;
+  double clock_ = 0;
+  PagedCounters counters_;
+  PagedError error_;
+  std::vector<int64_t> experts_;
+  std::mutex mutex_; // remap (stream thread) against take_* (host)
   int64_t stride_;
   std::vector<Segment> segments_;
   double decay_;
@@ -81,6 +144,33 @@ class PagedIndex {
   std::vector<double> key_;
   std::unique_ptr<bool[]> want_;
   size_t want_capacity_ = 0;
+};
+
+namespace mx = mlx::core;
+
+// The slot of each of `ids` (int32 or uint32, any shape) in `table`'s layer,
+// once `index` has made them resident: an MLX primitive, so the call's
+// bookkeeping and reads run on the stream's thread when the router's ids are
+// computed, with no host sync. CPU backend only (eval_gpu throws); at most
+// `index.slots()` ids per call.
+mx::array paged_remap(
+    const mx::array& ids, const mx::array& table, std::shared_ptr<PagedIndex> index,
+    mx::StreamOrDevice s = {});
+
+class PagedRemap : public mx::UnaryPrimitive {
+ public:
+  PagedRemap(mx::Stream stream, std::shared_ptr<PagedIndex> index)
+      : mx::UnaryPrimitive(stream), index_(std::move(index)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "PagedRemap";
+  }
+
+ private:
+  std::shared_ptr<PagedIndex> index_;
 };
 
 } // namespace mlx_streaming

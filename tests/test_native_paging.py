@@ -11,6 +11,8 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming import loader
 from mlx_streaming.block import NativePaged, Paged
+from mlx_streaming.errors import CorruptExpertError
+from mlx_streaming.format import read_manifest
 from mlx_streaming.store import NativeStore
 
 from helpers import PROMPT, check_matches_resident
@@ -47,8 +49,8 @@ def _counters(model):
             for layer, c in model.streaming.stats.counters.items()}
 
 
-def _assert_same_state(a, b, step):
-    for layer, (x, y) in enumerate(zip(_state(a), _state(b))):
+def _assert_same_state(a, b, step, layers=None):
+    for layer, (x, y) in enumerate(zip(_state(a)[:layers], _state(b)[:layers])):
         for name, u, v in zip(("slots", "table", "last_use", "score", "clock", "unverified"),
                               x, y):
             assert np.array_equal(u, v), f"step {step}, layer {layer}: {name} differ"
@@ -91,6 +93,9 @@ def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch
         evictions += sum(not np.array_equal(b[0], a[0]) for b, a in zip(before, _state(native)))
         tokens = mx.argmax(out[0], axis=-1, keepdims=True)
     assert evictions > 24, "the pools hardly changed: nothing was compared"
+    # Decode calls ran inside the graph (no sync), the prefill synced.
+    totals = [c for c in native.streaming.stats.counters.values()]
+    assert all(c.graph_calls == 23 and c.syncs == 1 for c in totals)
     for m in (native, reference):
         m.streaming.close()
 
@@ -102,12 +107,14 @@ def test_native_step_is_exact_on_other_families(models, family, quantized):
     assert type(_residencies(model)[0]) is NativePaged
 
 
-def test_native_step_rebinds_after_a_resize(qwen, monkeypatch):
+@pytest.mark.parametrize("policy,verify", [("lfu-decay", "first-read"), ("lru", "always")])
+def test_native_step_rebinds_after_a_resize(qwen, monkeypatch, policy, verify):
     # A pool resized between calls (memory pressure) reallocates the tables
     # the native step writes: it must follow them.
     _, stream_dir = qwen
-    native, _ = mlx_streaming.load(stream_dir, slots_per_layer=6)
-    reference, _ = _load_reference(monkeypatch, stream_dir, slots_per_layer=6)
+    kwargs = dict(slots_per_layer=6, policy=policy, verify=verify)
+    native, _ = mlx_streaming.load(stream_dir, **kwargs)
+    reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
     caches = [make_prompt_cache(m) for m in (native, reference)]
     tokens = mx.array([PROMPT[:8]])
     for step, slots in enumerate([6, 3, 3, 8, 5, 8]):
@@ -118,4 +125,64 @@ def test_native_step_rebinds_after_a_resize(qwen, monkeypatch):
         mx.eval(out)
         assert mx.array_equal(out[0], out[1]).item(), f"logits differ at step {step}"
         _assert_same_state(native, reference, step)
+        assert _counters(native) == _counters(reference), f"counters differ at step {step}"
         tokens = mx.argmax(out[0], axis=-1, keepdims=True)
+
+
+def _damage(stream_dir, layer_index, experts):
+    spec = read_manifest(stream_dir).layers[layer_index]
+    with open(stream_dir / "experts" / spec.file, "r+b") as f:
+        for e in experts:
+            f.seek(e * spec.stride + spec.segments[-1].offset + 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    return spec
+
+
+def _decode_until_error(model, steps=24):
+    """(step, layer, expert) of the first checksum error in a decode."""
+    cache = make_prompt_cache(model)
+    tokens = mx.array([PROMPT[:1]])  # one token a call: every call fits the pool
+    for step in range(steps):
+        try:
+            out = model(tokens, cache=cache)[:, -1]
+            mx.eval(out)
+        except CorruptExpertError as e:
+            return step, e.layer, e.expert
+        tokens = mx.argmax(out, axis=-1, keepdims=True)
+    return None
+
+
+def test_a_damaged_record_fails_alike_on_both_paths(stream_copy, monkeypatch):
+    # Half the experts of one layer damaged: inside the graph the failure is
+    # raised when the forward pass ends, at the same call and for the same
+    # expert as the reference, and leaves the same tables up to that layer.
+    # (The layers after it routed that pass's wrong hidden states: their
+    # pools may hold other experts, every one checked.)
+    spec = _damage(stream_copy, 1, range(0, 8, 2))
+    native, _ = mlx_streaming.load(stream_copy, slots_per_layer=4)
+    reference, _ = _load_reference(monkeypatch, stream_copy, slots_per_layer=4)
+    failed = _decode_until_error(native)
+    assert failed is not None and failed[1] == spec.layer and failed[2] % 2 == 0
+    assert all(c.syncs == 0 for c in native.streaming.stats.counters.values())
+    assert _decode_until_error(reference) == failed
+    _assert_same_state(native, reference, failed[0], layers=2)
+
+
+def test_bind_refuses_arrays_it_would_have_to_copy(qwen):
+    # A converted temporary would be freed when bind returns, leaving the
+    # native step writing freed memory: refused instead.
+    _, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+    store = model.streaming.stores[0]
+    pool, policy = store.pool, store.policy
+    with pytest.raises(TypeError):
+        store.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
+                         policy.last_use.astype(np.float32), policy.score, store.checksums,
+                         store.unverified)
+    with pytest.raises(TypeError):
+        store.index.bind(pool.slot_of_expert.astype(np.int64), pool.expert_of_slot,
+                         pool.addresses, policy.last_use, policy.score, store.checksums,
+                         store.unverified)
+    model.streaming.close()

@@ -181,6 +181,10 @@ def run(args) -> dict:
     return validate(args) if args.validate else project(args)
 
 
+# The partial pool bench overhead measures the host's per-record work on.
+OVERHEAD_POOL = 0.25
+
+
 def validate(args) -> dict:
     from . import decode, overhead
 
@@ -197,7 +201,8 @@ def validate(args) -> dict:
         routing_tokens=64, repeats=args.repeats, out=args.out / "decode")
     measured = decode.run(ns)
     ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=args.max_tokens,
-                                         rounds=max(3, args.repeats), policy="lru", pool=0.25,
+                                         rounds=max(3, args.repeats), policy="lru",
+                                         pool=OVERHEAD_POOL,
                                          out=args.out / "overhead"))
     d = ov["decode"]
     layers = ov["moe_layers"]
@@ -207,10 +212,10 @@ def validate(args) -> dict:
                               zip(d["paged, all hits"]["runs_tps"], d["resident"]["runs_tps"])]))
     resident = measured["rows"][0]
     resident_tps = resident["decode_tps"]
-    warm = _read_cost(args.model, spec, None)
-    # The host's work per missed record: the ensure step's time per record
-    # in decode (warm, bench overhead's partial pool) less the read itself.
-    per_record = d[f"paged, pool {0.25:.0%}"]["ensure_us_per_record"]
+    warm = _read_cost(args.model, spec)
+    # The host's work per missed record: the stall per record in decode
+    # (warm, bench overhead's partial pool) less a read of it in isolation.
+    per_record = d[f"paged, pool {OVERHEAD_POOL:.0%}"]["stall_us_per_record"]
     seconds = {int(n): t for n, t in warm["seconds"].items()}
     batch = max(seconds)
     iso = seconds[batch] / batch
@@ -238,8 +243,11 @@ def validate(args) -> dict:
                          projected_ratio=projected_ratio, projected_hit=p["hit_rate"],
                          measured_hit=row.get("hit_rate"),
                          error=projected_ratio / measured_ratio - 1 if measured_ratio else None))
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    if not errors:
+        raise BenchError("no streamed case of bench decode ran: nothing to validate")
     result = dict(rows=rows, profile=asdict(here), resident_tps=resident_tps,
-                  max_abs_error=max(abs(r["error"]) for r in rows if r["error"] is not None))
+                  max_abs_error=max(errors))
     title = (f"bench simulate --validate: projected vs measured decode on this machine "
              f"(max error {result['max_abs_error']:.0%})")
     cols = [("case", "case", "s"), ("pool", "pool", ".0%"), ("measured_tps", "measured", ".3g"),
@@ -250,12 +258,11 @@ def validate(args) -> dict:
     return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
 
 
-def _read_cost(model, spec, read_mbps) -> dict:
-    """The reader's latency per call and rate, read into a pool's slots."""
+def _read_cost(model, spec) -> dict:
+    """The reader's latency per call and rate from the page cache, read
+    into a pool's slots."""
     rd = run_case(dict(op="reads", kind="streaming", model=model, batch=spec.top_k,
-                       load=dict(slots_per_layer=spec.top_k, verify="off",
-                                 direct_io=bool(read_mbps))),
-                  read_mbps=read_mbps)
+                       load=dict(slots_per_layer=spec.top_k, verify="off", direct_io=False)))
     if rd["status"] != "ok":
         raise BenchError(f"measuring the reader failed: {rd.get('error', rd['status'])}")
     return rd
