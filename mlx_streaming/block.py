@@ -157,8 +157,10 @@ class Paged:
 
 
 def calls_in_graph() -> bool:
-    """Whether paged calls can run inside the graph: the remap primitive has
-    a CPU implementation only (a GPU would need the host between kernels)."""
+    """Whether paged calls can run inside the graph now: the remap
+    primitive has a CPU implementation only (a GPU would need the host
+    between kernels). Asked at load and again per call, since the stream a
+    call runs on (``mx.stream``) is chosen by the caller."""
     return mx.default_device() == mx.cpu
 
 
@@ -179,11 +181,18 @@ class NativePaged(Paged):
         self.in_graph = in_graph
 
     def __call__(self, inner, x, indices):
-        if self.in_graph and indices.size <= self.store.pool.slots:
+        if (self.in_graph and indices.size <= self.store.pool.slots
+                and indices.dtype in (mx.uint32, mx.int32) and calls_in_graph()):
             return self._in_graph(inner, x, indices)
         return super().__call__(inner, x, indices)
 
     def _in_graph(self, inner, x, indices):
+        if self.pending:
+            # Readers of this pool left by a call that did not finish its
+            # pass (an exception, a call outside the runtime): evaluated
+            # first, or MLX might run this remap before them.
+            mx.eval(self.pending)
+            self.pending = []
         y = inner(x, self.store.remap(indices))
         # Evaluated by the runtime at the end of the forward pass (and by
         # this layer's next sync), before anything else may write the pool.

@@ -119,6 +119,9 @@ class Runtime:
                 self.ring.close()
             if self.spine_reader is not None:
                 self.spine_reader.close()
+            for store in self.stores:
+                if isinstance(store, NativeStore):
+                    store.index.unbind()  # a lazy graph left behind reads nothing
             self.reader.close()
 
     @contextmanager
@@ -129,7 +132,14 @@ class Runtime:
         that bypass it, run in this)."""
         with self.lock:
             self.pressure.between_calls()
-            yield
+            try:
+                yield
+            except BaseException:
+                # A pass that raised may leave pool readers (and remaps) in
+                # its graph: finish them now, so nothing later runs them out
+                # of order; their own failures are not the one to report.
+                self.finish_pending(report=False)
+                raise
             self.finish_pending()
 
     def resize(self, slots: int) -> None:
@@ -147,18 +157,32 @@ class Runtime:
         self.slots = slots
         mx.clear_cache()  # hand the freed buffers back to the OS
 
-    def finish_pending(self) -> None:
+    def finish_pending(self, report: bool = True) -> None:
         """Evaluate every computation that still reads a pool, so that the
-        next call, from any thread, may overwrite slots."""
+        next call, from any thread, may overwrite slots; then report the
+        calls made inside the graph and raise the first failure of any
+        (``report=False``: drop them)."""
         pending = [y for p in self.residencies for y in p.pending]
-        mx.eval(pending)
         for p in self.residencies:
             p.pending = []
+        try:
+            mx.eval(pending)
+        except Exception:
+            if report:
+                raise
         if self.ring is not None:
             self.ring.finish()
+        failure = None
         for store in self.stores:
             if isinstance(store, NativeStore):
-                store.flush()  # calls made inside the graph: counters, failures
+                # Every store, even after a failure: none may keep an error
+                # or counters for a later pass.
+                try:
+                    store.flush()
+                except Exception as e:
+                    failure = failure or e
+        if failure is not None and report:
+            raise failure
 
 
 def load(

@@ -312,6 +312,10 @@ def _budget_of(runtime):
 
 def reset_stats(model) -> None:
     runtime = runtime_of(model)
+    for store in runtime.stores:
+        drain = getattr(store, "drain_counters", None)
+        if drain is not None:
+            drain()  # calls made inside the graph and not yet reported
     runtime.stats.reset()
     runtime.speculative.reset()
     if runtime.reader.name == "remote":

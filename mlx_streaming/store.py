@@ -247,7 +247,10 @@ class NativeStore(ExpertStore):
         policy observes."""
         if ids.dtype != np.uint32:
             ids = ids.astype(np.uint32)
-        out = self.index.route(ids)
+        try:
+            out = self.index.route(ids)
+        except self.ext.ReadError as e:
+            raise self._read_error(str(e)) from None
         self.policy.clock = self.index.clock
         return out
 
@@ -274,6 +277,10 @@ class NativeStore(ExpertStore):
         the calls did is reported, and their failures raised, by ``flush``
         after the forward pass."""
         return self.ext.paged_remap(indices, self.pool.table, self.index)
+
+    def drain_counters(self) -> None:
+        """Forget the calls made inside the graph not yet reported."""
+        self.index.take_counters()
 
     def flush(self) -> None:
         """After a forward pass (every remap evaluated): report the calls

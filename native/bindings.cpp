@@ -189,6 +189,8 @@ NB_MODULE(_ext, m) {
           "addresses"_a.noconvert(), "last_use"_a.noconvert(), "score"_a.noconvert().none(),
           "checksums"_a.noconvert(), "unverified"_a.noconvert(),
           "Borrow the pool's tables and the policy's scores (rebind after a resize).")
+      .def("unbind", &PagedIndex::unbind,
+           "Forget the borrowed arrays (the model is closing).")
       .def_prop_rw("clock", &PagedIndex::clock, &PagedIndex::set_clock,
                    "The policy's call counter (last_use values).")
       .def(

@@ -64,13 +64,26 @@ bool PagedIndex::blob_changed() {
   return true;
 }
 
+void PagedIndex::unbind() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  a_ = PagedArrays{};
+}
+
 void PagedIndex::bind(const PagedArrays& arrays) {
+  std::lock_guard<std::mutex> lock(mutex_);
   a_ = arrays;
   seen_.assign(static_cast<size_t>(a_.experts), 0);
   tick_ = 0;
 }
 
+void PagedIndex::check_bound() const {
+  if (a_.slot_of_expert == nullptr) {
+    throw ReadError("this model was closed; load it again to use it");
+  }
+}
+
 int64_t PagedIndex::route(const uint32_t* ids, size_t n, std::vector<int64_t>& experts) {
+  check_bound();
   double clock = clock_ + 1; // advanced once the ids are known to be valid
   if (++tick_ == 0) { // wrapped: forget every stamp
     std::fill(seen_.begin(), seen_.end(), 0);
@@ -109,6 +122,7 @@ int64_t PagedIndex::route(const uint32_t* ids, size_t n, std::vector<int64_t>& e
 }
 
 EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
+  check_bound();
   EnsureResult result;
   misses_.clear();
   key_.resize(a_.slots);
@@ -202,7 +216,14 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
 }
 
 void PagedIndex::remap(const uint32_t* ids, size_t n, size_t k, int32_t* slots) {
+  std::fill(slots, slots + n, 0); // in range whatever happens below
   std::lock_guard<std::mutex> lock(mutex_);
+  if (a_.slot_of_expert == nullptr) {
+    if (error_.kind == 0) {
+      error_ = {1, -1, "this model was closed; load it again to use it"};
+    }
+    return;
+  }
   try {
     int64_t hits = route(ids, n, experts_);
     EnsureResult r = ensure(experts_.data(), experts_.size());
@@ -225,6 +246,10 @@ void PagedIndex::remap(const uint32_t* ids, size_t n, size_t k, int32_t* slots) 
   } catch (const std::exception& e) {
     if (error_.kind == 0) {
       error_ = {3, -1, e.what()};
+    }
+  } catch (...) {
+    if (error_.kind == 0) {
+      error_ = {3, -1, "unknown failure"};
     }
   }
   // An expert not resident after a failure computes with slot 0: the
@@ -257,7 +282,8 @@ mx::array paged_remap(
       table.ndim() != 1) {
     throw std::invalid_argument("paged_remap takes int32 or uint32 ids and a 1-D int32 table");
   }
-  if (static_cast<int64_t>(ids.size()) > index->slots()) {
+  if (index->slots() > 0 && static_cast<int64_t>(ids.size()) > index->slots()) {
+    // (0 slots: unbound, the model closed; remap records that error)
     throw std::invalid_argument("paged_remap: more ids than slots; use the host-synced call");
   }
   auto stream = mx::to_stream(s);

@@ -79,6 +79,9 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
       std::string blob);
 
   void bind(const PagedArrays& arrays);
+  // Forget the borrowed arrays (the model is closing): a remap left in a
+  // lazy graph then records an error and maps every id to slot 0.
+  void unbind();
 
   // The distinct experts of `ids` (sorted, into `experts`) and how many of
   // the n ids hit; the policy observes the call (its clock advances).
@@ -118,6 +121,7 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
 
  private:
   bool blob_changed();
+  void check_bound() const; // throws ReadError once unbound (closed)
 
   std::shared_ptr<ExpertReader> reader_;
   int file_;

@@ -4,6 +4,7 @@ Paged: the same distinct experts, hits, policy state, victims, reads and
 tables after every call, and the same logits."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -186,3 +187,57 @@ def test_bind_refuses_arrays_it_would_have_to_copy(qwen):
                          pool.addresses, policy.last_use, policy.score, store.checksums,
                          store.unverified)
     model.streaming.close()
+
+
+def test_a_closed_model_is_a_clear_error_on_both_kinds_of_call(qwen):
+    from mlx_streaming.errors import ExpertReadError
+
+    _, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+    mx.eval(model(mx.array([PROMPT[:8]])))
+    model.streaming.close()
+    for tokens in (PROMPT[:8], PROMPT[:1]):  # a synced call, a call inside the graph
+        with pytest.raises(ExpertReadError, match="this model was closed"):
+            mx.eval(model(mx.array([tokens])))
+
+
+class _FailAt(nn.Module):
+    """Wraps a module; raises on its ``at``-th call (after the layers before
+    it were built into the graph)."""
+
+    def __init__(self, inner, at):
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.inner(x)
+
+
+def test_a_pass_that_raises_leaves_later_calls_exact(qwen, monkeypatch):
+    # The pass raises after its calls inside the graph were built (in the
+    # final norm): they are finished before the lock is released, and the
+    # later passes match the reference, which failed the same way.
+    _, stream_dir = qwen
+    native, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+    reference, _ = _load_reference(monkeypatch, stream_dir, slots_per_layer=4)
+    for m in (native, reference):
+        m.model.norm = _FailAt(m.model.norm, at=3)
+    caches = [make_prompt_cache(m) for m in (native, reference)]
+    tokens = mx.array([PROMPT[:1]])
+    failed = 0
+    for step in range(10):
+        out = []
+        for m, c in zip((native, reference), caches):
+            try:
+                out.append(m(tokens, cache=c)[:, -1])
+            except KeyboardInterrupt:
+                failed += 1
+        if len(out) == 2:
+            mx.eval(out)
+            assert mx.array_equal(out[0], out[1]).item(), f"logits differ at step {step}"
+            _assert_same_state(native, reference, step)
+            tokens = mx.argmax(out[0], axis=-1, keepdims=True)
+    assert failed == 2
