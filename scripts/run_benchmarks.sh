@@ -29,7 +29,9 @@ T="$models/trained"
 S="$models/syn6g"
 # Issue 2: decode vs mlx-lm, warm page cache, full and 25% pools.
 python -m mlx_streaming.bench decode --model "$T/stream" --mlx-model "$T/mlx" \
-  --pools 1.0,0.25 --max-tokens 300 --repeats 5 --out "$out/decode-trained-warm"
+  --pools 1.0,0.25 --max-tokens 300 --repeats 7 --out "$out/decode-trained-warm"
+python -m mlx_streaming.bench decode --model "$T/stream" --mlx-model "$T/mlx" \
+  --pools 0.25,1.0 --temp 0.8 --max-tokens 300 --repeats 7 --out "$out/decode-trained-warm-sampled"
 python -m mlx_streaming.bench decode --model "$S-stream" --mlx-model "$S-mlx" \
   --pools 1.0,0.25 --max-tokens 16 --repeats 5 --out "$out/decode-syn6g-warm"
 # Issue 4: experts 3x the memory limit, cold.
@@ -61,7 +63,7 @@ python -m mlx_streaming.bench io --no-throughput --model "$S-stream" --pools 0.2
 python -m mlx_streaming.bench cache --model "$T/stream" --tokens 512 --out "$out/cache-trained"
 python -m mlx_streaming.bench cache --model "$models/trained2/stream" --tokens 512 \
   --capacities 0.0625,0.125,0.25,0.375,0.5,0.75 --out "$out/cache-trained2"
-python -m mlx_streaming.bench overhead --model "$T/stream" --tokens 200 --rounds 5 \
+python -m mlx_streaming.bench overhead --model "$T/stream" --tokens 200 --rounds 7 \
   --out "$out/overhead-trained"
 python -m mlx_streaming.bench decode --model "$T/stream" --mlx-model "$T/mlx" --pools 0.25 \
   --policies lru,lfu-decay --prefetch off,next-layer,auto --direct-io on --read-mbps 1.5 \
@@ -72,7 +74,10 @@ python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
   --pools 0.25,0.5 --policies lru,lfu-decay --read-mbps 1.5 --max-tokens 64 --repeats 3 \
   --temp 0.8 --out "$out/simulate-trained-throttled"
-python -m mlx_streaming.bench simulate --project --policies lru,lfu-decay \
+python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
+  --pools 0.25,0.5 --policies lru,lfu-decay --max-tokens 200 --repeats 5 --temp 0.8 \
+  --out "$out/simulate-trained-warm"
+python -m mlx_streaming.bench simulate --project --policies lfu-decay \
   --trace "$out/cache-trained/routing-trace-w4.jsonl" --out "$out/projection-apple"
 
 # Issue 12: a spine (2.06 GB of dense layer records, qwen2_moe with a wide
