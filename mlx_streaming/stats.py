@@ -265,6 +265,9 @@ def stats(model) -> dict:
 
     Hits and misses count (token, expert) pairs: a pair is a hit when its
     expert was resident when the call began. ``records_read`` counts reads.
+    ``syncs`` counts calls that waited for their ids on the host;
+    ``graph_calls`` those that ran inside the graph (the native step on the
+    CPU backend), reported when their forward pass ends.
     """
     runtime = runtime_of(model)
     report = runtime.stats.report()
