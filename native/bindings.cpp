@@ -233,9 +233,7 @@ NB_MODULE(_ext, m) {
             return std::make_tuple(e.kind, e.expert, e.message);
           },
           "The first failure of a call made in the graph (kind 1 read, 2 checksum, 3 other; "
-          "expert; message), or None; resets it.")
-      .def("misses", [](PagedIndex& p) { return to_numpy(p.misses()); })
-      .def("victims", [](PagedIndex& p) { return to_numpy(p.victims()); });
+          "expert; message), or None; resets it.");
 
   m.def(
       "paged_remap",

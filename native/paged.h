@@ -111,14 +111,6 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
   PagedCounters take_counters();
   PagedError take_error();
 
-  // The misses and their slots of the last ensure (for a re-read).
-  const std::vector<int64_t>& misses() const {
-    return misses_;
-  }
-  const std::vector<int64_t>& victims() const {
-    return victims_;
-  }
-
  private:
   bool blob_changed();
   void check_bound() const; // throws ReadError once unbound (closed)
