@@ -75,7 +75,7 @@ def warn_native_failed(error: Exception) -> None:
         f"\n{bar}\nWARNING: mlx_streaming's native extension failed to build:\n"
         f"  {type(error).__name__}: {error}\n"
         "mlx_streaming is installed WITHOUT it and reads experts with its Python\n"
-        "reader (slower, no in-graph prefetch). Install a C++ compiler and CMake,\n"
+        "reader (slower, no paged calls inside the graph). Install a C++ compiler and CMake,\n"
         "then `pip install -e .` again; MLX_STREAMING_REQUIRE_NATIVE=1 makes this\n"
         f"an error.\n{bar}\n",
         file=sys.stderr,

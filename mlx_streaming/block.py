@@ -88,6 +88,9 @@ class Paged:
             self._launch(y)
         else:
             y = self._chunked(inner, x, indices, ids, experts)
+        # The next layer's reads ahead queue behind this layer's demand reads
+        # (done by now) and run while its experts compute.
+        self.prefetch.issue(predicted, ids)
         self.store.drop_staged()
         return y
 
@@ -100,16 +103,15 @@ class Paged:
         place by ``ensure``, before the call is evaluated."""
         predicted = self.prefetch.predict(x, _tokens(indices))
         probs = () if self.router is None else (self.router.probabilities(x),)
-        mx.async_eval(indices, *predicted, *probs)
+        mx.async_eval(indices, *(predicted or ()), *probs)
         y = inner(x, self.store.pool.table[indices])
         return predicted, probs, y
 
     def _sync(self, indices, predicted, probs) -> None:
         """The one host sync of this call: the ids, the prediction for the
         next layer, and every earlier reader of this pool."""
-        mx.eval(indices, *self.pending, *predicted, *probs)
+        mx.eval(indices, *self.pending, *(predicted or ()), *probs)
         self.pending = []
-        self.prefetch.issue(predicted)
 
     def _route(self, indices, probs):
         """The host's view of the routing: counters, trace and policy."""

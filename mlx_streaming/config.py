@@ -22,6 +22,7 @@ DEFAULT_POLICY = "lfu-decay"
 VERIFY_CHOICES = ("first-read", "always", "off")
 # Command-line spelling of StreamConfig.direct_io.
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
+ON_OFF = {"on": True, "off": False}
 
 DEFAULT_RESERVE_GB = 2.0
 # Streamed spine layers: one computing, one being read (spine.py).
@@ -30,6 +31,7 @@ MAX_SPINE_RING = 8
 # Below this much available memory the pools give memory back (pressure.py).
 DEFAULT_PRESSURE_GB = 0.5
 DEFAULT_PREFETCH_MAX_TOKENS = 8
+DEFAULT_PREFETCH_PRECISION = 0.0
 # A bound on sizes in GB: beyond it float arithmetic on bytes loses meaning.
 MAX_GB = 1e6
 # More reader threads than this only add contention: an NVMe queue is kept
@@ -88,6 +90,14 @@ class StreamConfig:
     prefetch_budget: Optional[int] = _option(
         None, "most records prefetched per layer (default: measured, what the disk reads "
         "in one layer's compute time)", type=int)
+    prefetch_precision: float = _option(
+        DEFAULT_PREFETCH_PRECISION, "least share of a layer's prefetched records that it "
+        "must use: a layer below it prefetches one rank fewer; for links where bytes cost "
+        "more than time (0: no cut, the fastest where reads ahead only use an idle disk)",
+        type=float)
+    prefetch_affinity: bool = _option(
+        True, "weigh each prediction by how often the expert followed the experts this "
+        "layer chose, counted on the routing so far", choices=ON_OFF)
     prefetch_max_tokens: int = _option(
         DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",
         type=int)
@@ -128,6 +138,9 @@ class StreamConfig:
         _check_choice("prefetch", self.prefetch, PREFETCH_CHOICES)
         _check_choice("verify", self.verify, VERIFY_CHOICES)
         _check_choice("policy", self.policy, POLICY_CHOICES)
+        if self.prefetch_affinity not in (True, False):
+            raise ConfigError(f"prefetch_affinity must be True or False, got "
+                              f"{self.prefetch_affinity!r}")
         if self.mtp not in (True, False):
             raise ConfigError(f"mtp must be True or False, got {self.mtp!r}")
         if self.direct_io not in (None, True, False):
@@ -142,6 +155,7 @@ class StreamConfig:
         _check_number("prefetch_max_tokens", self.prefetch_max_tokens, int, low=1)
         _check_number("prefetch_budget", self.prefetch_budget, int, low=0, high=MAX_BUDGET,
                       optional=True)
+        _check_number("prefetch_precision", self.prefetch_precision, float, low=0, high=1)
         _check_number("reserve_gb", self.reserve_gb, float, low=0, high=MAX_GB)
         _check_number("pressure_gb", self.pressure_gb, float, low=0, high=MAX_GB)
         _check_number("disk_cache_gb", self.disk_cache_gb, float, low=0, high=MAX_GB,

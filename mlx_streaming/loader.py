@@ -44,12 +44,12 @@ from .policy import make_policy
 from .pressure import NoWatch, PressureWatch
 from .pool import SlotPool
 from .prefetch import (
+    Affinity,
     AlwaysOn,
-    NativeLauncher,
     NextLayerPrefetch,
     PrefetchBudget,
+    PrefetchPrecision,
     PrefetchSwitch,
-    PythonLauncher,
 )
 from .readers import PythonReader, direct_io_works
 from .speculative import SpecStats
@@ -92,12 +92,25 @@ class Runtime:
         else:
             self.prefetch_switch = AlwaysOn()
         self.prefetch_budget = None
+        self.prefetch_precision = None
+        self.prefetch_affinity = None
         if config.prefetch != "off" and self.paged:
             self.prefetch_budget = PrefetchBudget(
                 first, len(manifest.layers), max(l.stride for l in manifest.layers),
                 config.prefetch_max_tokens, fixed=config.prefetch_budget)
             if config.prefetch_budget is None:
                 observers.append(self.prefetch_budget)
+            if config.prefetch_affinity:
+                layers = [l for l in manifest.layers if not l.module.startswith("mtp.")]
+                self.prefetch_affinity = Affinity(
+                    [(a.layer, a.num_experts, b.layer, b.num_experts)
+                     for a, b in _prefetch_pairs(layers)])
+                observers.append(self.prefetch_affinity)
+            if config.prefetch_precision > 0:
+                width = max(_prefetch_width(config, s) for s in manifest.layers)
+                self.prefetch_precision = PrefetchPrecision(
+                    self.prefetch_budget, width, config.prefetch_precision)
+                observers.append(self.prefetch_precision)
         self.events = Events(observers)
         self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
 
@@ -450,7 +463,7 @@ def _make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:
         if config.io == "auto":
             warnings.warn(
                 f"mlx_streaming: the native extension is {why}; reading experts with the "
-                "slower Python reader, without in-graph prefetch. Reinstall with a C++ "
+                "slower Python reader, without its paged calls inside the graph. Reinstall with a C++ "
                 "compiler and CMake (`pip install -e .`) to build it.",
                 RuntimeWarning, stacklevel=4)
         return PythonReader(config.io_threads, direct), reason
@@ -549,7 +562,7 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
         store_class = NativeStore if native else ExpertStore
         runtime.stores.append(store_class(spec, pool, runtime.reader, file, runtime.events,
                                           config.verify, staging, blob, policy))
-    prefetchers = _make_prefetchers(model, runtime, blocks, staging) if staging else {}
+    prefetchers = _make_prefetchers(model, runtime, blocks) if staging else {}
     for store in runtime.stores:
         if runtime.paged:
             router = None
@@ -570,36 +583,37 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
         set_module(model, store.spec.module, block)
 
 
-def _make_prefetchers(model, runtime: Runtime, blocks, staging) -> Dict[int, NextLayerPrefetch]:
+def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPrefetch]:
     """One prefetcher per layer whose successor's router takes its input."""
     config = runtime.config
-    native = isinstance(runtime.reader, NativeReader)
-    budget = runtime.prefetch_budget
-    launcher = NativeLauncher(runtime.reader.ext) if native else PythonLauncher(budget)
-    prefetchers = {}
+    pairs = []
     for store, nxt in zip(runtime.stores, runtime.stores[1:]):
         if nxt.spec.module.startswith("mtp."):
             continue  # MTP layers run only when drafting, after the model
         dims = input_dims_of(blocks[store.spec.module])
         scorer = find_router(model, nxt.spec.module, nxt.spec.num_experts, dims)
-        if scorer is None:
-            continue
-        target = None
-        if native:
-            target = staging.target(nxt.layer, nxt.file, nxt.spec.stride)
-            target.budget = budget.records
-            budget.targets.append(target)
-        prefetchers[store.layer] = NextLayerPrefetch(
-            scorer,
-            nxt,
-            target,
-            _prefetch_width(config, nxt.spec),
-            config.prefetch_max_tokens,
-            launcher,
-            runtime.events,
-            runtime.prefetch_switch,
-        )
-    return prefetchers
+        if scorer is not None:
+            pairs.append((store, nxt, scorer))
+    affinity = runtime.prefetch_affinity
+    if affinity is not None:
+        # The last layer predicts the first one's experts for the next token.
+        stores = [s for s in runtime.stores if not s.spec.module.startswith("mtp.")]
+        pairs += [(a, b, None) for a, b in _prefetch_pairs(stores)[len(stores) - 1:]]
+    return {
+        store.layer: NextLayerPrefetch(
+            store.layer, scorer, nxt, _prefetch_width(config, nxt.spec),
+            config.prefetch_max_tokens, runtime.prefetch_budget, affinity, runtime.events,
+            runtime.prefetch_switch)
+        for store, nxt, scorer in pairs
+    }
+
+
+def _prefetch_pairs(layers: list) -> list:
+    """(layer, its successor) for prefetch: each MoE layer and the next, then
+    the last and the first, which runs next, one token later (two layers or
+    more: one layer's prediction of itself would be dropped by its own call)."""
+    pairs = list(zip(layers, layers[1:]))
+    return pairs + [(layers[-1], layers[0])] if len(layers) > 1 else pairs
 
 
 def _bind_pool(inner: nn.Module, spec: LayerSpec, pool: SlotPool) -> None:

@@ -3,8 +3,8 @@
 Two implementations with one interface, chosen once at load:
 
 - ``NativeReader`` (``mlx_streaming._ext``): a persistent C++ thread pool,
-  GIL released, optional uncached reads, and prefetch issued from inside the
-  MLX graph by a completion callback.
+  GIL released, optional uncached reads, and the native step of a paged
+  call (``store.NativeStore``).
 - ``PythonReader``: ``os.preadv`` on a thread pool (the GIL is released while
   the kernel copies). The reference path; always available.
 

@@ -305,12 +305,13 @@ def stats(model) -> dict:
 
 
 def _budget_of(runtime):
-    """The bandwidth budget of prefetch: records per layer, its inputs."""
+    """The bandwidth budget of prefetch: records per layer, its inputs, and
+    the depth each layer's precision allows (layers never cut are absent)."""
     b = getattr(runtime, "prefetch_budget", None)
     if b is None:
         return None
     return dict(records=b.records, read_gb_per_s=b.rate / 1e9 if b.rate else None,
-                layer_compute_s=b.layer_compute)
+                layer_compute_s=b.layer_compute, depth=dict(sorted(b.caps.items())))
 
 
 def reset_stats(model) -> None:

@@ -12,7 +12,6 @@
 
 #include "crc32.h"
 #include "paged.h"
-#include "prefetch.h"
 #include "reader.h"
 #include "staging.h"
 
@@ -55,7 +54,7 @@ struct PyReader {
 } // namespace
 
 NB_MODULE(_ext, m) {
-  m.doc() = "mlx_streaming native expert I/O and prefetch";
+  m.doc() = "mlx_streaming native expert I/O, prefetch staging and paged bookkeeping";
   nb::module_::import_("mlx.core");
 
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." +
@@ -67,15 +66,6 @@ NB_MODULE(_ext, m) {
 #endif
 
   nb::exception<ReadError>(m, "ReadError");
-
-  nb::class_<PrefetchTarget>(m, "PrefetchTarget")
-      .def_ro("layer", &PrefetchTarget::layer)
-      .def_ro("file", &PrefetchTarget::file)
-      .def_ro("stride", &PrefetchTarget::stride)
-      .def_prop_rw(
-          "budget", [](PrefetchTarget& t) { return t.budget.load(); },
-          [](PrefetchTarget& t, int value) { t.budget.store(value); },
-          "Most records staged per prediction.");
 
   nb::class_<Staging>(m, "Staging")
       .def(
@@ -96,14 +86,7 @@ NB_MODULE(_ext, m) {
           },
           "layer"_a, "expert"_a, "segments"_a, "dst_row"_a, "want_crc"_a)
       .def("drop", &Staging::drop, "layer"_a)
-      .def("pop_issued", &Staging::pop_issued, "layer"_a)
-      .def("cancelled", &Staging::cancelled, "Staged reads cancelled before they started.")
-      .def(
-          "target",
-          [](Staging& s, int layer, int file, int64_t stride) {
-            return std::make_shared<PrefetchTarget>(s.shared_from_this(), layer, file, stride);
-          },
-          "layer"_a, "file"_a, "stride"_a);
+      .def("cancelled", &Staging::cancelled, "Staged reads cancelled before they started.");
 
   nb::class_<PyReader>(m, "ExpertReader")
       .def(
@@ -243,17 +226,6 @@ NB_MODULE(_ext, m) {
       "ids"_a, "table"_a, "index"_a,
       "The slot of each id once `index` made them resident, computed in the graph "
       "(CPU backend): no host sync.");
-
-  m.def(
-      "prefetch_on_complete",
-      [](const mx::array& ranked, int width, const mx::array& table,
-         std::shared_ptr<PrefetchTarget> target) {
-        return prefetch_on_complete(ranked, width, table, std::move(target));
-      },
-      "ranked"_a, "width"_a, "table"_a, "target"_a,
-      "Stage the first `width` experts of each row of `ranked` that `table` "
-      "says are not resident, when the device has computed them. Returns an "
-      "int32 scalar (reads issued).");
 
   m.def(
       "crc32",

@@ -29,7 +29,6 @@ int Staging::stage(int layer, int file, const int64_t* experts, const int64_t* o
       buffers_[b].state = State::Queued;
       buffers_[b].owned = true;
       entries_[key] = b;
-      issued_[layer] += 1;
     }
     int64_t offset = offsets[i];
     uint8_t* memory = buffers_[b].memory->data;
@@ -138,17 +137,6 @@ int Staging::drop(int layer) {
     ++dropped;
   }
   return dropped;
-}
-
-int64_t Staging::pop_issued(int layer) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = issued_.find(layer);
-  if (it == issued_.end()) {
-    return 0;
-  }
-  int64_t n = it->second;
-  issued_.erase(it);
-  return n;
 }
 
 } // namespace mlx_streaming

@@ -11,7 +11,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
 #include <vector>
 
 #include "reader.h"
@@ -42,9 +41,6 @@ class Staging : public std::enable_shared_from_this<Staging> {
   // cancelled); returns how many there were.
   int drop(int layer);
 
-  // Reads issued for `layer` since the last call.
-  int64_t pop_issued(int layer);
-
   // Staged reads cancelled before they started (never read), in total.
   int64_t cancelled() const {
     return cancelled_.load();
@@ -71,27 +67,9 @@ class Staging : public std::enable_shared_from_this<Staging> {
   std::vector<Buffer> buffers_;
   std::vector<int> free_;
   std::map<std::pair<int, int64_t>, int> entries_;
-  std::unordered_map<int, int64_t> issued_;
   std::atomic<int64_t> cancelled_{0};
   std::mutex mu_;
   std::condition_variable cv_;
-};
-
-// What prefetch_on_complete needs to stage one layer's experts. Shared
-// from this: nanobind then hands C++ the object's own control block, not a
-// shared_ptr whose deleter drops a Python reference. The MLX stream thread
-// that destroys a finished task must never need the GIL (a thread waiting
-// for that stream may hold it).
-struct PrefetchTarget : std::enable_shared_from_this<PrefetchTarget> {
-  PrefetchTarget(std::shared_ptr<Staging> staging, int layer, int file, int64_t stride)
-      : staging(std::move(staging)), layer(layer), file(file), stride(stride) {}
-  std::shared_ptr<Staging> staging;
-  int layer;
-  int file;
-  int64_t stride;
-  // Most records staged per prediction (the bandwidth budget); set from
-  // Python between calls, read on the stream thread.
-  std::atomic<int> budget{1 << 30};
 };
 
 } // namespace mlx_streaming

@@ -132,44 +132,6 @@ def test_staging_take_and_drop(blob):
         reader.close()
 
 
-@needs_native
-def test_prefetch_primitive_stages_when_evaluated(blob):
-    path, _ = blob
-    reader = NativeReader(EXT, 2, False)
-    f = reader.open(str(path))
-    staging = reader.staging(8, STRIDE)
-    target = staging.target(3, f, STRIDE)
-    # Ranked ids, best first in each row (an argsort's output).
-    ranked = mx.array([[1, 4, 6, 5], [6, 2, 0, 3]], dtype=mx.uint32)
-    table = mx.array([-1, -1, 0, -1, 1, -1, -1, -1], dtype=mx.int32)  # 2 and 4 resident
-    issued = EXT.prefetch_on_complete(ranked, 3, table, target)
-    assert staging.pop_issued(3) == 0  # nothing happens before evaluation
-    mx.eval(issued)
-    assert issued.item() == 3  # experts 0, 1, 6
-    assert staging.pop_issued(3) == 3
-    assert staging.drop(3) == 3
-    # Under a budget of two records: every row's first choice (1, 6), not 0.
-    target.budget = 2
-    mx.eval(EXT.prefetch_on_complete(ranked, 3, table, target))
-    assert staging.pop_issued(3) == 2
-    reader.drain()
-    segments = np.array([[0, 64]], dtype=np.int64)
-    row = np.array([np.zeros(64, np.uint8).ctypes.data], np.int64)
-    assert staging.take(3, 0, segments, row, False) is None
-    assert staging.take(3, 6, segments, row, False) is not None
-    staging.drop(3)
-    # Rows are a verify call's tokens: the expert both predict goes first.
-    target.budget = 1
-    shared = mx.array([[1, 3, 5, 0], [7, 5, 3, 0], [6, 3, 1, 0]], dtype=mx.uint32)
-    empty = mx.full((8,), -1, dtype=mx.int32)
-    mx.eval(EXT.prefetch_on_complete(shared, 3, empty, target))
-    reader.drain()
-    assert staging.take(3, 3, segments, row, False) is not None
-    assert rank_order(np.array(shared)[:, :3]).tolist() == [3, 1, 5, 7, 6]
-    staging.drop(3)
-    reader.close()
-
-
 def test_prefetch_order_puts_shared_experts_first():
     rng = np.random.default_rng(0)
     for rows in (1, 3, 5):
@@ -208,16 +170,15 @@ def test_python_staging_cancels_reads_not_started(blob):
     reader.close()
 
 
+IO_PATHS_ALL = ["python"] + (["native"] if EXT is not None else [])
+
+
 def test_prefetch_budget_follows_disk_rate_and_compute():
     from mlx_streaming.prefetch import PrefetchBudget
-
-    class Target:
-        budget = 0
 
     clock = FakeClock()
     budget = PrefetchBudget(first_layer=0, layers=4, record_bytes=1_000_000, max_tokens=8,
                             clock=clock, smoothing=1.0)
-    budget.targets.append(Target())
     assert budget.records == 0  # earned by measurement
     for _ in range(3):
         budget.on_call(0, 1)
@@ -225,16 +186,152 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
         budget.on_stall(2, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
         clock.now += 0.1  # 40 ms of compute over 4 layers: 10 ms each
     budget.on_call(0, 1)
-    assert budget.records == 2 and budget.targets[0].budget == 2  # 200 MB/s x 10 ms / 1 MB
+    assert budget.records == 2 and budget.limit(1) == 2  # 200 MB/s x 10 ms / 1 MB
     budget.on_read(1, 1, 1_000_000, 0.001)  # one fast read...
     budget.on_stall(1, 0.1)  # ...in a token that stalled 100 ms: 10 MB/s
     clock.now += 0.14
     budget.on_call(0, 1)
-    assert budget.records == 0 and budget.targets[0].budget == 0
+    assert budget.records == 0 and budget.limit(1) == 0
     budget.on_call(0, 100)  # a prefill call measures nothing and starts no interval
     clock.now += 5.0
     budget.on_call(0, 1)
     assert budget.layer_compute == pytest.approx(0.01)
+
+
+def test_prefetch_precision_cuts_and_restores_depth_per_layer():
+    from mlx_streaming.prefetch import PrefetchBudget, PrefetchPrecision
+
+    budget = PrefetchBudget(first_layer=0, layers=3, record_bytes=1, max_tokens=8, fixed=6)
+    precision = PrefetchPrecision(budget, width=4, target=0.75, window=8, probe_after=3)
+    assert budget.limit(1) == budget.limit(2) == 2  # every layer starts at two ranks
+    # Windows beating the target by the margin earn ranks, up to the width.
+    for _ in range(3):
+        precision.on_prefetch(1, issued=4)
+        precision.on_prefetch(1, useful=4)
+        precision.on_prefetch(1, issued=4, useful=3, wasted=1)
+    assert precision.depth[1] == 4 and budget.limit(1) == 4 and budget.limit(2) == 2
+    # Between target and target + margin: the depth holds.
+    precision.on_prefetch(1, issued=8, useful=6)
+    assert budget.limit(1) == 4
+    # Below the target: one rank fewer per window, down to none.
+    precision.on_prefetch(1, issued=8, useful=5)
+    assert budget.limit(1) == 3
+    for _ in range(3):
+        precision.on_prefetch(1, issued=8, useful=1)
+    assert budget.limit(1) == 0
+    # A layer at depth 0 tries one rank again after probe_after of its calls.
+    for _ in range(2):
+        precision.on_call(1, 1)
+    assert budget.limit(1) == 0
+    precision.on_call(1, 1)
+    assert budget.limit(1) == 1
+    # The bandwidth budget bounds every depth, and a cut counts from it.
+    budget._set(1)
+    assert budget.limit(1) == 1 and budget.limit(2) == 1
+    precision.on_prefetch(2, issued=8, useful=0)
+    assert budget.limit(2) == 0
+
+
+def test_affinity_counts_which_experts_follow_which():
+    from mlx_streaming.prefetch import Affinity
+
+    affinity = Affinity([(0, 4, 1, 3), (1, 3, 2, 4)], prior=1.0)
+    uniform = affinity.weights(0, np.array([[0, 1]]))
+    assert np.allclose(uniform, 1 / 3)  # nothing seen: the prior alone
+    for _ in range(4):  # experts 0 and 1 at layer 0 are followed by 2 at layer 1
+        affinity.on_route(0, np.array([[0, 1]]), None)
+        affinity.on_route(1, np.array([[2, 0]]), None)
+    w = affinity.weights(0, np.array([[0, 1], [3, 2]]))
+    assert w.shape == (2, 3) and np.allclose(w.sum(axis=1), 1)
+    assert w[0, 2] == w[0, 0] > w[0, 1]  # 2 and 0 followed 4 times, 1 never
+    assert np.allclose(w[1], 1 / 3)  # experts 3 and 2 never seen
+    # A prefill call of several tokens counts each token's pairs.
+    affinity.on_route(0, np.array([[3, 2], [3, 0]]), None)
+    affinity.on_route(1, np.array([[1, 2], [0, 2]]), None)
+    assert affinity.counts[0][3, 2] == 1 + 2 and affinity.counts[0][3, 1] == 1 + 1
+    assert affinity.counts[0][2, 1] == 1 + 1 and affinity.counts[0][0, 2] == 1 + 4 + 1
+    # Layer 1's own calls fill the counts of the pair (1, 2).
+    affinity.on_route(2, np.array([[3, 0], [1, 2]]), None)
+    assert affinity.counts[1][1, 3] == 1 + 1 and affinity.counts[1][2, 1] == 1 + 1
+    assert affinity.counts[1][0, 3] == 1
+    # Calls of another length (a new prompt after a decode) pair nothing.
+    affinity.on_route(0, np.array([[0, 1]]), None)
+    before = affinity.counts[0].copy()
+    affinity.on_route(1, np.array([[2, 2], [2, 2]]), None)
+    assert np.array_equal(affinity.counts[0], before)
+
+
+@pytest.mark.parametrize("io", IO_PATHS_ALL)
+def test_prefetch_queues_after_the_layers_demand_reads(models, io):
+    """The next layer's reads ahead are staged once this layer's demand
+    reads are done, never before them."""
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
+                                  prefetch_budget=8, prefetch_precision=0)
+    runtime = model.streaming
+    log = []
+    for store in runtime.stores:
+        read = store._read
+
+        def logged_read(experts, slots, want_crc, read=read, layer=store.layer):
+            log.append(("read", layer))
+            return read(experts, slots, want_crc)
+
+        store._read = logged_read
+
+    class LoggedStaging:  # the native one's methods are read-only
+        def __init__(self, inner):
+            self.inner = inner
+
+        def stage(self, layer, *args):
+            log.append(("stage", layer))
+            return self.inner.stage(layer, *args)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    for store in runtime.stores:
+        store.staging = LoggedStaging(store.staging)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    token = mx.array([[3]])
+    for _ in range(6):
+        log.clear()
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+        mx.eval(token)
+        layers = [s.layer for s in runtime.stores]
+        for i, layer in enumerate(layers[:-1]):
+            # The stage for layer i+1 comes after layer i's read, if any.
+            staged = [k for k, e in enumerate(log) if e == ("stage", layers[i + 1])]
+            reads = [k for k, e in enumerate(log) if e == ("read", layer)]
+            assert staged, "every layer with a successor stages its predictions"
+            assert not reads or max(reads) < min(staged)
+
+
+@pytest.mark.parametrize("io", IO_PATHS_ALL)
+def test_prefetch_depth_caps_the_reads_of_each_layer(models, io):
+    """Both launchers stage no more than a layer's precision cap per call."""
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
+                                  prefetch_budget=8, prefetch_precision=0)
+    runtime = model.streaming
+    assert runtime.prefetch_precision is None
+    layers = [s.layer for s in runtime.stores]
+    runtime.prefetch_budget.cap(layers[1], 1)
+    for layer in layers[2:]:
+        runtime.prefetch_budget.cap(layer, 0)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    mlx_streaming.reset_stats(model)
+    token = mx.array([[3]])
+    steps = 10
+    for _ in range(steps):
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+    mx.eval(token)
+    s = mlx_streaming.stats(model)
+    assert 0 < s["layers"][layers[1]]["prefetch_issued"] <= steps
+    assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
+    assert s["prefetch_budget"]["depth"] == {layers[1]: 1, **{l: 0 for l in layers[2:]}}
 
 
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
@@ -281,9 +378,23 @@ def test_prefetch_adds_no_sync_and_reports_telemetry(models, io):
     assert t["prefetch_issued"] > 0
     assert t["prefetch_useful"] + t["prefetch_wasted"] <= t["prefetch_issued"]
     assert 0.0 <= t["prefetch_recall"] <= 1.0
-    # The first MoE layer has no predecessor to predict it.
+    # The last MoE layer predicts the first one's experts for the next token.
     first = s["layers"][model.streaming.stores[0].layer]
-    assert first["prefetch_issued"] == 0 and first["routed"] == 0
+    assert first["prefetch_issued"] > 0 and first["routed"] > 0
+
+
+def test_first_layer_is_predicted_only_by_affinity(models):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    for affinity, predicted in ((False, False), (True, True)):
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, prefetch="next-layer",
+                                      prefetch_budget=8, prefetch_affinity=affinity)
+        cache = make_prompt_cache(model)
+        token = mx.array([PROMPT])
+        for _ in range(6):
+            token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+        mx.eval(token)
+        first = mlx_streaming.stats(model)["layers"][model.streaming.stores[0].layer]
+        assert (first["routed"] > 0) == predicted, affinity
 
 
 def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):

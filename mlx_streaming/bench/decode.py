@@ -13,7 +13,7 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 import itertools
 from pathlib import Path
 
-from ..config import DIRECT_IO_CHOICES
+from ..config import DIRECT_IO_CHOICES, ON_OFF
 from ..format import blob_path, read_manifest
 from . import routing
 from .common import (
@@ -59,6 +59,11 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--io", default="auto")
     p.add_argument("--prefetch", default="off")
+    p.add_argument("--prefetch-precision", default=None,
+                   help="prefetch's least used share per layer, comma-separated to compare "
+                        "(e.g. 0,0.75; default: load()'s)")
+    p.add_argument("--prefetch-affinity", default=None,
+                   help="on, off or on,off to compare (default: load()'s)")
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="uncached expert reads (auto: as load() decides)")
     p.add_argument("--verify", default="first-read",
@@ -124,20 +129,33 @@ def run(args) -> dict:
     modes = args.verify.split(",")
     policies = args.policies.split(",") if args.policies else [None]
     prefetches = args.prefetch.split(",")
+    precisions = ([float(v) for v in args.prefetch_precision.split(",")]
+                  if args.prefetch_precision else [None])
+    affinities = args.prefetch_affinity.split(",") if args.prefetch_affinity else [None]
+    for a in affinities:
+        if a not in ON_OFF and a is not None:
+            raise BenchError(f"--prefetch-affinity takes on, off or on,off, got {a!r}")
     pools = [float(p) for p in args.pools.split(",")] if args.cache_gb is None else [None]
     for pool in pools:
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
             size = dict(slots_per_layer=pool_slots(manifest.layers[0], pool))
-        for verify, policy, prefetch in itertools.product(modes, policies, prefetches):
+        for verify, policy, prefetch, precision, affinity in _variants(
+                modes, policies, prefetches, precisions, affinities):
             load = dict(size, io=args.io, prefetch=prefetch,
                         direct_io=DIRECT_IO_CHOICES[args.direct_io], verify=verify)
             if policy:
                 load["policy"] = policy
+            if precision is not None:
+                load["prefetch_precision"] = precision
+            if affinity is not None:
+                load["prefetch_affinity"] = ON_OFF[affinity]
             name = "(c) mlx_streaming" + "".join(
                 f" {label}={value}" for label, value, choices in
                 [("verify", verify, modes), ("policy", policy, policies),
-                 ("prefetch", prefetch, prefetches)] if len(choices) > 1)
+                 ("prefetch", prefetch, prefetches), ("precision", precision, precisions),
+                 ("affinity", affinity, affinities)]
+                if len(choices) > 1 and value is not None)
             cases.append((name, pool and size["slots_per_layer"] / num_experts,
                           dict(common, kind="streaming", model=str(stream_dir), load=load),
                           args.memory_limit_gb))
@@ -191,6 +209,17 @@ def run(args) -> dict:
              f"{args.memory_limit_gb or 'none'} GB, {'cold' if args.cold else 'warm'} page cache, "
              f"disk {disk_gbps:.3g} GB/s (dd, direct){throttled}\n{routing.describe(stats)}")
     return finish(args.out, "decode", result, rows, COLUMNS, title, _plot)
+
+
+def _variants(modes, policies, prefetches, precisions, affinities):
+    """The load options of the streaming cases; prefetch's own options vary
+    only where prefetch is on."""
+    for verify, policy, prefetch in itertools.product(modes, policies, prefetches):
+        if prefetch == "off":
+            yield verify, policy, prefetch, None, None
+            continue
+        for precision, affinity in itertools.product(precisions, affinities):
+            yield verify, policy, prefetch, precision, affinity
 
 
 def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
