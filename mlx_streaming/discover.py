@@ -95,6 +95,12 @@ class RouterScorer:
         bias = self.bias_owner["e_score_correction_bias"]
         return mx.sigmoid(logits.astype(mx.float32)) + bias
 
+    @property
+    def softmax(self) -> bool:
+        """Whether the softmax of the scores is the router's own
+        probability (else a sigmoid router: only the order means much)."""
+        return self.bias_owner is None
+
     def probabilities(self, x: mx.array) -> mx.array:
         """Softmax of the scores: for softmax routers the router's own
         probabilities; for the others a normalised ranking signal."""

@@ -68,9 +68,13 @@ class NextLayerPrefetch:
         rows = ids.reshape(-1, ids.shape[-1])
         if predicted:
             probs = np.array(predicted[0]).reshape(len(rows), -1)
-        else:
+        elif self.affinity.seen(self.layer):
             probs = np.ones((len(rows), self.next_store.spec.num_experts), np.float32)
-        if self.affinity is not None:
+        else:
+            return  # affinity alone, and nothing counted yet: no guess worth a read
+        # A sigmoid router's softmax is flat (scores within ~1 of each other):
+        # weighed, affinity would decide alone. It keeps its own order.
+        if self.affinity is not None and (self.scorer is None or self.scorer.softmax):
             probs = probs * self.affinity.weights(self.layer, rows)
         ranked = np.argsort(-probs, axis=-1, kind="stable")[:, : self.width]
         store = self.next_store
@@ -104,9 +108,12 @@ class Affinity(Observer):
     """
 
     def __init__(self, pairs, prior: float = 1.0):
-        # pairs: (layer, its experts, next layer, the next layer's experts)
+        # pairs: (layer, its experts, next layer, the next layer's experts);
+        # the last pair may wrap around, from the last layer to the first.
         self.counts = {a: np.full((ea, eb), prior, np.float32) for a, ea, _, eb in pairs}
         self.before = {b: a for a, _, b, _ in pairs}
+        self.wraps = {b for a, _, b, _ in pairs if b <= a}
+        self.pairs_seen = dict.fromkeys(self.counts, 0)
         self._last = {}  # layer -> [rows, k] ids of its last call
 
     def on_route(self, layer, ids, experts, probs=None):
@@ -114,11 +121,25 @@ class Affinity(Observer):
         before = self.before.get(layer)
         if before is not None:
             last = self._last.pop(before, None)
-            if last is not None and len(last) == len(rows):
-                # Every (expert before, expert after) pair of each token.
-                np.add.at(self.counts[before], (last[:, :, None], rows[:, None, :]), 1)
+            # Row i of both calls is the same token, except across the wrap:
+            # there only one-token calls follow each other (decode).
+            if last is not None and len(last) == len(rows) and (
+                    layer not in self.wraps or len(rows) == 1):
+                self._count(before, last, rows)
         if layer in self.counts:
             self._last[layer] = rows
+
+    def _count(self, layer, before, after):
+        """Add every (expert before, expert after) pair of each token."""
+        counts = self.counts[layer]
+        width = counts.shape[1]
+        pairs = (before[:, :, None] * width + after[:, None, :]).ravel()
+        counts += np.bincount(pairs, minlength=counts.size).reshape(counts.shape)
+        self.pairs_seen[layer] += len(before)
+
+    def seen(self, layer: int) -> int:
+        """Tokens counted for the pair that starts at ``layer``."""
+        return self.pairs_seen[layer]
 
     def weights(self, layer: int, rows: np.ndarray) -> np.ndarray:
         """``[len(rows), next experts]``: per token, the mean over its
@@ -299,7 +320,9 @@ class PrefetchPrecision(Observer):
     def on_prefetch(self, layer, issued=0, useful=0, wasted=0):
         self._issued[layer] = self._issued.get(layer, 0) + issued
         self._useful[layer] = self._useful.get(layer, 0) + useful
-        if self._issued[layer] < self.window:
+        # Judged when the layer reports what it used, not when reads are
+        # issued: their outcome is not known yet.
+        if issued or self._issued[layer] < self.window:
             return
         precision = self._useful[layer] / self._issued[layer]
         depth = self.depth.get(layer, self.start)

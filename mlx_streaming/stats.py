@@ -306,7 +306,8 @@ def stats(model) -> dict:
 
 def _budget_of(runtime):
     """The bandwidth budget of prefetch: records per layer, its inputs, and
-    the depth each layer's precision allows (layers never cut are absent)."""
+    the depth ``PrefetchPrecision`` set per layer (absent: the layer still
+    has its starting depth, or no precision cap is asked for)."""
     b = getattr(runtime, "prefetch_budget", None)
     if b is None:
         return None
@@ -320,6 +321,9 @@ def reset_stats(model) -> None:
         drain = getattr(store, "drain_counters", None)
         if drain is not None:
             drain()  # calls made inside the graph and not yet reported
+        # Reads ahead issued before the reset would be counted used or
+        # wasted after it, against no issued count.
+        store.drop_staged()
     runtime.stats.reset()
     runtime.speculative.reset()
     if runtime.reader.name == "remote":

@@ -203,21 +203,29 @@ def test_prefetch_precision_cuts_and_restores_depth_per_layer():
 
     budget = PrefetchBudget(first_layer=0, layers=3, record_bytes=1, max_tokens=8, fixed=6)
     precision = PrefetchPrecision(budget, width=4, target=0.75, window=8, probe_after=3)
+
+    def call(layer, issued, useful):
+        precision.on_prefetch(layer, issued=issued)  # issued by the layer before
+        precision.on_prefetch(layer, useful=useful)  # the layer takes what it routes to
+        precision.on_prefetch(layer, wasted=issued - useful)  # and drops the rest
+
     assert budget.limit(1) == budget.limit(2) == 2  # every layer starts at two ranks
     # Windows beating the target by the margin earn ranks, up to the width.
     for _ in range(3):
-        precision.on_prefetch(1, issued=4)
-        precision.on_prefetch(1, useful=4)
-        precision.on_prefetch(1, issued=4, useful=3, wasted=1)
+        call(1, 4, 4)
+        call(1, 4, 3)
     assert precision.depth[1] == 4 and budget.limit(1) == 4 and budget.limit(2) == 2
+    # Judged on outcomes: a window of issued reads not yet used changes nothing.
+    precision.on_prefetch(1, issued=16)
+    assert budget.limit(1) == 4
+    precision.on_prefetch(1, useful=12)
     # Between target and target + margin: the depth holds.
-    precision.on_prefetch(1, issued=8, useful=6)
     assert budget.limit(1) == 4
     # Below the target: one rank fewer per window, down to none.
-    precision.on_prefetch(1, issued=8, useful=5)
+    call(1, 8, 5)
     assert budget.limit(1) == 3
     for _ in range(3):
-        precision.on_prefetch(1, issued=8, useful=1)
+        call(1, 8, 1)
     assert budget.limit(1) == 0
     # A layer at depth 0 tries one rank again after probe_after of its calls.
     for _ in range(2):
@@ -228,7 +236,7 @@ def test_prefetch_precision_cuts_and_restores_depth_per_layer():
     # The bandwidth budget bounds every depth, and a cut counts from it.
     budget._set(1)
     assert budget.limit(1) == 1 and budget.limit(2) == 1
-    precision.on_prefetch(2, issued=8, useful=0)
+    call(2, 8, 0)
     assert budget.limit(2) == 0
 
 
@@ -257,8 +265,27 @@ def test_affinity_counts_which_experts_follow_which():
     # Calls of another length (a new prompt after a decode) pair nothing.
     affinity.on_route(0, np.array([[0, 1]]), None)
     before = affinity.counts[0].copy()
-    affinity.on_route(1, np.array([[2, 2], [2, 2]]), None)
+    affinity.on_route(1, np.array([[2, 0], [1, 0]]), None)
     assert np.array_equal(affinity.counts[0], before)
+    assert affinity.seen(0) == 4 + 2 and affinity.seen(1) == 2
+
+
+def test_affinity_wraps_from_the_last_layer_on_decode_only():
+    from mlx_streaming.prefetch import Affinity
+
+    affinity = Affinity([(0, 4, 1, 4), (1, 4, 0, 4)], prior=0.0)
+    # A two-token prefill: row i of layer 1 is not followed by row i of the
+    # next call's layer 0, so the wrap counts nothing.
+    affinity.on_route(0, np.array([[0, 1], [2, 3]]), None)
+    affinity.on_route(1, np.array([[1, 2], [0, 3]]), None)
+    affinity.on_route(0, np.array([[3, 2], [1, 0]]), None)
+    assert affinity.seen(1) == 0 and affinity.seen(0) == 2
+    # Decode: the last layer's experts, then the first layer's of the next token.
+    affinity.on_route(1, np.array([[1, 2]]), None)
+    affinity.on_route(0, np.array([[3, 0]]), None)
+    assert affinity.seen(1) == 1
+    assert affinity.counts[1][1, 3] == affinity.counts[1][2, 0] == 1
+    assert affinity.counts[1].sum() == 4
 
 
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
@@ -295,6 +322,7 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io):
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([PROMPT]), cache=cache))
     token = mx.array([[3]])
+    demand_reads = 0
     for _ in range(6):
         log.clear()
         token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
@@ -306,11 +334,13 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io):
             reads = [k for k, e in enumerate(log) if e == ("read", layer)]
             assert staged, "every layer with a successor stages its predictions"
             assert not reads or max(reads) < min(staged)
+            demand_reads += len(reads)
+    assert demand_reads > 0, "the test saw no demand read to order against"
 
 
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
 def test_prefetch_depth_caps_the_reads_of_each_layer(models, io):
-    """Both launchers stage no more than a layer's precision cap per call."""
+    """Either reader stages no more than a layer's cap per call."""
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
                                   prefetch_budget=8, prefetch_precision=0)
