@@ -179,6 +179,7 @@ class PrefetchBudget(Observer):
         self.caps = {}
         self.default_cap = self.UNLIMITED
         self.rate = None  # bytes per second
+        self._mean_bytes = self._mean_stall = None
         self.layer_compute = None  # seconds
         self._last = None
         self._stall = 0.0
@@ -201,7 +202,13 @@ class PrefetchBudget(Observer):
             compute = max(0.0, now - self._last - self._stall) / self.layers
             self.layer_compute = self._mean(self.layer_compute, compute)
             if self._bytes and self._stall > 0:
-                self.rate = self._mean(self.rate, self._bytes / self._stall)
+                # A ratio of means, not a mean of ratios: a throttled disk
+                # serves a token's few reads at once from its burst credit
+                # and makes the next token wait, and the fast tokens would
+                # otherwise outweigh the slow ones.
+                self._mean_bytes = self._mean(self._mean_bytes, self._bytes)
+                self._mean_stall = self._mean(self._mean_stall, self._stall)
+                self.rate = self._mean_bytes / self._mean_stall
         # Only decode-to-decode intervals measure: a prefill call starts none.
         self._last = now if tokens <= self.max_tokens else None
         self._stall, self._bytes = 0.0, 0

@@ -198,6 +198,24 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
     assert budget.layer_compute == pytest.approx(0.01)
 
 
+def test_prefetch_budget_rate_is_not_led_by_burst_reads():
+    """A throttled disk serves one token's reads at once from its burst
+    credit and makes the next wait: the rate is bytes over stall time
+    across tokens, not the mean of each token's rate."""
+    from mlx_streaming.prefetch import PrefetchBudget
+
+    clock = FakeClock()
+    budget = PrefetchBudget(first_layer=0, layers=1, record_bytes=1_000_000, max_tokens=8,
+                            clock=clock, smoothing=0.5)
+    budget.on_call(0, 1)
+    for stall in (0.001, 0.099, 0.001, 0.099):  # 1 MB each token
+        budget.on_read(0, 1, 1_000_000, stall)
+        budget.on_stall(0, stall)
+        clock.now += 0.2
+        budget.on_call(0, 1)
+    assert budget.rate < 30e6  # about 20 MB/s; a mean of ratios says ~300 MB/s
+
+
 def test_prefetch_precision_cuts_and_restores_depth_per_layer():
     from mlx_streaming.prefetch import PrefetchBudget, PrefetchPrecision
 
