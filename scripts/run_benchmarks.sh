@@ -69,8 +69,11 @@ python -m mlx_streaming.bench decode --model "$T/stream" --mlx-model "$T/mlx" --
   --policies lru,lfu-decay --prefetch off,next-layer,auto --direct-io on --read-mbps 1.5 \
   --temp 0.8 --max-tokens 64 --repeats 3 --out "$out/decode-trained-macratio"
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
+  --pools 0.25 --prefetch off,next-layer,auto --direct-io on --temp 0.8 --max-tokens 96 \
+  --repeats 3 --out "$out/decode-wide-prefetch"
+python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer,auto --prefetch-affinity on,off --direct-io on \
-  --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch"
+  --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-affinity"
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer --prefetch-precision 0,0.5 --prefetch-affinity on,off \
   --direct-io on --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-precision"
