@@ -463,8 +463,8 @@ def _make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:
         if config.io == "auto":
             warnings.warn(
                 f"mlx_streaming: the native extension is {why}; reading experts with the "
-                "slower Python reader, without its paged calls inside the graph. Reinstall with a C++ "
-                "compiler and CMake (`pip install -e .`) to build it.",
+                "slower Python reader, without its paged calls inside the graph. Reinstall "
+                "with a C++ compiler and CMake (`pip install -e .`) to build it.",
                 RuntimeWarning, stacklevel=4)
         return PythonReader(config.io_threads, direct), reason
     return NativeReader(ext, config.io_threads, direct), "native extension"
