@@ -368,15 +368,8 @@ def test_prefetch_depth_caps_the_reads_of_each_layer(models, io):
     runtime.prefetch_budget.cap(layers[1], 1)
     for layer in layers[2:]:
         runtime.prefetch_budget.cap(layer, 0)
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([PROMPT]), cache=cache))
-    mlx_streaming.reset_stats(model)
-    token = mx.array([[3]])
     steps = 10
-    for _ in range(steps):
-        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
-    mx.eval(token)
-    s = mlx_streaming.stats(model)
+    s = _stats_of_decode(model, steps)
     assert 0 < s["layers"][layers[1]]["prefetch_issued"] <= steps
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
     assert s["prefetch_budget"]["depth"] == {layers[1]: 1, **{l: 0 for l in layers[2:]}}
@@ -412,15 +405,8 @@ def test_prefetch_adds_no_sync_and_reports_telemetry(models, io):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
                                   prefetch_budget=8)
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([PROMPT]), cache=cache))
-    mlx_streaming.reset_stats(model)
-    token = mx.array([[3]])
     steps = 12
-    for _ in range(steps):
-        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
-    mx.eval(token)
-    s = mlx_streaming.stats(model)
+    s = _stats_of_decode(model, steps)
     t = s["total"]
     assert t["syncs"] == steps * s["moe_layers"], "one sync per MoE layer per token"
     assert t["prefetch_issued"] > 0
@@ -443,6 +429,18 @@ def test_first_layer_is_predicted_only_by_affinity(models):
         mx.eval(token)
         first = mlx_streaming.stats(model)["layers"][model.streaming.stores[0].layer]
         assert (first["routed"] > 0) == predicted, affinity
+
+
+def _stats_of_decode(model, steps: int) -> dict:
+    """``stats`` of ``steps`` greedy decode tokens after the prompt."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    mlx_streaming.reset_stats(model)
+    token = mx.array([[3]])
+    for _ in range(steps):
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+    mx.eval(token)
+    return mlx_streaming.stats(model)
 
 
 def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):
