@@ -192,13 +192,15 @@ def validate(args) -> dict:
         raise BenchError("--validate needs --model and --mlx-model")
     manifest = read_manifest(args.model)
     spec = manifest.layers[0]
-    ns = argparse.Namespace(
-        model=args.model, mlx_model=args.mlx_model, pools=args.pools, memory_limit_gb=None,
-        cache_gb=None, cold=False, temp=args.temp, max_tokens=args.max_tokens,
-        prompt_tokens=32, io="auto",
-        prefetch=args.prefetch, direct_io="on" if args.read_mbps else "auto",
-        verify="first-read", policies=args.policies, read_mbps=args.read_mbps,
-        routing_tokens=64, repeats=args.repeats, out=args.out / "decode")
+    # bench decode's own defaults, then what this validation sets.
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    ns = parser.parse_args(["--model", str(args.model)])
+    vars(ns).update(
+        mlx_model=args.mlx_model, pools=args.pools, temp=args.temp,
+        max_tokens=args.max_tokens, prefetch=args.prefetch,
+        direct_io="on" if args.read_mbps else "auto", policies=args.policies,
+        read_mbps=args.read_mbps, repeats=args.repeats, out=args.out / "decode")
     measured = decode.run(ns)
     ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=args.max_tokens,
                                          rounds=max(3, args.repeats), policy="lru",
