@@ -101,15 +101,15 @@ class Runtime:
             if config.prefetch_budget is None:
                 observers.append(self.prefetch_budget)
             if config.prefetch_affinity:
-                layers = [l for l in manifest.layers if not l.module.startswith("mtp.")]
+                layers = [l for l in manifest.layers if not _is_mtp(l)]
                 self.prefetch_affinity = Affinity(
                     [(a.layer, a.num_experts, b.layer, b.num_experts)
                      for a, b in _prefetch_pairs(layers)])
                 observers.append(self.prefetch_affinity)
             if config.prefetch_precision > 0:
-                width = max(_prefetch_width(config, s) for s in manifest.layers)
                 self.prefetch_precision = PrefetchPrecision(
-                    self.prefetch_budget, width, config.prefetch_precision)
+                    self.prefetch_budget, _widest_prefetch(config, manifest.layers),
+                    config.prefetch_precision)
                 observers.append(self.prefetch_precision)
         self.events = Events(observers)
         self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
@@ -541,7 +541,7 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
     blocks = dict(find_expert_blocks(model))
     staging = None
     if runtime.paged and config.prefetch != "off":
-        width = max(_prefetch_width(config, s) for s in manifest.layers)
+        width = _widest_prefetch(config, manifest.layers)
         stride = max(s.stride for s in manifest.layers)
         # Room for one layer's predictions in flight while the previous
         # layer's leftovers are still being dropped.
@@ -588,7 +588,7 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
     config = runtime.config
     pairs = []
     for store, nxt in zip(runtime.stores, runtime.stores[1:]):
-        if nxt.spec.module.startswith("mtp."):
+        if _is_mtp(nxt.spec):
             continue  # MTP layers run only when drafting, after the model
         dims = input_dims_of(blocks[store.spec.module])
         scorer = find_router(model, nxt.spec.module, nxt.spec.num_experts, dims)
@@ -597,7 +597,7 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
     affinity = runtime.prefetch_affinity
     if affinity is not None:
         # The last layer predicts the first one's experts for the next token.
-        stores = [s for s in runtime.stores if not s.spec.module.startswith("mtp.")]
+        stores = [s for s in runtime.stores if not _is_mtp(s.spec)]
         pairs += [(a, b, None) for a, b in _prefetch_pairs(stores)[len(stores) - 1:]]
     return {
         store.layer: NextLayerPrefetch(
@@ -606,6 +606,15 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
             runtime.prefetch_switch)
         for store, nxt, scorer in pairs
     }
+
+
+def _is_mtp(spec: LayerSpec) -> bool:
+    """An MTP layer: it runs only when drafting, after the model."""
+    return spec.module.startswith("mtp.")
+
+
+def _widest_prefetch(config: StreamConfig, layers) -> int:
+    return max(_prefetch_width(config, s) for s in layers)
 
 
 def _prefetch_pairs(layers: list) -> list:
