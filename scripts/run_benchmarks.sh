@@ -77,6 +77,9 @@ python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer --prefetch-precision 0,0.5 --prefetch-affinity on,off \
   --direct-io on --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-precision"
+python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
+  --pools 0.25 --prefetch off,next-layer,auto --direct-io on --read-mbps 200 --temp 0.8 \
+  --max-tokens 160 --repeats 3 --out "$out/decode-wide-prefetch-200mbps"
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
   --pools 0.25,0.5 --policies lru,lfu-decay --read-mbps 1.5 --max-tokens 64 --repeats 3 \
   --temp 0.8 --out "$out/simulate-trained-throttled"

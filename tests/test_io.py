@@ -483,8 +483,12 @@ def test_auto_prefetch_stays_off_when_reads_do_not_stall():
 def test_auto_prefetch_keeps_what_measures_faster():
     from mlx_streaming.prefetch import PrefetchSwitch
 
-    # Faster with it: kept. Slower, or within the 2% margin: dropped.
-    for on_seconds, expected in ((0.06, True), (0.12, False), (0.099, False)):
+    # Faster with it: kept. Slower, or within the 2% margin: dropped. A
+    # difference of 20% or more decides a quarter of the way through the
+    # trial (after token 6), one of 10% halfway (after token 10).
+    for on_seconds, expected, decided_at in ((0.06, True, 6), (0.13, False, 6),
+                                             (0.115, False, 10), (0.088, True, 10),
+                                             (0.099, False, None), (0.095, True, None)):
         clock = FakeClock()
         switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=16, block=2, warmup=2,
                                 clock=clock)
@@ -495,9 +499,11 @@ def test_auto_prefetch_keeps_what_measures_faster():
         def stall(on):
             return 0.0 if on else 0.05
 
-        _decode(switch, clock, 10, seconds, stall)
-        assert switch.decision == "measuring"
-        _decode(switch, clock, 10, seconds, stall)
+        for token in range(1, 18):  # the whole trial ends at token 18
+            _decode(switch, clock, 1, seconds, stall)
+            decided = switch.decision != "measuring"
+            assert decided == (decided_at is not None and token >= decided_at), token
+        _decode(switch, clock, 2, seconds, stall)
         assert switch.enabled is expected, switch.decision
         assert switch.decision.startswith("on" if expected else "off")
         # Prefill calls and other layers change nothing once decided.
