@@ -245,6 +245,11 @@ class PrefetchSwitch(Observer):
     def __init__(self, first_layer: int, max_tokens: int, trial: int = 64, block: int = 4,
                  warmup: int = 8, min_stall_share: float = 0.05, margin: float = 0.02,
                  early: float = 0.1, clock=time.perf_counter):
+        # Each block of the trial must be timed: the first token has no
+        # start to time it from, so it is warmup.
+        if trial < 2 * block or warmup < 1:
+            raise ValueError(f"a trial of {trial} tokens needs two blocks of {block} or more, "
+                             f"and a warmup of one token or more (got {warmup})")
         self.first_layer = first_layer
         self.max_tokens = max_tokens
         self.trial = trial

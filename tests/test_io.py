@@ -480,6 +480,16 @@ def test_auto_prefetch_stays_off_when_reads_do_not_stall():
     assert not switch.enabled and switch.decision.startswith("off: stall share 1.0%")
 
 
+def test_auto_prefetch_refuses_a_trial_it_cannot_time():
+    from mlx_streaming.prefetch import PrefetchSwitch
+
+    # Fewer than two blocks, or no warmup token (the first has no start to
+    # time it from): a side of the trial would have no token to judge.
+    for bad in (dict(trial=6, block=4), dict(warmup=0)):
+        with pytest.raises(ValueError, match="two blocks"):
+            PrefetchSwitch(first_layer=0, max_tokens=8, **bad)
+
+
 def test_auto_prefetch_keeps_what_measures_faster():
     from mlx_streaming.prefetch import PrefetchSwitch
 
