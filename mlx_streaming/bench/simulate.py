@@ -75,7 +75,7 @@ _APPLE_SOURCES = {
     "ssd_latency_s": "NVMe queue + first byte, ~100 us (assumption)",
     "sync_s": "Metal commit + wait + bookkeeping, ~100 us (assumption)",
     "miss_s": "host work per missed record with the native step, 10 us (assumption; "
-              "this machine's 2-core x86 VM measured 6.5 us in bench simulate --validate)",
+              "this machine's 2-core x86 VM measured 1.7-6.5 us in bench simulate --validate)",
 }
 PROFILES = {
     "m4-pro-48gb": Profile("MacBook Pro M4 Pro 48 GB", 5.0, 1e-4, 0.65 * 273, 1e-4, 1e-5, 48,
