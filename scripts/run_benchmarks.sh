@@ -81,11 +81,14 @@ python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "
   --pools 0.25 --prefetch off,next-layer,auto --direct-io on --read-mbps 200 --temp 0.8 \
   --max-tokens 160 --repeats 3 --out "$out/decode-wide-prefetch-200mbps"
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
-  --pools 0.25,0.5 --policies lru,lfu-decay --read-mbps 1.5 --max-tokens 64 --repeats 3 \
-  --temp 0.8 --out "$out/simulate-trained-throttled"
+  --pools 0.25,0.5 --policies lru,lfu-decay --prefetch off,next-layer --read-mbps 1.5 \
+  --max-tokens 64 --repeats 3 --temp 0.8 --out "$out/simulate-trained-throttled"
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
-  --pools 0.25,0.5 --policies lru,lfu-decay --max-tokens 200 --repeats 5 --temp 0.8 \
-  --out "$out/simulate-trained-warm"
+  --pools 0.25,0.5 --policies lru,lfu-decay --prefetch off,next-layer --max-tokens 200 \
+  --repeats 5 --temp 0.8 --out "$out/simulate-trained-warm"
+python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
+  --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
+  --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-warm"
 python -m mlx_streaming.bench simulate --project --policies lfu-decay \
   --trace "$out/cache-trained/routing-trace-w4.jsonl" --out "$out/projection-apple"
 

@@ -182,22 +182,33 @@ def test_bench_overhead_and_simulate(models, tmp_path):
           "--rounds", "1"], tmp_path / "o")
     o = json.loads((tmp_path / "o" / "overhead.json").read_text())
     synced = {"_start", "_sync", "_route", "ensure", "_launch"}
-    for case in ("paged, all hits", "paged, pool 25%", "paged, pool 25%, io=python"):
+    for case in ("paged, all hits", "paged, pool 25%", "paged, pool 25%, io=python",
+                 "paged, pool 25%, prefetch"):
         steps = o["decode"][case]["steps_us"]
         assert set(steps) == synced | {"_in_graph", "rest of the token"}
         # Decode calls run inside the graph on the native path; the prefill
-        # (more ids than slots) and the Python path sync.
-        if "python" in case:
+        # (more ids than slots), the Python path and prefetch's path sync.
+        if "python" in case or "prefetch" in case:
             assert steps["_in_graph"] == 0 and all(steps[k] > 0 for k in synced)
         else:  # only the prefill synced (in chunks, with no launch, at a small pool)
             assert steps["_in_graph"] > 0 and all(steps[k] > 0 for k in ("_start", "_sync"))
     assert o["decode"]["resident"]["steps_us"] is None  # resident models have no steps
+    # What each round read counts its timed tokens only: every expert
+    # resident reads nothing; a quarter of them misses.
+    for case, reads in [("paged, all hits", 0), ("paged, pool 25%", 1)]:
+        rounds = o["decode"][case]["runs_reads"]
+        assert [r["tokens"] for r in rounds] == [4]
+        assert all((r["misses"] > 0) == bool(reads) for r in rounds)
 
     _run(["simulate", "--validate", "--model", str(stream_dir), "--mlx-model", str(src),
-          "--pools", "0.25,0.5", "--max-tokens", "6"], tmp_path / "s")
+          "--pools", "0.25,0.5", "--prefetch", "off,next-layer", "--max-tokens", "6"],
+         tmp_path / "s")
     s = json.loads((tmp_path / "s" / "simulate.json").read_text())
-    assert [r["pool"] for r in s["rows"]] == [0.25, 0.5]
+    assert [r["pool"] for r in s["rows"]] == [0.25, 0.25, 0.5, 0.5]
     assert all(r["projected_tps"] > 0 and r["measured_tps"] > 0 for r in s["rows"])
+    # Each case is projected with the costs of the path it ran: prefetch
+    # syncs on the host every call, calls without it run in the graph.
+    assert [r["path"] for r in s["rows"]] == ["calls in the graph", "a host sync per call"] * 2
     trace = tmp_path / "s" / "decode" / "decode-trace.jsonl"
     _run(["simulate", "--project", "--trace", str(trace), "--policies", "lru,lfu-decay"],
          tmp_path / "p")
@@ -252,6 +263,27 @@ def test_paired_ratio_cancels_the_machines_drift():
     assert np.median(case) / np.median(baseline[:2]) > 1
     assert paired_ratio([None, 50], [100, 100]) == pytest.approx(0.5)
     assert paired_ratio([None], [100]) is None
+
+
+def test_simulator_measures_a_paged_call_without_its_reads():
+    from mlx_streaming.bench.simulate import _call_cost, _host_per_miss
+
+    # Resident at 100 tok/s. Per token the paged case adds 2.5 ms (80
+    # tok/s), 10 ms (50) and 2.5 ms, of which it stalled on reads 2.5, 0 and
+    # 4 ms: 0, 10 and -1.5 ms left for two layers' calls, median 0.
+    resident = dict(runs_tps=[100.0, 100.0, 100.0])
+    case = dict(runs_tps=[80.0, 50.0, 80.0],
+                runs_reads=[dict(stall_s=5e-3 * 2, tokens=4, records=0, misses=0),
+                            dict(stall_s=0.0, tokens=4, records=0, misses=0),
+                            dict(stall_s=4e-3 * 4, tokens=4, records=0, misses=0)])
+    assert _call_cost(case, resident, layers=2) == pytest.approx(0.0)
+    case["runs_reads"][0]["stall_s"] = 0.0  # now 2.5, 10 and -1.5 ms: median 2.5
+    assert _call_cost(case, resident, layers=2) == pytest.approx(2.5e-3 / 2)
+    # The host's work per miss: the stall less the disk reads at 1 ms each,
+    # over every miss (2 of the 5 came from prefetch's staging, unread).
+    reads = [dict(stall_s=4e-3, records=2, misses=3), dict(stall_s=1.5e-3, records=1, misses=2)]
+    assert _host_per_miss(dict(runs_reads=reads), 1e-3) == pytest.approx((5.5e-3 - 3e-3) / 5)
+    assert _host_per_miss(dict(runs_reads=[dict(stall_s=0, records=0, misses=0)]), 1e-3) == 0
 
 
 def test_simulator_charges_the_host_work_of_each_missed_record():

@@ -21,12 +21,14 @@ ensure (evict and read the misses), launch (schedule the experts), and the
 rest of the token (mlx-lm's own graph and scheduling). A call made inside
 the graph (``block.NativePaged`` on the CPU backend: no sync) has one step,
 in_graph (building its remap and expert graph); its bookkeeping and reads
-run on the stream's thread and show in the rest of the token. Rounds of decode with
-the model resident, paged with every expert in its pool, paged at
-``--pool``, and paged at ``--pool`` with ``io="python"`` (the reference path:
-route and ensure in numpy, the Python reader) alternate, and the tok/s of
-each is reported. With the native step (``store.NativeStore``) the route and
-ensure steps are one C++ call each.
+run on the stream's thread and show in the rest of the token. Rounds of
+decode with the model resident, paged with every expert in its pool, paged
+at ``--pool``, paged at ``--pool`` with ``io="python"`` (the reference
+path: route and ensure in numpy, the Python reader), and paged at
+``--pool`` with next-layer prefetch (a host sync per call, as every call
+makes on a GPU) alternate, and the tok/s of each is reported. With the
+native step (``store.NativeStore``) the route and ensure steps are one C++
+call each.
 """
 
 import time
@@ -117,7 +119,9 @@ def pieces(model, repeats: int) -> dict:
     return out
 
 
-def _decode_tps(model, tokenizer, tokens: int) -> float:
+def _decode(model, tokenizer, tokens: int):
+    """tok/s of ``tokens`` greedy decode tokens after the prompt and two
+    more, and what the pools read in them (``_reads``)."""
     from mlx_lm.generate import generate_step
 
     prompt = mx.array(prompt_tokens(tokenizer, 16))
@@ -125,9 +129,12 @@ def _decode_tps(model, tokenizer, tokens: int) -> float:
                           sampler=lambda l: mx.argmax(l, axis=-1))
     next(steps)
     next(steps)
+    before = _reads(model)
     start = time.perf_counter()
     n = sum(1 for _ in steps)
-    return n / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    reads = {k: v - before[k] for k, v in _reads(model).items()}
+    return n / seconds, dict(reads, tokens=n)
 
 
 STEPS = ("_start", "_sync", "_route", "ensure", "_launch", "_in_graph")
@@ -165,24 +172,27 @@ class StepTimer:
         self.calls = 0
 
 
-def _reads(model):
-    """(records read, seconds the forward pass waited for them) so far."""
+def _reads(model) -> dict:
+    """Records read from disk, missed (token, expert) lookups, and the
+    seconds the forward pass waited for them (stall), so far."""
     counters = model.streaming.stats.counters.values()
-    return sum(c.records_read for c in counters), sum(c.stall_seconds for c in counters)
+    return dict(records=sum(c.records_read for c in counters),
+                misses=sum(c.misses for c in counters),
+                stall_s=sum(c.stall_seconds for c in counters))
 
 
 def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
     """tok/s of each model (interleaved rounds, medians; ``runs_tps`` in
-    round order) and, for the paged ones, microseconds per call of each step
-    and the stall per record read (microseconds), in the median round."""
+    round order, ``runs_reads`` what was read in each round's timed tokens)
+    and, for the paged ones, microseconds per call of each step and the
+    stall per record read (microseconds), in the median round."""
     timers = {k: StepTimer(m) for k, m in models.items() if m.streaming.residencies}
     runs = {k: [] for k in models}
     for _ in range(rounds):
         for name, model in models.items():
             if name in timers:
                 timers[name].reset()
-            before = _reads(model)
-            tps = _decode_tps(model, tokenizer, tokens)
+            tps, reads = _decode(model, tokenizer, tokens)
             steps, per_record = None, None
             if name in timers:
                 t = timers[name]
@@ -193,14 +203,14 @@ def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
                 steps = per_call
                 # Per record read: the stall (evict, read, check, map) as the
                 # store measures it, inside the graph or not.
-                records, stall = (a - b for a, b in zip(_reads(model), before))
-                per_record = stall / records * 1e6 if records else None
-            runs[name].append((tps, steps, per_record))
+                if reads["records"]:
+                    per_record = reads["stall_s"] / reads["records"] * 1e6
+            runs[name].append((tps, steps, per_record, reads))
     out = {}
     for name, results in runs.items():
-        tps, steps, per_record = sorted(results, key=lambda r: r[0])[len(results) // 2]
+        tps, steps, per_record, _ = sorted(results, key=lambda r: r[0])[len(results) // 2]
         out[name] = dict(tps=tps, steps_us=steps, stall_us_per_record=per_record,
-                         runs_tps=[r[0] for r in results])
+                         runs_tps=[r[0] for r in results], runs_reads=[r[3] for r in results])
     return out
 
 
@@ -219,9 +229,14 @@ def run(args) -> dict:
     partial, _ = load(args.model, slots_per_layer=slots, policy=args.policy)
     # The reference path: route and ensure in Python (and the Python reader).
     python, _ = load(args.model, slots_per_layer=slots, policy=args.policy, io="python")
+    # Prefetch's path: a host sync per call for the ids and the next layer's
+    # prediction, route and ensure in Python (the path of every call on a GPU).
+    prefetch, _ = load(args.model, slots_per_layer=slots, policy=args.policy,
+                       prefetch="next-layer")
     cases = {"resident": resident, "paged, all hits": paged,
              f"paged, pool {args.pool:.0%}": partial,
-             f"paged, pool {args.pool:.0%}, io=python": python}
+             f"paged, pool {args.pool:.0%}, io=python": python,
+             f"paged, pool {args.pool:.0%}, prefetch": prefetch}
     decode = in_decode(cases, tok, args.tokens, args.rounds)
     r = decode["resident"]["tps"]
     rows = [dict(piece=f"isolated: {k}", us=v) for k, v in timings.items()]

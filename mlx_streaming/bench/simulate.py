@@ -6,8 +6,10 @@ The model of one decode token (one token per MoE call):
     compute                 the token's work with every expert resident: the
                             bytes of weights it touches over the bandwidth the
                             compute reaches (or, on this machine, measured)
-    + moe_layers x sync     one host sync per paged MoE call, with its
-                            bookkeeping (``bench overhead`` measures it)
+    + moe_layers x sync     one paged MoE call's cost: its host sync and
+                            bookkeeping, or on this machine's CPU backend
+                            without prefetch, the call inside the graph
+                            (``bench overhead`` measures both paths)
     + reads                 per call with m missed experts: latency + m x
                             (expert bytes / SSD bandwidth + the host's work
                             per missed record), not overlapped with compute
@@ -21,10 +23,11 @@ pool size.
 
 Two modes:
 
-  --validate   this machine: measure its profile (resident decode, sync
-               cost, throttled disk rate), project each pool x policy case of
-               a model, run those cases with ``bench decode`` in the same run
-               and report the error of each projection.
+  --validate   this machine: measure its profile (resident decode, a
+               paged call's cost on each path, throttled disk rate), project
+               each pool x policy x prefetch case of a model with the path it
+               ran, run those cases with ``bench decode`` in the same run and
+               report the error of each projection.
   --project    Apple Silicon profiles (published figures, sources in
                PROFILES) x large MoE models at 4 bits: projected tok/s at the
                largest pool each machine's memory allows. Hit rates come from
@@ -206,32 +209,35 @@ def validate(args) -> dict:
                                          rounds=max(3, args.repeats), policy="lru",
                                          pool=OVERHEAD_POOL,
                                          out=args.out / "overhead"))
-    d = ov["decode"]
-    layers = ov["moe_layers"]
-    # One paged call's cost as decode sees it: all hits, nothing read, each
-    # round against the resident model's same round.
-    sync_s = float(np.median([(1 / a - 1 / r) / layers for a, r in
-                              zip(d["paged, all hits"]["runs_tps"], d["resident"]["runs_tps"])]))
-    resident = measured["rows"][0]
-    resident_tps = resident["decode_tps"]
     warm = _read_cost(args.model, spec)
-    # The host's work per missed record: the stall per record in decode
-    # (warm, bench overhead's partial pool) less a read of it in isolation.
-    per_record = d[f"paged, pool {OVERHEAD_POOL:.0%}"]["stall_us_per_record"]
     seconds = {int(n): t for n, t in warm["seconds"].items()}
     batch = max(seconds)
-    iso = seconds[batch] / batch
-    miss_s = max(0.0, (per_record or 0.0) * 1e-6 - iso)
+    iso = seconds[batch] / batch  # one record read in isolation
     gbps, latency = warm["gbps"], warm["latency_s"]
     if args.read_mbps:
         # A token-bucket throttle lets short bursts through at the disk's own
         # speed, so single reads overstate it; over a token it holds the rate.
         gbps, latency = args.read_mbps / 1e3, 0.0
-    here = Profile("this machine", gbps, latency, 0.0, max(0.0, sync_s), miss_s)
+    d, layers = ov["decode"], ov["moe_layers"]
+    partial = f"paged, pool {OVERHEAD_POOL:.0%}"
+    # A paged call takes one of two paths here, each with its own costs:
+    # inside the graph (the CPU backend's native step, no host sync), or a
+    # host sync per call (prefetch's path, and every call's on a GPU).
+    paths = {
+        synced: Profile(f"this machine, {name}", gbps, latency, 0.0,
+                        _call_cost(d[all_hits], d["resident"], layers),
+                        _host_per_miss(d[misses], iso))
+        for synced, name, all_hits, misses in [
+            (False, "calls in the graph", "paged, all hits", partial),
+            (True, "a host sync per call", f"{partial}, prefetch", f"{partial}, prefetch")]}
+    resident = measured["rows"][0]
+    resident_tps = resident["decode_tps"]
     calls = decode_records(args.out / "decode" / "decode-trace.jsonl")
     rows = []
     for row in measured["rows"][2:]:
         load = row.get("load") or {}
+        # The path the case ran, as its own counters say.
+        here = paths[(row.get("syncs_per_token") or 0) > 0]
         p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
                          load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
@@ -240,7 +246,8 @@ def validate(args) -> dict:
         # machine's speed drifts between rounds by more than the error allowed.
         measured_ratio = paired_ratio(row["runs_tps"], resident["runs_tps"])
         projected_ratio = p["tps"] / resident_tps
-        rows.append(dict(case=row["case"], pool=row["pool"], measured_tps=row.get("decode_tps"),
+        rows.append(dict(case=row["case"], pool=row["pool"], path=here.name.split(", ")[1],
+                         measured_tps=row.get("decode_tps"),
                          projected_tps=p["tps"], measured_ratio=measured_ratio,
                          projected_ratio=projected_ratio, projected_hit=p["hit_rate"],
                          measured_hit=row.get("hit_rate"),
@@ -248,16 +255,37 @@ def validate(args) -> dict:
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if not errors:
         raise BenchError("no streamed case of bench decode ran: nothing to validate")
-    result = dict(rows=rows, profile=asdict(here), resident_tps=resident_tps,
+    result = dict(rows=rows, profiles=[asdict(p) for p in paths.values()],
+                  resident_tps=resident_tps,
                   max_abs_error=max(errors))
     title = (f"bench simulate --validate: projected vs measured decode on this machine "
              f"(max error {result['max_abs_error']:.0%})")
-    cols = [("case", "case", "s"), ("pool", "pool", ".0%"), ("measured_tps", "measured", ".3g"),
+    cols = [("case", "case", "s"), ("pool", "pool", ".0%"), ("path", "paged calls", "s"),
+            ("measured_tps", "measured", ".3g"),
             ("projected_tps", "projected", ".3g"),
             ("measured_ratio", "measured x resident (paired)", ".3f"),
             ("projected_ratio", "projected x resident", ".3f"), ("error", "error", "+.0%"),
             ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%")]
     return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
+
+
+def _call_cost(case: dict, resident: dict, layers: int) -> float:
+    """Seconds a paged call adds to a token beyond its stall on reads: each
+    round of ``case`` (``bench overhead``'s decode) against the resident
+    model's same round, the median."""
+    costs = [(1 / a - 1 / r - reads["stall_s"] / reads["tokens"]) / layers
+             for a, r, reads in zip(case["runs_tps"], resident["runs_tps"], case["runs_reads"])]
+    return max(0.0, float(np.median(costs)))
+
+
+def _host_per_miss(case: dict, iso_s: float) -> float:
+    """The host's work per missed record: the stall of ``case``'s rounds
+    less its disk reads, each at ``iso_s`` (a read in isolation), per miss.
+    (Misses served from prefetch's staging are not read from disk.)"""
+    reads = case["runs_reads"]
+    misses = sum(r["misses"] for r in reads)
+    stall = sum(r["stall_s"] - r["records"] * iso_s for r in reads)
+    return max(0.0, stall / misses) if misses else 0.0
 
 
 def _read_cost(model, spec) -> dict:
