@@ -89,6 +89,10 @@ python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-mode
 python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
   --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
   --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-warm"
+# The throttle's middle regime, outside what the simulator models (README).
+python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
+  --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
+  --read-mbps 400 --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-400mbps"
 python -m mlx_streaming.bench simulate --project --policies lfu-decay \
   --trace "$out/cache-trained/routing-trace-w4.jsonl" --out "$out/projection-apple"
 

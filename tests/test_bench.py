@@ -268,22 +268,26 @@ def test_paired_ratio_cancels_the_machines_drift():
 def test_simulator_measures_a_paged_call_without_its_reads():
     from mlx_streaming.bench.simulate import _call_cost, _host_per_miss
 
+    def reads(stall_seconds, tokens=4, records_read=0, misses=0):
+        return dict(stall_seconds=stall_seconds, tokens=tokens, records_read=records_read,
+                    misses=misses)
+
     # Resident at 100 tok/s. Per token the paged case adds 2.5 ms (80
-    # tok/s), 10 ms (50) and 2.5 ms, of which it stalled on reads 2.5, 0 and
-    # 4 ms: 0, 10 and -1.5 ms left for two layers' calls, median 0.
-    resident = dict(runs_tps=[100.0, 100.0, 100.0])
-    case = dict(runs_tps=[80.0, 50.0, 80.0],
-                runs_reads=[dict(stall_s=5e-3 * 2, tokens=4, records=0, misses=0),
-                            dict(stall_s=0.0, tokens=4, records=0, misses=0),
-                            dict(stall_s=4e-3 * 4, tokens=4, records=0, misses=0)])
-    assert _call_cost(case, resident, layers=2) == pytest.approx(0.0)
-    case["runs_reads"][0]["stall_s"] = 0.0  # now 2.5, 10 and -1.5 ms: median 2.5
-    assert _call_cost(case, resident, layers=2) == pytest.approx(2.5e-3 / 2)
-    # The host's work per miss: the stall less the disk reads at 1 ms each,
-    # over every miss (2 of the 5 came from prefetch's staging, unread).
-    reads = [dict(stall_s=4e-3, records=2, misses=3), dict(stall_s=1.5e-3, records=1, misses=2)]
-    assert _host_per_miss(dict(runs_reads=reads), 1e-3) == pytest.approx((5.5e-3 - 3e-3) / 5)
-    assert _host_per_miss(dict(runs_reads=[dict(stall_s=0, records=0, misses=0)]), 1e-3) == 0
+    # tok/s), 10 ms (50) and 0.2 ms, of which it stalled on reads 1.5 ms
+    # (6 ms over 4 tokens), 0 and 0: 1, 10 and 0.2 ms left for two layers'
+    # calls, median 1 ms, so 0.5 ms a call.
+    resident = dict(runs_tps=[100.0] * 3)
+    case = dict(runs_tps=[80.0, 50.0, 1 / 0.0102],
+                runs_reads=[reads(6e-3), reads(0.0), reads(0.0)])
+    assert _call_cost(case, resident, layers=2) == pytest.approx(0.5e-3)
+    # A stall longer than the whole overhead leaves nothing, not less.
+    case["runs_reads"] = [reads(0.1)] * 3
+    assert _call_cost(case, resident, layers=2) == 0
+    # Beyond the disk reads at 1 ms each, per miss (2 of the 5 misses came
+    # from prefetch's staging, not from disk).
+    rounds = [reads(4e-3, records_read=2, misses=3), reads(1.5e-3, records_read=1, misses=2)]
+    assert _host_per_miss(dict(runs_reads=rounds), 1e-3) == pytest.approx((5.5e-3 - 3e-3) / 5)
+    assert _host_per_miss(dict(runs_reads=[reads(0.0)]), 1e-3) == 0
 
 
 def test_simulator_charges_the_host_work_of_each_missed_record():

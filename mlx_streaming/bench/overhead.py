@@ -176,9 +176,9 @@ def _reads(model) -> dict:
     """Records read from disk, missed (token, expert) lookups, and the
     seconds the forward pass waited for them (stall), so far."""
     counters = model.streaming.stats.counters.values()
-    return dict(records=sum(c.records_read for c in counters),
+    return dict(records_read=sum(c.records_read for c in counters),
                 misses=sum(c.misses for c in counters),
-                stall_s=sum(c.stall_seconds for c in counters))
+                stall_seconds=sum(c.stall_seconds for c in counters))
 
 
 def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
@@ -203,8 +203,8 @@ def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
                 steps = per_call
                 # Per record read: the stall (evict, read, check, map) as the
                 # store measures it, inside the graph or not.
-                if reads["records"]:
-                    per_record = reads["stall_s"] / reads["records"] * 1e6
+                if reads["records_read"]:
+                    per_record = reads["stall_seconds"] / reads["records_read"] * 1e6
             runs[name].append((tps, steps, per_record, reads))
     out = {}
     for name, results in runs.items():

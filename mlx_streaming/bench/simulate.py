@@ -78,7 +78,8 @@ _APPLE_SOURCES = {
     "ssd_latency_s": "NVMe queue + first byte, ~100 us (assumption)",
     "sync_s": "Metal commit + wait + bookkeeping, ~100 us (assumption)",
     "miss_s": "host work per missed record with the native step, 10 us (assumption; "
-              "this machine's 2-core x86 VM measured 1.7-6.5 us in bench simulate --validate)",
+              "this 2-core x86 VM measured 2.1-6.5 us on 16 KiB records in bench simulate "
+              "--validate; an expert's first-read checksum is paid once, not per miss)",
 }
 PROFILES = {
     "m4-pro-48gb": Profile("MacBook Pro M4 Pro 48 GB", 5.0, 1e-4, 0.65 * 273, 1e-4, 1e-5, 48,
@@ -186,6 +187,8 @@ def run(args) -> dict:
 
 # The partial pool bench overhead measures the host's per-record work on.
 OVERHEAD_POOL = 0.25
+# The two paths of a paged call on this machine.
+IN_GRAPH, SYNCED = "calls in the graph", "a host sync per call"
 
 
 def validate(args) -> dict:
@@ -220,16 +223,17 @@ def validate(args) -> dict:
         gbps, latency = args.read_mbps / 1e3, 0.0
     d, layers = ov["decode"], ov["moe_layers"]
     partial = f"paged, pool {OVERHEAD_POOL:.0%}"
+
+    def profile(path, calls_case, misses_case):
+        return Profile(f"this machine, {path}", gbps, latency, 0.0,
+                       _call_cost(d[calls_case], d["resident"], layers),
+                       _host_per_miss(d[misses_case], iso))
+
     # A paged call takes one of two paths here, each with its own costs:
     # inside the graph (the CPU backend's native step, no host sync), or a
     # host sync per call (prefetch's path, and every call's on a GPU).
-    paths = {
-        synced: Profile(f"this machine, {name}", gbps, latency, 0.0,
-                        _call_cost(d[all_hits], d["resident"], layers),
-                        _host_per_miss(d[misses], iso))
-        for synced, name, all_hits, misses in [
-            (False, "calls in the graph", "paged, all hits", partial),
-            (True, "a host sync per call", f"{partial}, prefetch", f"{partial}, prefetch")]}
+    in_graph = profile(IN_GRAPH, "paged, all hits", partial)
+    synced = profile(SYNCED, f"{partial}, prefetch", f"{partial}, prefetch")
     resident = measured["rows"][0]
     resident_tps = resident["decode_tps"]
     calls = decode_records(args.out / "decode" / "decode-trace.jsonl")
@@ -237,7 +241,8 @@ def validate(args) -> dict:
     for row in measured["rows"][2:]:
         load = row.get("load") or {}
         # The path the case ran, as its own counters say.
-        here = paths[(row.get("syncs_per_token") or 0) > 0]
+        path = SYNCED if (row.get("syncs_per_token") or 0) > 0 else IN_GRAPH
+        here = synced if path == SYNCED else in_graph
         p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
                          load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
@@ -246,7 +251,7 @@ def validate(args) -> dict:
         # machine's speed drifts between rounds by more than the error allowed.
         measured_ratio = paired_ratio(row["runs_tps"], resident["runs_tps"])
         projected_ratio = p["tps"] / resident_tps
-        rows.append(dict(case=row["case"], pool=row["pool"], path=here.name.split(", ")[1],
+        rows.append(dict(case=row["case"], pool=row["pool"], path=path,
                          measured_tps=row.get("decode_tps"),
                          projected_tps=p["tps"], measured_ratio=measured_ratio,
                          projected_ratio=projected_ratio, projected_hit=p["hit_rate"],
@@ -255,7 +260,7 @@ def validate(args) -> dict:
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if not errors:
         raise BenchError("no streamed case of bench decode ran: nothing to validate")
-    result = dict(rows=rows, profiles=[asdict(p) for p in paths.values()],
+    result = dict(rows=rows, profiles=[asdict(in_graph), asdict(synced)],
                   resident_tps=resident_tps,
                   max_abs_error=max(errors))
     title = (f"bench simulate --validate: projected vs measured decode on this machine "
@@ -273,18 +278,22 @@ def _call_cost(case: dict, resident: dict, layers: int) -> float:
     """Seconds a paged call adds to a token beyond its stall on reads: each
     round of ``case`` (``bench overhead``'s decode) against the resident
     model's same round, the median."""
-    costs = [(1 / a - 1 / r - reads["stall_s"] / reads["tokens"]) / layers
+    costs = [(1 / a - 1 / r - reads["stall_seconds"] / reads["tokens"]) / layers
              for a, r, reads in zip(case["runs_tps"], resident["runs_tps"], case["runs_reads"])]
     return max(0.0, float(np.median(costs)))
 
 
 def _host_per_miss(case: dict, iso_s: float) -> float:
-    """The host's work per missed record: the stall of ``case``'s rounds
-    less its disk reads, each at ``iso_s`` (a read in isolation), per miss.
-    (Misses served from prefetch's staging are not read from disk.)"""
+    """What a missed record costs beyond its disk read: the stall of
+    ``case``'s rounds less its disk reads, each at ``iso_s`` (a read in
+    isolation), per miss. Mostly the host's work (tables, copies, the
+    checksum of an expert's first read). Misses served from prefetch's
+    staging are not read from disk, but the wait for a read ahead still in
+    flight is in the stall, so on prefetch's path this counts some disk
+    time that ``project_case`` also charges: small where reads are fast."""
     reads = case["runs_reads"]
     misses = sum(r["misses"] for r in reads)
-    stall = sum(r["stall_s"] - r["records"] * iso_s for r in reads)
+    stall = sum(r["stall_seconds"] - r["records_read"] * iso_s for r in reads)
     return max(0.0, stall / misses) if misses else 0.0
 
 
