@@ -265,6 +265,25 @@ def test_paired_ratio_cancels_the_machines_drift():
     assert paired_ratio([None], [100]) is None
 
 
+@pytest.mark.parametrize("flag, value", [("--prefetch", "off,next_layer"),
+                                         ("--policies", "lru,lfu-decayed")])
+def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag, value):
+    # No model at this path: the choice is refused before it is looked for.
+    assert bench_main(["decode", "--model", str(tmp_path / "none"), flag, value,
+                       "--out", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert f"{flag} takes" in err and repr(value.split(",")[1]) in err
+
+
+def test_simulate_says_which_trace_is_missing(tmp_path, capsys):
+    missing = tmp_path / "nowhere.jsonl"
+    assert bench_main(["simulate", "--project", "--trace", str(missing),
+                       "--out", str(tmp_path / "p")]) == 1
+    assert f"no routing trace at {missing}" in capsys.readouterr().err
+    assert bench_main(["simulate", "--project", "--out", str(tmp_path / "p")]) == 1
+    assert "--project needs --trace" in capsys.readouterr().err
+
+
 def test_simulator_measures_a_paged_call_without_its_reads():
     from mlx_streaming.bench.simulate import _call_cost, _host_per_miss
 

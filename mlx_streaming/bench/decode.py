@@ -13,7 +13,7 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 import itertools
 from pathlib import Path
 
-from ..config import DIRECT_IO_CHOICES, ON_OFF
+from ..config import DIRECT_IO_CHOICES, ON_OFF, POLICY_CHOICES, PREFETCH_CHOICES
 from ..format import blob_path, read_manifest
 from . import routing
 from .common import (
@@ -108,7 +108,19 @@ def _summary(name, r, pool=None):
     return row
 
 
+def _check_choices(args) -> None:
+    """Refuse a misspelt --prefetch or --policies before any case runs (a
+    case would only fail, after the models loaded)."""
+    for flag, value, choices in [("--prefetch", args.prefetch, PREFETCH_CHOICES),
+                                 ("--policies", args.policies, POLICY_CHOICES)]:
+        bad = [v for v in (value or "").split(",") if v and v not in choices]
+        if bad:
+            raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
+                             f"got {', '.join(map(repr, bad))}")
+
+
 def run(args) -> dict:
+    _check_choices(args)
     stream_dir = Path(args.model)
     manifest = read_manifest(stream_dir)
     num_experts = manifest.layers[0].num_experts

@@ -311,8 +311,11 @@ def _read_cost(model, spec) -> dict:
 
 def project(args) -> dict:
     trace = args.trace or (Path(args.model) / "routing-trace.jsonl" if args.model else None)
-    if trace is None or not Path(trace).exists():
+    if trace is None:
         raise BenchError("--project needs --trace (a routing trace of a learned-routing model)")
+    if not Path(trace).exists():
+        raise BenchError(f"no routing trace at {trace}: bench cache --model STREAM records one "
+                         "(routing-trace-w*.jsonl in its --out)")
     calls = decode_records(trace)
     rows = []
     for key, prof in PROFILES.items():
