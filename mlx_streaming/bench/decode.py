@@ -108,19 +108,27 @@ def _summary(name, r, pool=None):
     return row
 
 
-def _check_choices(args) -> None:
-    """Refuse a misspelt --prefetch or --policies before any case runs (a
-    case would only fail, after the models loaded)."""
+def _check_args(args) -> None:
+    """Refuse a misspelt --prefetch or --policies, or a pool that is no
+    fraction of a layer's experts, before any case runs (a case would only
+    fail, or run another pool than asked, after the models loaded)."""
     for flag, value, choices in [("--prefetch", args.prefetch, PREFETCH_CHOICES),
                                  ("--policies", args.policies, POLICY_CHOICES)]:
         bad = [v for v in (value or "").split(",") if v and v not in choices]
         if bad:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")
+    try:
+        pools = [float(p) for p in args.pools.split(",")]
+    except ValueError:
+        pools = [0.0]
+    if not all(0 < p <= 1 for p in pools):
+        raise BenchError(f"--pools takes fractions of each layer's experts in (0, 1], "
+                         f"comma-separated, got {args.pools!r}")
 
 
 def run(args) -> dict:
-    _check_choices(args)
+    _check_args(args)
     stream_dir = Path(args.model)
     manifest = read_manifest(stream_dir)
     num_experts = manifest.layers[0].num_experts
