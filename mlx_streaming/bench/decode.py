@@ -108,27 +108,35 @@ def _summary(name, r, pool=None):
     return row
 
 
-def _check_args(args) -> None:
-    """Refuse a misspelt --prefetch or --policies, or a pool that is no
-    fraction of a layer's experts, before any case runs (a case would only
-    fail, or run another pool than asked, after the models loaded)."""
+def _check_choices(args) -> None:
+    """Refuse a misspelt --prefetch or --policies before any case runs (a
+    case would only fail, after the models loaded)."""
     for flag, value, choices in [("--prefetch", args.prefetch, PREFETCH_CHOICES),
                                  ("--policies", args.policies, POLICY_CHOICES)]:
         bad = [v for v in (value or "").split(",") if v and v not in choices]
         if bad:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")
+
+
+def _pools(text: str) -> list:
+    """--pools as fractions of each layer's experts, each in (0, 1] (a pool
+    of 0 would run the top-k slots the smallest pool has, under another
+    label)."""
     try:
-        pools = [float(p) for p in args.pools.split(",")]
+        pools = [float(p) for p in text.split(",")]
     except ValueError:
-        pools = [0.0]
-    if not all(0 < p <= 1 for p in pools):
+        pools = []
+    if not pools or not all(0 < p <= 1 for p in pools):
         raise BenchError(f"--pools takes fractions of each layer's experts in (0, 1], "
-                         f"comma-separated, got {args.pools!r}")
+                         f"comma-separated, got {text!r}")
+    return pools
 
 
 def run(args) -> dict:
-    _check_args(args)
+    _check_choices(args)
+    # A cache size in GB sizes the pools instead of --pools.
+    pools = _pools(args.pools) if args.cache_gb is None else [None]
     stream_dir = Path(args.model)
     manifest = read_manifest(stream_dir)
     num_experts = manifest.layers[0].num_experts
@@ -155,7 +163,6 @@ def run(args) -> dict:
     for a in affinities:
         if a not in ON_OFF and a is not None:
             raise BenchError(f"--prefetch-affinity takes on, off or on,off, got {a!r}")
-    pools = [float(p) for p in args.pools.split(",")] if args.cache_gb is None else [None]
     for pool in pools:
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
@@ -262,7 +269,7 @@ def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
     skip = WARMUP_TOKENS
     tokens = len(next(iter(calls.values()))) - skip
     out = {}
-    for pool in [float(p) for p in args.pools.split(",")]:
+    for pool in _pools(args.pools):
         slots = pool_slots(spec, pool)
         misses = sum(sum(len(m) for m in replay_misses(seq, slots,
                                                        Belady(seq, spec.num_experts))[skip:])
