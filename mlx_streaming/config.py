@@ -91,9 +91,9 @@ class StreamConfig:
         None, "most records prefetched per layer (default: measured, what the disk reads "
         "in one layer's compute time)", type=int)
     prefetch_precision: float = _option(
-        DEFAULT_PREFETCH_PRECISION, "least share of a layer's prefetched records that it "
-        "must use: a layer below it prefetches one rank fewer; for links where bytes cost "
-        "more than time (0: no cut, the fastest where reads ahead only use an idle disk)",
+        DEFAULT_PREFETCH_PRECISION, "least share of a layer's reads ahead that it must use: "
+        "each layer reads only the predictions whose scores, counted on its calls so far, "
+        "were used that often (0: every prediction the bandwidth budget allows)",
         type=float)
     prefetch_affinity: bool = _option(
         True, "weigh each prediction by how often the expert followed the experts this "

@@ -48,8 +48,9 @@ from .prefetch import (
     AlwaysOn,
     NextLayerPrefetch,
     PrefetchBudget,
-    PrefetchPrecision,
+    PrefetchCalibration,
     PrefetchSwitch,
+    ReadEveryPrediction,
 )
 from .readers import PythonReader, direct_io_works
 from .speculative import SpecStats
@@ -92,7 +93,7 @@ class Runtime:
         else:
             self.prefetch_switch = AlwaysOn()
         self.prefetch_budget = None
-        self.prefetch_precision = None
+        self.prefetch_calibration = ReadEveryPrediction()
         self.prefetch_affinity = None
         if config.prefetch != "off" and self.paged:
             self.prefetch_budget = PrefetchBudget(
@@ -107,10 +108,9 @@ class Runtime:
                      for a, b in _prefetch_pairs(layers)])
                 observers.append(self.prefetch_affinity)
             if config.prefetch_precision > 0:
-                self.prefetch_precision = PrefetchPrecision(
-                    self.prefetch_budget, _widest_prefetch(config, manifest.layers),
-                    config.prefetch_precision)
-                observers.append(self.prefetch_precision)
+                self.prefetch_calibration = PrefetchCalibration(
+                    [l.layer for l in manifest.layers], config.prefetch_precision)
+                observers.append(self.prefetch_calibration)
         self.events = Events(observers)
         self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
 
@@ -603,7 +603,7 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
         store.layer: NextLayerPrefetch(
             store.layer, scorer, nxt, _prefetch_width(config, nxt.spec),
             config.prefetch_max_tokens, runtime.prefetch_budget, affinity, runtime.events,
-            runtime.prefetch_switch)
+            runtime.prefetch_switch, runtime.prefetch_calibration)
         for store, nxt, scorer in pairs
     }
 

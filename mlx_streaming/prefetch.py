@@ -9,8 +9,8 @@ demand reads are done: queued earlier, they would delay them. The reads run
 while L's experts compute. When layer L+1 routes, the predicted experts it
 really uses are moved into slots; the rest are dropped without evicting
 anything. ``PrefetchBudget`` bounds the reads per layer by what the disk
-reads in one layer's compute time, ``PrefetchPrecision`` by the share of
-them that the layer used.
+reads in one layer's compute time; ``PrefetchCalibration`` (when asked
+for) keeps to the predictions whose scores were used often enough.
 """
 
 import time
@@ -40,7 +40,7 @@ class NextLayerPrefetch:
     yet (``scorer`` None), so it is predicted from affinity alone."""
 
     def __init__(self, layer: int, scorer, next_store, width: int, max_tokens: int,
-                 budget: "PrefetchBudget", affinity, events: Events, switch):
+                 budget: "PrefetchBudget", affinity, events: Events, switch, calibration):
         self.layer = layer
         self.scorer = scorer
         self.next_store = next_store
@@ -50,6 +50,7 @@ class NextLayerPrefetch:
         self.affinity = affinity  # an Affinity, or None
         self.events = events
         self.switch = switch
+        self.calibration = calibration  # a PrefetchCalibration or ReadEveryPrediction
 
     def predict(self, x: mx.array, tokens: int):
         """The arrays to evaluate in this layer's sync, or None: no prefetch
@@ -76,10 +77,15 @@ class NextLayerPrefetch:
         # weighed, affinity would decide alone. It keeps its own order.
         if self.affinity is not None and (self.scorer is None or self.scorer.softmax):
             probs = probs * self.affinity.weights(self.layer, rows)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
         ranked = np.argsort(-probs, axis=-1, kind="stable")[:, : self.width]
         store = self.next_store
         order = rank_order(ranked)
-        order = order[~store.resident(order)][: self.budget.limit(store.layer)]
+        order = order[~store.resident(order)]
+        # A score of 1: the prediction cannot tell this expert from another.
+        scores = probs.max(axis=0)[order] * probs.shape[-1]
+        order = self.calibration.select(store.layer, order, scores)
+        order = order[: self.budget.records]
         issued = store.staging.stage(store.layer, store.file, order, order * store.spec.stride)
         self.events.on_predict(store.layer, ranked)
         self.events.on_prefetch(store.layer, issued=issued)
@@ -163,8 +169,6 @@ class PrefetchBudget(Observer):
     earned by measurement.
     """
 
-    UNLIMITED = 1 << 30
-
     def __init__(self, first_layer: int, layers: int, record_bytes: int, max_tokens: int,
                  clock=time.perf_counter, smoothing: float = 0.2, fixed=None):
         self.first_layer = first_layer
@@ -175,9 +179,6 @@ class PrefetchBudget(Observer):
         self.smoothing = smoothing
         # A budget the user fixed (load's prefetch_budget) is never measured.
         self.records = 0 if fixed is None else fixed
-        # Per layer, the depth PrefetchPrecision allows (absent: the default).
-        self.caps = {}
-        self.default_cap = self.UNLIMITED
         self.rate = None  # bytes per second
         self._mean_bytes = self._mean_stall = None
         self.layer_compute = None  # seconds
@@ -217,14 +218,6 @@ class PrefetchBudget(Observer):
 
     def _set(self, records: int) -> None:
         self.records = records
-
-    def limit(self, layer: int) -> int:
-        """Most records to prefetch into ``layer`` now: the bandwidth
-        budget, within the layer's precision cap."""
-        return min(self.records, self.caps.get(layer, self.default_cap))
-
-    def cap(self, layer: int, records: int) -> None:
-        self.caps[layer] = records
 
 
 class PrefetchSwitch(Observer):
@@ -312,63 +305,78 @@ class PrefetchSwitch(Observer):
         self.decision = decision
 
 
-class PrefetchPrecision(Observer):
-    """Keeps each layer's prefetch to the predictions it really uses.
+class ReadEveryPrediction:
+    """``prefetch_precision=0``: every prediction is worth a read (within
+    the bandwidth budget)."""
 
-    Predictions are read best first, and the further down the ranking, the
-    less often the next layer routes to them (on the trained model, 67% of
-    the first non-resident prediction is used, 25% of the eighth). A layer
-    whose records read ahead were used less than ``target`` of the time over
-    the last ``window`` reads has its depth cut by one rank; one that beat
-    it by ``margin`` gets a rank back (up to ``width``). A layer cut to zero
-    tries one rank again after ``probe_after`` of its calls, since the text,
-    and with it the prediction's precision, changes. Layers start at two
-    ranks; the bandwidth budget still bounds every depth. Reads cancelled
-    before they started count as unused: this errs towards reading less.
+    def select(self, layer, order, scores):
+        return order
+
+    def lowest_scores(self) -> dict:
+        return {}
+
+
+class PrefetchCalibration(Observer):
+    """``prefetch_precision > 0``: reads ahead only predictions likely
+    enough to be used, so that at least ``target`` of what a layer reads
+    ahead is used.
+
+    A prediction's score is its share of the row's (affinity-weighed)
+    probability, times the number of experts: 1 is an expert the
+    prediction cannot tell from any other. Per layer, every prediction of
+    an expert not resident, read or not, counts in a bin of its score, and
+    the layer's call says whether it was used. A layer reads the bins from
+    the highest down to the lowest whose reads together were used at least
+    ``target`` of the time. Scores predict far better than ranks: on a
+    trained 12-layer model, predictions scoring 1.6-3.2 were used 49% of
+    the time and those above 6.4 98%, and a threshold read 1.54 records a
+    call with 76% used where the first two ranks read 1.39 with 70%.
+    Nothing is read ahead until a layer's predictions have been counted,
+    and never from a bin no prediction fell in; counts halve every
+    ``window`` predictions, so the text can move them.
     """
 
-    def __init__(self, budget: PrefetchBudget, width: int, target: float,
-                 window: int = 16, margin: float = 0.1, probe_after: int = 64):
-        self.budget = budget
-        self.width = width
+    EDGES = 2.0 ** (np.arange(-4, 11) / 2)  # score bins, a half-octave each
+
+    def __init__(self, layers, target: float, window: int = 4096):
         self.target = target
         self.window = window
-        self.margin = margin
-        self.probe_after = probe_after
-        # Every layer starts at the first two ranks and earns more.
-        self.start = min(2, width)
-        self.depth = {}  # layer -> ranks allowed
-        self._issued = {}
-        self._useful = {}
-        self._idle = {}  # layer -> calls at depth 0
-        budget.default_cap = self.start
+        bins = len(self.EDGES) + 1
+        self.predicted = {l: np.zeros(bins) for l in layers}
+        self.used = {l: np.zeros(bins) for l in layers}
+        self.lowest = {l: bins for l in layers}  # lowest bin read: none yet
+        self._pending = {}  # layer -> (experts predicted, their bins)
 
-    def on_prefetch(self, layer, issued=0, useful=0, wasted=0):
-        self._issued[layer] = self._issued.get(layer, 0) + issued
-        self._useful[layer] = self._useful.get(layer, 0) + useful
-        # Judged when the layer reports what it used, not when reads are
-        # issued: their outcome is not known yet.
-        if issued or self._issued[layer] < self.window:
+    def select(self, layer, order, scores):
+        """The experts of ``order`` worth reading ahead into ``layer``."""
+        bins = np.searchsorted(self.EDGES, scores, side="right")
+        self._pending[layer] = (order, bins)
+        return order[bins >= self.lowest[layer]]
+
+    def on_route(self, layer, ids, experts, probs=None):
+        pending = self._pending.pop(layer, None)
+        if pending is None:
             return
-        precision = self._useful[layer] / self._issued[layer]
-        depth = self.depth.get(layer, self.start)
-        if precision < self.target:
-            # From the depth in force: a cut below the bandwidth budget bites.
-            depth = max(0, min(depth, self.budget.records) - 1)
-        elif precision >= self.target + self.margin:
-            depth = min(self.width, depth + 1)
-        self._issued[layer] = self._useful[layer] = 0
-        self._set(layer, depth)
+        order, bins = pending
+        routed = set(experts.tolist())  # sets: np.isin costs ~150 us on a few ids
+        used = np.fromiter((e in routed for e in order.tolist()), bool, len(order))
+        predicted = self.predicted[layer]
+        np.add.at(predicted, bins, 1.0)
+        np.add.at(self.used[layer], bins, used)
+        if predicted.sum() > self.window:
+            predicted /= 2
+            self.used[layer] /= 2
+        self.lowest[layer] = self._lowest(layer)
 
-    def on_call(self, layer, tokens):
-        if self.depth.get(layer, 1) != 0:
-            return
-        self._idle[layer] = self._idle.get(layer, 0) + 1
-        if self._idle[layer] >= self.probe_after:
-            self._set(layer, 1)
+    def _lowest(self, layer) -> int:
+        # For each bin, the share used of every prediction in it or above.
+        used = np.cumsum(self.used[layer][::-1])[::-1]
+        predicted = np.cumsum(self.predicted[layer][::-1])[::-1]
+        ok = np.flatnonzero((used >= self.target * predicted) & (self.predicted[layer] > 0))
+        return int(ok[0]) if len(ok) else len(predicted)
 
-    def _set(self, layer, depth):
-        self._idle[layer] = 0
-        if depth != self.depth.get(layer):
-            self.depth[layer] = depth
-            self.budget.cap(layer, depth)
+    def lowest_scores(self) -> dict:
+        """Per layer, the least score read ahead (None: nothing is)."""
+        edges = np.concatenate([[0.0], self.EDGES])
+        return {l: float(edges[b]) if b < len(edges) else None
+                for l, b in sorted(self.lowest.items())}

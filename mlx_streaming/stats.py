@@ -306,13 +306,14 @@ def stats(model) -> dict:
 
 def _budget_of(runtime):
     """The bandwidth budget of prefetch: records per layer, its inputs, and
-    the depth ``PrefetchPrecision`` set per layer (absent: the layer still
-    has its starting depth, or no precision cap is asked for)."""
+    per layer the least score ``prefetch_precision`` lets it read ahead
+    (None: nothing yet; empty: every prediction, no precision asked)."""
     b = getattr(runtime, "prefetch_budget", None)
     if b is None:
         return None
     return dict(records=b.records, read_gb_per_s=b.rate / 1e9 if b.rate else None,
-                layer_compute_s=b.layer_compute, depth=dict(sorted(b.caps.items())))
+                layer_compute_s=b.layer_compute,
+                lowest_score=runtime.prefetch_calibration.lowest_scores())
 
 
 def reset_stats(model) -> None:

@@ -70,7 +70,8 @@ def train(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = tiny.train_tokenizer(out / "tokenizer", args.vocab, args.corpus_chars)
     config = tiny.tiny_config("qwen3_moe", args.vocab, **DEFAULTS)
-    config.update(num_experts=args.experts, num_experts_per_tok=args.top_k)
+    config.update(num_experts=args.experts, num_experts_per_tok=args.top_k,
+                  num_hidden_layers=args.layers)
     model = tiny.build_model(config, seed=args.seed)
     sink = []
     blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "switch_mlp")]
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
                    help="steps of the cosine schedule (training also stops at --minutes)")
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--layers", type=int, default=DEFAULTS["num_hidden_layers"],
+                   help="decoder layers, each with an MoE block (a deeper model leaves "
+                   "the first layer, which prefetch cannot see coming, a smaller share)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)

@@ -186,12 +186,12 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
         budget.on_stall(2, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
         clock.now += 0.1  # 40 ms of compute over 4 layers: 10 ms each
     budget.on_call(0, 1)
-    assert budget.records == 2 and budget.limit(1) == 2  # 200 MB/s x 10 ms / 1 MB
+    assert budget.records == 2  # 200 MB/s x 10 ms / 1 MB
     budget.on_read(1, 1, 1_000_000, 0.001)  # one fast read...
     budget.on_stall(1, 0.1)  # ...in a token that stalled 100 ms: 10 MB/s
     clock.now += 0.14
     budget.on_call(0, 1)
-    assert budget.records == 0 and budget.limit(1) == 0
+    assert budget.records == 0
     budget.on_call(0, 100)  # a prefill call measures nothing and starts no interval
     clock.now += 5.0
     budget.on_call(0, 1)
@@ -216,46 +216,39 @@ def test_prefetch_budget_rate_is_not_led_by_burst_reads():
     assert budget.rate < 30e6  # about 20 MB/s; a mean of ratios says ~300 MB/s
 
 
-def test_prefetch_precision_cuts_and_restores_depth_per_layer():
-    from mlx_streaming.prefetch import PrefetchBudget, PrefetchPrecision
+def test_prefetch_calibration_reads_the_scores_that_were_used():
+    """Per layer, the bins of scores read ahead are those that, from the
+    highest down, were used at least the target share of the time, counted
+    on every prediction, read or not."""
+    from mlx_streaming.prefetch import PrefetchCalibration
 
-    budget = PrefetchBudget(first_layer=0, layers=3, record_bytes=1, max_tokens=8, fixed=6)
-    precision = PrefetchPrecision(budget, width=4, target=0.75, window=8, probe_after=3)
-
-    def call(layer, issued, useful):
-        precision.on_prefetch(layer, issued=issued)  # issued by the layer before
-        precision.on_prefetch(layer, useful=useful)  # the layer takes what it routes to
-        precision.on_prefetch(layer, wasted=issued - useful)  # and drops the rest
-
-    assert budget.limit(1) == budget.limit(2) == 2  # every layer starts at two ranks
-    # Windows beating the target by the margin earn ranks, up to the width.
-    for _ in range(3):
-        call(1, 4, 4)
-        call(1, 4, 3)
-    assert precision.depth[1] == 4 and budget.limit(1) == 4 and budget.limit(2) == 2
-    # Judged on outcomes: a window of issued reads not yet used changes nothing.
-    precision.on_prefetch(1, issued=16)
-    assert budget.limit(1) == 4
-    precision.on_prefetch(1, useful=12)
-    # Between target and target + margin: the depth holds.
-    assert budget.limit(1) == 4
-    # Below the target: one rank fewer per window, down to none.
-    call(1, 8, 5)
-    assert budget.limit(1) == 3
-    for _ in range(3):
-        call(1, 8, 1)
-    assert budget.limit(1) == 0
-    # A layer at depth 0 tries one rank again after probe_after of its calls.
-    for _ in range(2):
-        precision.on_call(1, 1)
-    assert budget.limit(1) == 0
-    precision.on_call(1, 1)
-    assert budget.limit(1) == 1
-    # The bandwidth budget bounds every depth, and a cut counts from it.
-    budget._set(1)
-    assert budget.limit(1) == 1 and budget.limit(2) == 1
-    call(2, 8, 0)
-    assert budget.limit(2) == 0
+    calibration = PrefetchCalibration([1, 2], target=0.8, window=64)
+    order = np.array([5, 6, 7, 9])
+    scores = np.array([8.0, 4.0, 1.0, 0.3])
+    # Nothing is counted yet: nothing is read ahead.
+    assert calibration.select(1, order, scores).size == 0
+    calibration.on_route(1, None, np.array([5, 6]))
+    # A layer's call with no predictions pending counts nothing.
+    calibration.on_route(2, None, np.array([5, 6, 7]))
+    assert calibration.select(2, order, scores).size == 0
+    calibration._pending.clear()
+    for i in range(40):
+        calibration.select(1, order, scores)
+        # 8 and 4 are always used, 1 every other call, 0.3 never: read from
+        # the top, 8 and 4 are used 100%, with 1 83%, with 0.3 63%.
+        calibration.on_route(1, None, np.array([5, 6] + [7] * (i % 2) + [3]))
+    assert list(calibration.select(1, order, scores)) == [5, 6, 7]
+    assert calibration.select(2, order, scores).size == 0  # layer 2 counted nothing
+    assert calibration.lowest_scores()[1] == 1.0  # the bin of 1.0 starts at 1.0
+    assert calibration.lowest_scores()[2] is None
+    # Counts halve past the window, so they follow the text.
+    assert calibration.predicted[1].sum() <= 64
+    # A stricter target keeps only what is always used.
+    strict = PrefetchCalibration([1], target=0.95)
+    for i in range(40):
+        strict.select(1, order, scores)
+        strict.on_route(1, None, np.array([5, 6] + [7] * (i % 2)))
+    assert list(strict.select(1, order, scores)) == [5, 6]
 
 
 def test_affinity_counts_which_experts_follow_which():
@@ -314,6 +307,7 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io):
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
                                   prefetch_budget=8, prefetch_precision=0)
     runtime = model.streaming
+    assert runtime.prefetch_calibration.lowest_scores() == {}
     log = []
     for store in runtime.stores:
         read = store._read
@@ -357,22 +351,25 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io):
 
 
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
-def test_prefetch_depth_caps_the_reads_of_each_layer(models, io):
-    """Either reader stages no more than a layer's cap per call."""
+def test_prefetch_calibration_gates_the_reads_of_each_layer(models, io):
+    """Either reader stages only the predictions a layer's calibration lets
+    it read, and a layer that may read none stages none."""
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
-                                  prefetch_budget=8, prefetch_precision=0)
+                                  prefetch_budget=8, prefetch_precision=0.5)
     runtime = model.streaming
-    assert runtime.prefetch_precision is None
     layers = [s.layer for s in runtime.stores]
-    runtime.prefetch_budget.cap(layers[1], 1)
-    for layer in layers[2:]:
-        runtime.prefetch_budget.cap(layer, 0)
+    calibration = runtime.prefetch_calibration
+    bins = len(calibration.EDGES) + 1
+    # Hold each layer's threshold: layer 1 reads every prediction, the rest none.
+    calibration._lowest = lambda layer: 0 if layer == layers[1] else bins
+    calibration.lowest.update({l: calibration._lowest(l) for l in layers})
     steps = 10
     s = _stats_of_decode(model, steps)
-    assert 0 < s["layers"][layers[1]]["prefetch_issued"] <= steps
+    assert s["layers"][layers[1]]["prefetch_issued"] > 0
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
-    assert s["prefetch_budget"]["depth"] == {layers[1]: 1, **{l: 0 for l in layers[2:]}}
+    assert s["prefetch_budget"]["lowest_score"][layers[1]] == 0.0
+    assert s["prefetch_budget"]["lowest_score"][layers[2]] is None
 
 
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
@@ -386,6 +383,19 @@ def test_outputs_identical_with_prefetch_and_io(models, io, prefetch):
         model = check_matches_resident(src, stream_dir, slots_per_layer=slots, io=io,
                                        prefetch=prefetch)
         assert mlx_streaming.stats(model)["io"] == io
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_outputs_identical_with_calibrated_prefetch(models, io):
+    """Reads ahead kept to the predictions scored likely enough change no
+    output (the reads it makes are checked, not merely allowed)."""
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
+                                   io=io, prefetch="next-layer", prefetch_budget=8,
+                                   prefetch_precision=0.3)
+    s = mlx_streaming.stats(model)
+    assert s["total"]["prefetch_issued"] > 0
+    assert any(v is not None for v in s["prefetch_budget"]["lowest_score"].values())
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "kimi_k3"])
