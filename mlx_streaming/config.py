@@ -31,7 +31,7 @@ MAX_SPINE_RING = 8
 # Below this much available memory the pools give memory back (pressure.py).
 DEFAULT_PRESSURE_GB = 0.5
 DEFAULT_PREFETCH_MAX_TOKENS = 8
-DEFAULT_PREFETCH_PRECISION = 0.0
+DEFAULT_PREFETCH_PRECISION = 0.7
 # A bound on sizes in GB: beyond it float arithmetic on bytes loses meaning.
 MAX_GB = 1e6
 # More reader threads than this only add contention: an NVMe queue is kept
