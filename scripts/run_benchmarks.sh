@@ -70,16 +70,18 @@ python -m mlx_streaming.bench decode --model "$T/stream" --mlx-model "$T/mlx" --
   --temp 0.8 --max-tokens 64 --repeats 3 --out "$out/decode-trained-macratio"
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer,auto --direct-io on --temp 0.8 --max-tokens 96 \
-  --repeats 3 --out "$out/decode-wide-prefetch"
+  --prefetch-precision 0 --repeats 3 --out "$out/decode-wide-prefetch"
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer,auto --prefetch-affinity on,off --direct-io on \
-  --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-affinity"
+  --prefetch-precision 0 --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-affinity"
+# (Documented when a precision of 0.5 cut each layer's depth by rank; it is
+# now a bar on calibrated scores.)
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer --prefetch-precision 0,0.5 --prefetch-affinity on,off \
   --direct-io on --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-precision"
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer,auto --direct-io on --read-mbps 200 --temp 0.8 \
-  --max-tokens 160 --repeats 3 --out "$out/decode-wide-prefetch-200mbps"
+  --prefetch-precision 0 --max-tokens 160 --repeats 3 --out "$out/decode-wide-prefetch-200mbps"
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
   --pools 0.25,0.5 --policies lru,lfu-decay --prefetch off,next-layer --read-mbps 1.5 \
   --max-tokens 64 --repeats 3 --temp 0.8 --out "$out/simulate-trained-throttled"
@@ -93,6 +95,25 @@ python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" 
 python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
   --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
   --read-mbps 400 --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-400mbps"
+python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
+  --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
+  --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-warm-calibrated"
+# A deeper model (12 layers), where the first layer, which prefetch sees
+# least, is a smaller share: policies, then prefetch by calibrated score.
+# (docs/results/decode-deep-prefetch-rankdepth was the same run of the
+# per-layer rank cap that calibration replaced; no flag reproduces it.)
+[ -f "$models/deep/stream/experts/manifest.json" ] ||
+  python scripts/train_moe.py --out "$models/deep" --layers 12 --seed 2 --minutes 20 --max-steps 800
+[ -f "$models/deep-wide/stream/experts/manifest.json" ] ||
+  python scripts/pad_experts.py --model "$models/deep/mlx" --out "$models/deep-wide" --intermediate 16384
+python -m mlx_streaming.bench cache --model "$models/deep/stream" --tokens 512 --out "$out/cache-deep"
+python -m mlx_streaming.bench decode --model "$models/deep-wide/stream" \
+  --mlx-model "$models/deep-wide/mlx" --pools 0.25 --prefetch off,next-layer,auto --direct-io on \
+  --temp 0.8 --max-tokens 64 --repeats 3 --out "$out/decode-deep-prefetch"
+python -m mlx_streaming.bench decode --model "$models/deep-wide/stream" \
+  --mlx-model "$models/deep-wide/mlx" --pools 0.25 --prefetch off,next-layer \
+  --prefetch-precision 0,0.5,0.7 --direct-io on --temp 0.8 --max-tokens 64 --repeats 3 \
+  --out "$out/decode-deep-prefetch-precision"
 python -m mlx_streaming.bench simulate --project --policies lfu-decay \
   --trace "$out/cache-trained/routing-trace-w4.jsonl" --out "$out/projection-apple"
 
