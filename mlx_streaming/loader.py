@@ -109,7 +109,8 @@ class Runtime:
                 observers.append(self.prefetch_affinity)
             if config.prefetch_precision > 0:
                 self.prefetch_calibration = PrefetchCalibration(
-                    [l.layer for l in manifest.layers], config.prefetch_precision)
+                    [l.layer for l in manifest.layers if not _is_mtp(l)],
+                    config.prefetch_precision)
                 observers.append(self.prefetch_calibration)
         self.events = Events(observers)
         self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
@@ -603,9 +604,18 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
         store.layer: NextLayerPrefetch(
             store.layer, scorer, nxt, _prefetch_width(config, nxt.spec),
             config.prefetch_max_tokens, runtime.prefetch_budget, affinity, runtime.events,
-            runtime.prefetch_switch, runtime.prefetch_calibration)
+            runtime.prefetch_switch, _calibration(runtime, scorer))
         for store, nxt, scorer in pairs
     }
+
+
+def _calibration(runtime: Runtime, scorer):
+    """Scores are calibrated for softmax routers and affinity alone; a
+    sigmoid router's are too flat to bin, so its layers read every
+    prediction the budget allows."""
+    if scorer is None or scorer.softmax:
+        return runtime.prefetch_calibration
+    return ReadEveryPrediction()
 
 
 def _is_mtp(spec: LayerSpec) -> bool:

@@ -50,7 +50,7 @@ class NextLayerPrefetch:
         self.affinity = affinity  # an Affinity, or None
         self.events = events
         self.switch = switch
-        self.calibration = calibration  # a PrefetchCalibration or ReadEveryPrediction
+        self.calibration = calibration  # PrefetchCalibration or ReadEveryPrediction
 
     def predict(self, x: mx.array, tokens: int):
         """The arrays to evaluate in this layer's sync, or None: no prefetch
@@ -84,7 +84,7 @@ class NextLayerPrefetch:
         order = order[~store.resident(order)]
         # A score of 1: the prediction cannot tell this expert from another.
         scores = probs.max(axis=0)[order] * probs.shape[-1]
-        order = self.calibration.select(store.layer, order, scores)
+        order = self.calibration.select(store.layer, order, scores, len(rows))
         order = order[: self.budget.records]
         issued = store.staging.stage(store.layer, store.file, order, order * store.spec.stride)
         self.events.on_predict(store.layer, ranked)
@@ -309,7 +309,7 @@ class ReadEveryPrediction:
     """``prefetch_precision=0``: every prediction is worth a read (within
     the bandwidth budget)."""
 
-    def select(self, layer, order, scores):
+    def select(self, layer, order, scores, rows):
         return order
 
     def lowest_scores(self) -> dict:
@@ -324,10 +324,17 @@ class PrefetchCalibration(Observer):
     A prediction's score is its share of the row's (affinity-weighed)
     probability, times the number of experts: 1 is an expert the
     prediction cannot tell from any other. Per layer, every prediction of
-    an expert not resident, read or not, counts in a bin of its score, and
-    the layer's call says whether it was used. A layer reads the bins from
-    the highest down to the lowest whose reads together were used at least
-    ``target`` of the time.
+    an expert not resident in a decode call, read or not, counts in a bin
+    of its score, and the layer's next call says whether it was used.
+    Calls of several tokens (verifying drafts) predict and use the union
+    of their tokens' experts, each scored by its best row: they are counted
+    apart, and judged only by a call of as many tokens (not by the prefill
+    that follows a request's last token). A layer reads the bins from the
+    highest down to the lowest whose predictions together were used at
+    least ``target`` of the time.
+    Softmax routers only: a sigmoid router's probabilities lie within a
+    factor of ~3 of each other, too few bins to tell (the loader gives
+    those layers ``ReadEveryPrediction``).
 
     Scores tell more than ranks (``scripts/prefetch_scores.py`` on the
     trained 12-layer T12 of the README, 400 tokens, 8 of 32 slots):
@@ -336,51 +343,60 @@ class PrefetchCalibration(Observer):
     first two ranks read 1.98, 1.38 used (70%).
 
     Nothing is read ahead until a layer's predictions have been counted,
-    and never from a bin no prediction fell in; a layer's counts halve
+    and the lowest bin read always has counts; a layer's counts halve
     whenever they pass ``window`` predictions, so the text can move them.
     """
 
-    EDGES = 2.0 ** (np.arange(-4, 11) / 2)  # score bins, a half-octave each
+    # Half-octave bins of scores from 1/4 to 512 (a score is at most the
+    # number of experts).
+    EDGES = 2.0 ** (np.arange(-4, 19) / 2)
 
     def __init__(self, layers, target: float, window: int = 4096):
         self.target = target
         self.window = window
         bins = len(self.EDGES) + 1
-        self.predicted = {l: np.zeros(bins) for l in layers}
-        self.used = {l: np.zeros(bins) for l in layers}
-        self.lowest = {l: bins for l in layers}  # lowest bin read: none yet
-        self._pending = {}  # layer -> (experts predicted, their bins)
+        # Keyed by (layer, whether the calls have several tokens).
+        keys = [(l, multi) for l in layers for multi in (False, True)]
+        self.predicted = {k: np.zeros(bins) for k in keys}
+        self.used = {k: np.zeros(bins) for k in keys}
+        self.lowest = dict.fromkeys(keys, bins)  # lowest bin read: none yet
+        self._pending = {}  # layer -> (experts predicted, their bins, tokens)
 
-    def select(self, layer, order, scores):
-        """The experts of ``order`` worth reading ahead into ``layer``."""
+    def select(self, layer, order, scores, rows):
+        """The experts of ``order`` worth reading ahead into ``layer``,
+        predicted from a call of ``rows`` tokens."""
         bins = np.searchsorted(self.EDGES, scores, side="right")
-        self._pending[layer] = (order, bins)
-        return order[bins >= self.lowest[layer]]
+        self._pending[layer] = (order, bins, rows)
+        return order[bins >= self.lowest[(layer, rows > 1)]]
 
     def on_route(self, layer, ids, experts, probs=None):
         pending = self._pending.pop(layer, None)
         if pending is None:
             return
-        order, bins = pending
+        order, bins, rows = pending
+        if ids.reshape(-1, ids.shape[-1]).shape[0] != rows:
+            return
+        key = (layer, rows > 1)
         routed = set(experts.tolist())  # sets: np.isin costs ~150 us on a few ids
         used = np.fromiter((e in routed for e in order.tolist()), bool, len(order))
-        predicted = self.predicted[layer]
+        predicted = self.predicted[key]
         np.add.at(predicted, bins, 1.0)
-        np.add.at(self.used[layer], bins, used)
+        np.add.at(self.used[key], bins, used)
         if predicted.sum() > self.window:
             predicted /= 2
-            self.used[layer] /= 2
-        self.lowest[layer] = self._lowest(layer)
+            self.used[key] /= 2
+        self.lowest[key] = self._lowest(key)
 
-    def _lowest(self, layer) -> int:
+    def _lowest(self, key) -> int:
         # For each bin, the share used of every prediction in it or above.
-        used = np.cumsum(self.used[layer][::-1])[::-1]
-        predicted = np.cumsum(self.predicted[layer][::-1])[::-1]
-        ok = np.flatnonzero((used >= self.target * predicted) & (self.predicted[layer] > 0))
+        used = np.cumsum(self.used[key][::-1])[::-1]
+        predicted = np.cumsum(self.predicted[key][::-1])[::-1]
+        ok = np.flatnonzero((used >= self.target * predicted) & (self.predicted[key] > 0))
         return int(ok[0]) if len(ok) else len(predicted)
 
     def lowest_scores(self) -> dict:
-        """Per layer, the least score read ahead (None: nothing is)."""
+        """Per layer, the least score its decode calls read ahead (None:
+        nothing is)."""
         edges = np.concatenate([[0.0], self.EDGES])
         return {l: float(edges[b]) if b < len(edges) else None
-                for l, b in sorted(self.lowest.items())}
+                for (l, multi), b in sorted(self.lowest.items()) if not multi}

@@ -307,7 +307,8 @@ def stats(model) -> dict:
 def _budget_of(runtime):
     """The bandwidth budget of prefetch: records per layer, its inputs, and
     per layer the least score ``prefetch_precision`` lets it read ahead
-    (None: nothing yet; empty: every prediction, no precision asked)."""
+    (None: nothing yet, or a layer no decode call predicts; empty: every
+    prediction, no precision asked)."""
     b = getattr(runtime, "prefetch_budget", None)
     if b is None:
         return None

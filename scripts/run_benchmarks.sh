@@ -73,28 +73,29 @@ python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "
   --prefetch-precision 0 --repeats 3 --out "$out/decode-wide-prefetch"
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer,auto --prefetch-affinity on,off --direct-io on \
-  --prefetch-precision 0 --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-affinity"
-# (Documented when a precision of 0.5 cut each layer's depth by rank; it is
-# now a bar on calibrated scores.)
-python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
-  --pools 0.25 --prefetch off,next-layer --prefetch-precision 0,0.5 --prefetch-affinity on,off \
-  --direct-io on --temp 0.8 --max-tokens 96 --repeats 3 --out "$out/decode-wide-prefetch-precision"
+  --prefetch-precision 0 --temp 0.8 --max-tokens 96 --repeats 3 \
+  --out "$out/decode-wide-prefetch-affinity"
+# docs/results/decode-wide-prefetch-precision ran when prefetch_precision cut
+# each layer's depth by rank; it is now a bar on calibrated scores, and no
+# flag reproduces that run.
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer,auto --direct-io on --read-mbps 200 --temp 0.8 \
   --prefetch-precision 0 --max-tokens 160 --repeats 3 --out "$out/decode-wide-prefetch-200mbps"
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
   --pools 0.25,0.5 --policies lru,lfu-decay --prefetch off,next-layer --read-mbps 1.5 \
-  --max-tokens 64 --repeats 3 --temp 0.8 --out "$out/simulate-trained-throttled"
+  --max-tokens 64 --repeats 3 --temp 0.8 --prefetch-precision 0 \
+  --out "$out/simulate-trained-throttled"
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
   --pools 0.25,0.5 --policies lru,lfu-decay --prefetch off,next-layer --max-tokens 200 \
-  --repeats 5 --temp 0.8 --out "$out/simulate-trained-warm"
+  --repeats 5 --temp 0.8 --prefetch-precision 0 --out "$out/simulate-trained-warm"
 python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
   --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
-  --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-warm"
+  --max-tokens 48 --repeats 3 --temp 0.8 --prefetch-precision 0 --out "$out/simulate-wide-warm"
 # The throttle's middle regime, outside what the simulator models (README).
 python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
   --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
-  --read-mbps 400 --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-400mbps"
+  --read-mbps 400 --max-tokens 48 --repeats 3 --temp 0.8 --prefetch-precision 0 \
+  --out "$out/simulate-wide-400mbps"
 python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" \
   --mlx-model "$models/wide/mlx" --pools 0.25 --policies lfu-decay --prefetch off,next-layer \
   --max-tokens 48 --repeats 3 --temp 0.8 --out "$out/simulate-wide-warm-calibrated"
@@ -103,13 +104,16 @@ python -m mlx_streaming.bench simulate --validate --model "$models/wide/stream" 
 # (docs/results/decode-deep-prefetch-rankdepth was the same run of the
 # per-layer rank cap that calibration replaced; no flag reproduces it.)
 [ -f "$models/deep/stream/experts/manifest.json" ] ||
-  python scripts/train_moe.py --out "$models/deep" --layers 12 --seed 2 --minutes 20 --max-steps 800
+  python scripts/train_moe.py --out "$models/deep" --layers 12 --seed 2 --minutes 20 \
+    --max-steps 800
 [ -f "$models/deep-wide/stream/experts/manifest.json" ] ||
-  python scripts/pad_experts.py --model "$models/deep/mlx" --out "$models/deep-wide" --intermediate 16384
-python -m mlx_streaming.bench cache --model "$models/deep/stream" --tokens 512 --out "$out/cache-deep"
+  python scripts/pad_experts.py --model "$models/deep/mlx" --out "$models/deep-wide" \
+    --intermediate 16384
+python -m mlx_streaming.bench cache --model "$models/deep/stream" --tokens 512 \
+  --out "$out/cache-deep"
 python -m mlx_streaming.bench decode --model "$models/deep-wide/stream" \
-  --mlx-model "$models/deep-wide/mlx" --pools 0.25 --prefetch off,next-layer,auto --direct-io on \
-  --temp 0.8 --max-tokens 64 --repeats 3 --out "$out/decode-deep-prefetch"
+  --mlx-model "$models/deep-wide/mlx" --pools 0.25 --prefetch off,next-layer,auto \
+  --direct-io on --temp 0.8 --max-tokens 64 --repeats 3 --out "$out/decode-deep-prefetch"
 python -m mlx_streaming.bench decode --model "$models/deep-wide/stream" \
   --mlx-model "$models/deep-wide/mlx" --pools 0.25 --prefetch off,next-layer \
   --prefetch-precision 0,0.5,0.7 --direct-io on --temp 0.8 --max-tokens 64 --repeats 3 \

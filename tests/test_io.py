@@ -226,29 +226,49 @@ def test_prefetch_calibration_reads_the_scores_that_were_used():
     order = np.array([5, 6, 7, 9])
     scores = np.array([8.0, 4.0, 1.0, 0.3])
     # Nothing is counted yet: nothing is read ahead.
-    assert calibration.select(1, order, scores).size == 0
-    calibration.on_route(1, None, np.array([5, 6]))
+    assert calibration.select(1, order, scores, 1).size == 0
+    calibration.on_route(1, np.array([[5, 6]]), np.array([5, 6]))
     # A layer's call with no predictions pending counts nothing.
-    calibration.on_route(2, None, np.array([5, 6, 7]))
-    assert calibration.select(2, order, scores).size == 0
+    calibration.on_route(2, np.array([[5, 6, 7]]), np.array([5, 6, 7]))
+    assert calibration.select(2, order, scores, 1).size == 0
     calibration._pending.clear()
     for i in range(40):
-        calibration.select(1, order, scores)
+        calibration.select(1, order, scores, 1)
         # 8 and 4 are always used, 1 every other call, 0.3 never: read from
         # the top, 8 and 4 are used 100%, with 1 83%, with 0.3 63%.
-        calibration.on_route(1, None, np.array([5, 6] + [7] * (i % 2) + [3]))
-    assert list(calibration.select(1, order, scores)) == [5, 6, 7]
-    assert calibration.select(2, order, scores).size == 0  # layer 2 counted nothing
+        calibration.on_route(1, np.array([[5, 6, 7, 3]]), np.array([5, 6] + [7] * (i % 2) + [3]))
+    assert list(calibration.select(1, order, scores, 1)) == [5, 6, 7]
+    assert calibration.select(2, order, scores, 1).size == 0  # layer 2 counted nothing
     assert calibration.lowest_scores()[1] == 1.0  # the bin of 1.0 starts at 1.0
     assert calibration.lowest_scores()[2] is None
-    # Counts halve past the window, so they follow the text.
-    assert calibration.predicted[1].sum() <= 64
+    # Counts halve past the window, so they follow the text: once 1 is
+    # never used, the bar rises above it.
+    assert calibration.predicted[(1, False)].sum() <= 64
+    for _ in range(200):
+        calibration.select(1, order, scores, 1)
+        calibration.on_route(1, np.array([[5, 6]]), np.array([5, 6]))
+    assert list(calibration.select(1, order, scores, 1)) == [5, 6]
+    # Calls of several tokens are counted apart from decode, and judged only
+    # by a call of as many tokens.
+    before = calibration.predicted[(1, False)].sum()
+    calibration.select(1, order, scores, 1)
+    calibration.on_route(1, np.array([[7, 9], [7, 9]]), np.array([7, 9]))  # a prefill
+    assert calibration.predicted[(1, False)].sum() == before
+    calibration.select(1, order, scores, 2)
+    calibration.on_route(1, np.array([[7, 9], [5, 9], [7, 6]]), np.array([5, 6, 7, 9]))
+    assert calibration.predicted[(1, True)].sum() == 0
+    assert calibration.select(1, order, scores, 2).size == 0  # nothing counted yet
+    for _ in range(20):
+        calibration.on_route(1, np.array([[7, 9], [5, 6]]), np.array([5, 6, 7, 9]))
+        calibration.select(1, order, scores, 2)
+    assert list(calibration.select(1, order, scores, 2)) == [5, 6, 7, 9]
+    assert calibration.predicted[(1, False)].sum() == before
     # A stricter target keeps only what is always used.
     strict = PrefetchCalibration([1], target=0.95)
     for i in range(40):
-        strict.select(1, order, scores)
-        strict.on_route(1, None, np.array([5, 6] + [7] * (i % 2)))
-    assert list(strict.select(1, order, scores)) == [5, 6]
+        strict.select(1, order, scores, 1)
+        strict.on_route(1, np.array([[5, 6, 7]]), np.array([5, 6] + [7] * (i % 2)))
+    assert list(strict.select(1, order, scores, 1)) == [5, 6]
 
 
 def test_affinity_counts_which_experts_follow_which():
@@ -362,8 +382,8 @@ def test_prefetch_calibration_gates_the_reads_of_each_layer(models, io):
     calibration = runtime.prefetch_calibration
     bins = len(calibration.EDGES) + 1
     # Hold each layer's threshold: layer 1 reads every prediction, the rest none.
-    calibration._lowest = lambda layer: 0 if layer == layers[1] else bins
-    calibration.lowest.update({l: calibration._lowest(l) for l in layers})
+    calibration._lowest = lambda key: 0 if key[0] == layers[1] else bins
+    calibration.lowest.update({k: calibration._lowest(k) for k in calibration.lowest})
     steps = 10
     s = _stats_of_decode(model, steps)
     assert s["layers"][layers[1]]["prefetch_issued"] > 0
@@ -396,6 +416,20 @@ def test_outputs_identical_with_calibrated_prefetch(models, io):
     s = mlx_streaming.stats(model)
     assert s["total"]["prefetch_issued"] > 0
     assert any(v is not None for v in s["prefetch_budget"]["lowest_score"].values())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k3"])
+def test_sigmoid_routers_read_every_prediction_at_the_default_precision(models, family):
+    """A sigmoid router's scores are too flat to calibrate: its layers read
+    what the budget allows, as at precision 0."""
+    src, stream_dir = models.get(family, quantized=True)
+    model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
+                                   prefetch="next-layer", prefetch_budget=8)
+    runtime = model.streaming
+    assert runtime.prefetch_calibration.target == 0.7
+    layers = [s.layer for s in runtime.stores]
+    s = mlx_streaming.stats(model)
+    assert all(s["layers"][layer]["prefetch_issued"] > 0 for layer in layers[1:])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "kimi_k3"])

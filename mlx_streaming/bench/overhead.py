@@ -51,6 +51,8 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=DEFAULT_POLICY)
     p.add_argument("--pool", type=float, default=0.25,
                    help="pool of the partial case, a fraction of each layer's experts")
+    p.add_argument("--prefetch-precision", type=float, default=None,
+                   help="the prefetch case's prefetch_precision (default: load()'s)")
     p.add_argument("--out", type=Path, default=Path("bench-results/overhead"))
 
 
@@ -231,8 +233,10 @@ def run(args) -> dict:
     python, _ = load(args.model, slots_per_layer=slots, policy=args.policy, io="python")
     # Prefetch's path: a host sync per call for the ids and the next layer's
     # prediction, route and ensure in Python (the path of every call on a GPU).
+    precision = {} if args.prefetch_precision is None else dict(
+        prefetch_precision=args.prefetch_precision)
     prefetch, _ = load(args.model, slots_per_layer=slots, policy=args.policy,
-                       prefetch="next-layer")
+                       prefetch="next-layer", **precision)
     cases = {"resident": resident, "paged, all hits": paged,
              f"paged, pool {args.pool:.0%}": partial,
              f"paged, pool {args.pool:.0%}, io=python": python,

@@ -170,6 +170,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pools", default="0.25,0.5")
     p.add_argument("--policies", default=DEFAULT_POLICY)
     p.add_argument("--prefetch", default="off", help="off, next-layer, or both comma-separated")
+    p.add_argument("--prefetch-precision", type=float, default=None,
+                   help="validate: the decode and overhead cases' prefetch_precision (default: "
+                        "load()'s)")
     p.add_argument("--read-mbps", type=float, default=None,
                    help="validate with reads throttled (cgroup blkio), as bench decode")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -205,12 +208,15 @@ def validate(args) -> dict:
     vars(ns).update(
         mlx_model=args.mlx_model, pools=args.pools, temp=args.temp,
         max_tokens=args.max_tokens, prefetch=args.prefetch,
+        prefetch_precision=None if args.prefetch_precision is None else str(
+            args.prefetch_precision),
         direct_io="on" if args.read_mbps else "auto", policies=args.policies,
         read_mbps=args.read_mbps, repeats=args.repeats, out=args.out / "decode")
     measured = decode.run(ns)
     ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=args.max_tokens,
                                          rounds=max(3, args.repeats), policy="lru",
                                          pool=OVERHEAD_POOL,
+                                         prefetch_precision=args.prefetch_precision,
                                          out=args.out / "overhead"))
     warm = _read_cost(args.model, spec)
     seconds = {int(n): t for n, t in warm["seconds"].items()}
