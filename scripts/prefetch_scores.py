@@ -26,6 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mlx_streaming.bench.cache import replay_misses  # noqa: E402
 from mlx_streaming.policy import DecayedLFU  # noqa: E402
 
 WARMUP = 32  # tokens before counting: the pool and the affinity fill first
@@ -58,24 +59,8 @@ def moe_inputs(model, ids) -> list:
 
 def residency(routing: np.ndarray, experts: int, slots: int) -> list:
     """The experts resident before each call, under decayed LFU."""
-    policy = DecayedLFU(experts, 32)
-    expert_of_slot = np.full(slots, -1, np.int64)
-    slot_of = np.full(experts, -1, np.int64)
-    policy.bind(expert_of_slot)
     before = []
-    for row in routing:
-        before.append(set(expert_of_slot[expert_of_slot >= 0].tolist()))
-        needed = np.unique(row)
-        policy.observe(needed, row[None])
-        held = slot_of[needed]
-        missing = needed[held < 0]
-        if len(missing):
-            victims = policy.victims(len(missing), held[held >= 0])
-            old = expert_of_slot[victims]
-            slot_of[old[old >= 0]] = -1
-            expert_of_slot[victims] = missing
-            slot_of[missing] = victims
-            policy.filled(missing)
+    replay_misses(list(routing), slots, DecayedLFU(experts, 32), resident=before)
     return before
 
 

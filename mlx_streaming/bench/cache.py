@@ -72,9 +72,12 @@ def simulate(calls, capacity: int, policy: Policy, preload=()) -> float:
     return (total - missed) / total if total else 0.0
 
 
-def replay_misses(calls, capacity: int, policy: Policy, preload=()) -> List[np.ndarray]:
+def replay_misses(calls, capacity: int, policy: Policy, preload=(),
+                  resident: Optional[list] = None) -> List[np.ndarray]:
     """The experts each call missed under ``policy`` with ``capacity``
-    slots. The steps are the live store's: hint, observe, evict, fill."""
+    slots. The steps are the live store's: hint, observe, evict, fill.
+    ``resident``, a list, gets the set of experts resident before each
+    call."""
     calls = _as_calls(calls)
     num_experts = 1 + max(int(c.experts.max()) for c in calls)
     num_experts = max(num_experts, getattr(policy, "num_experts", 0))
@@ -85,6 +88,8 @@ def replay_misses(calls, capacity: int, policy: Policy, preload=()) -> List[np.n
     policy.bind(expert_of_slot)
     out = []
     for call in calls:
+        if resident is not None:
+            resident.append(set(expert_of_slot[expert_of_slot >= 0].tolist()))
         if call.predicted is not None:
             policy.hint(call.predicted)
         policy.observe(call.experts, call.ids, call.probs)
