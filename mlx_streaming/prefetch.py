@@ -324,14 +324,15 @@ class PrefetchCalibration(Observer):
     A prediction's score is its share of the row's (affinity-weighed)
     probability, times the number of experts: 1 is an expert the
     prediction cannot tell from any other. Per layer, every prediction of
-    an expert not resident in a decode call, read or not, counts in a bin
-    of its score, and the layer's next call says whether it was used.
+    an expert not resident, read or not, counts in a bin of its score, and
+    the layer's next call says whether it was used.
     Calls of several tokens (verifying drafts) predict and use the union
     of their tokens' experts, each scored by its best row: they are counted
     apart, and judged only by a call of as many tokens (not by the prefill
     that follows a request's last token). A layer reads the bins from the
     highest down to the lowest whose predictions together were used at
     least ``target`` of the time.
+
     Softmax routers only: a sigmoid router's probabilities lie within a
     factor of ~3 of each other, too few bins to tell (the loader gives
     those layers ``ReadEveryPrediction``).
