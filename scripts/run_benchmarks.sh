@@ -81,6 +81,10 @@ python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "
 python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
   --pools 0.25 --prefetch off,next-layer,auto --direct-io on --read-mbps 200 --temp 0.8 \
   --prefetch-precision 0 --max-tokens 160 --repeats 3 --out "$out/decode-wide-prefetch-200mbps"
+python -m mlx_streaming.bench decode --model "$models/wide/stream" --mlx-model "$models/wide/mlx" \
+  --pools 0.25 --prefetch off,next-layer --prefetch-precision 0,0.7 --direct-io on \
+  --read-mbps 200 --temp 0.8 --max-tokens 160 --repeats 3 \
+  --out "$out/decode-wide-prefetch-200mbps-calibrated"
 python -m mlx_streaming.bench simulate --validate --model "$T/stream" --mlx-model "$T/mlx" \
   --pools 0.25,0.5 --policies lru,lfu-decay --prefetch off,next-layer --read-mbps 1.5 \
   --max-tokens 64 --repeats 3 --temp 0.8 --prefetch-precision 0 \
