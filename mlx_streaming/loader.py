@@ -604,17 +604,18 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
         store.layer: NextLayerPrefetch(
             store.layer, scorer, nxt, _prefetch_width(config, nxt.spec),
             config.prefetch_max_tokens, runtime.prefetch_budget, affinity, runtime.events,
-            runtime.prefetch_switch, _calibration(runtime, scorer))
+            runtime.prefetch_switch, _calibration(runtime, nxt.layer, scorer))
         for store, nxt, scorer in pairs
     }
 
 
-def _calibration(runtime: Runtime, scorer):
+def _calibration(runtime: Runtime, layer: int, scorer):
     """Scores are calibrated for softmax routers and affinity alone; a
-    sigmoid router's are too flat to bin, so its layers read every
-    prediction the budget allows."""
+    sigmoid router's are too flat to bin, so ``layer``, which it predicts,
+    reads every prediction the budget allows."""
     if scorer is None or scorer.softmax:
         return runtime.prefetch_calibration
+    runtime.prefetch_calibration.forget(layer)
     return ReadEveryPrediction()
 
 

@@ -312,6 +312,9 @@ class ReadEveryPrediction:
     def select(self, layer, order, scores, rows):
         return order
 
+    def forget(self, layer) -> None:
+        pass
+
     def lowest_scores(self) -> dict:
         return {}
 
@@ -362,6 +365,12 @@ class PrefetchCalibration(Observer):
         self.used = {k: np.zeros(bins) for k in keys}
         self.lowest = dict.fromkeys(keys, bins)  # lowest bin read: none yet
         self._pending = {}  # layer -> (experts predicted, their bins, tokens)
+
+    def forget(self, layer) -> None:
+        """``layer`` reads every prediction: nothing of it to count or report."""
+        for multi in (False, True):
+            for table in (self.predicted, self.used, self.lowest):
+                table.pop((layer, multi), None)
 
     def select(self, layer, order, scores, rows):
         """The experts of ``order`` worth reading ahead into ``layer``,

@@ -307,8 +307,8 @@ def stats(model) -> dict:
 def _budget_of(runtime):
     """The bandwidth budget of prefetch: records per layer, its inputs, and
     per layer the least score ``prefetch_precision`` lets it read ahead
-    (None: nothing yet, or a layer no decode call predicts; empty: every
-    prediction, no precision asked)."""
+    (None: nothing yet, or a layer no decode call predicts; absent, or all
+    absent: the layer reads every prediction)."""
     b = getattr(runtime, "prefetch_budget", None)
     if b is None:
         return None
@@ -319,6 +319,14 @@ def _budget_of(runtime):
 
 def reset_stats(model) -> None:
     runtime = runtime_of(model)
+    # Between forward passes: a pass stages reads ahead for its next layer
+    # and counts them used there, so a reset inside one would leave reads
+    # counted used that no issued count holds.
+    with runtime.lock:
+        _reset(runtime)
+
+
+def _reset(runtime) -> None:
     for store in runtime.stores:
         drain = getattr(store, "drain_counters", None)
         if drain is not None:

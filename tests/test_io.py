@@ -430,6 +430,8 @@ def test_sigmoid_routers_read_every_prediction_at_the_default_precision(models, 
     layers = [s.layer for s in runtime.stores]
     s = mlx_streaming.stats(model)
     assert all(s["layers"][layer]["prefetch_issued"] > 0 for layer in layers[1:])
+    # Reported as reading every prediction, not as reading none.
+    assert not set(s["prefetch_budget"]["lowest_score"]) & set(layers[1:])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "kimi_k3"])
