@@ -8,6 +8,7 @@ command-line flags (``cache_gb`` -> ``--cache-gb``) from the same table.
 
 import argparse
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
@@ -145,25 +146,29 @@ class StreamConfig:
             raise ConfigError(f"mtp must be True or False, got {self.mtp!r}")
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
-        _check_number("cache_gb", self.cache_gb, float, low=0, high=MAX_GB, open_low=True,
-                      optional=True)
-        _check_number("slots_per_layer", self.slots_per_layer, int, low=1, optional=True)
-        _check_number("pinned_layers", self.pinned_layers, int, low=0, optional=True)
-        _check_number("spine_ring", self.spine_ring, int, low=1, high=MAX_SPINE_RING)
-        _check_number("io_threads", self.io_threads, int, low=1, high=MAX_IO_THREADS)
-        _check_number("prefetch_width", self.prefetch_width, int, low=1, optional=True)
-        _check_number("prefetch_max_tokens", self.prefetch_max_tokens, int, low=1)
-        _check_number("prefetch_budget", self.prefetch_budget, int, low=0, high=MAX_BUDGET,
-                      optional=True)
-        _check_number("prefetch_precision", self.prefetch_precision, float, low=0, high=1)
-        _check_number("reserve_gb", self.reserve_gb, float, low=0, high=MAX_GB)
-        _check_number("pressure_gb", self.pressure_gb, float, low=0, high=MAX_GB)
-        _check_number("disk_cache_gb", self.disk_cache_gb, float, low=0, high=MAX_GB,
-                      optional=True)
-        _check_number("fetch_threads", self.fetch_threads, int, low=1, high=MAX_FETCH_THREADS)
-        _check_number("fetch_timeout", self.fetch_timeout, float, low=0, high=3600.0,
-                      open_low=True)
-        _check_number("fetch_retries", self.fetch_retries, int, low=0, high=MAX_FETCH_RETRIES)
+        for name, kind, bounds in _NUMBERS:
+            # Stored as plain Python numbers (numpy scalars are accepted).
+            object.__setattr__(self, name, _number(name, getattr(self, name), kind, **bounds))
+
+
+# The numeric options, their kinds and bounds.
+_NUMBERS = (
+    ("cache_gb", float, dict(low=0, high=MAX_GB, open_low=True, optional=True)),
+    ("slots_per_layer", int, dict(low=1, optional=True)),
+    ("pinned_layers", int, dict(low=0, optional=True)),
+    ("spine_ring", int, dict(low=1, high=MAX_SPINE_RING)),
+    ("io_threads", int, dict(low=1, high=MAX_IO_THREADS)),
+    ("prefetch_width", int, dict(low=1, optional=True)),
+    ("prefetch_max_tokens", int, dict(low=1)),
+    ("prefetch_budget", int, dict(low=0, high=MAX_BUDGET, optional=True)),
+    ("prefetch_precision", float, dict(low=0, high=1)),
+    ("reserve_gb", float, dict(low=0, high=MAX_GB)),
+    ("pressure_gb", float, dict(low=0, high=MAX_GB)),
+    ("disk_cache_gb", float, dict(low=0, high=MAX_GB, optional=True)),
+    ("fetch_threads", int, dict(low=1, high=MAX_FETCH_THREADS)),
+    ("fetch_timeout", float, dict(low=0, high=3600.0, open_low=True)),
+    ("fetch_retries", int, dict(low=0, high=MAX_FETCH_RETRIES)),
+)
 
 
 def _check_choice(name, value, choices):
@@ -171,14 +176,18 @@ def _check_choice(name, value, choices):
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def _check_number(name, value, kind, low, high=None, open_low=False, optional=False):
+def _number(name, value, kind, low, high=None, open_low=False, optional=False):
+    """``value`` as a plain ``kind``, or a ConfigError that says what is
+    allowed."""
     if value is None and optional:
-        return
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    ok_type = is_int or (kind is float and isinstance(value, float))
-    if not ok_type or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    ok_type = is_int or (kind is float and isinstance(value, numbers.Real)
+                         and not isinstance(value, bool))
+    if not ok_type or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite {'integer' if kind is int else 'number'}, "
                           f"got {value!r}")
+    value = kind(value)
     too_low = value <= low if open_low else value < low
     if too_low or (high is not None and value > high):
         bound = f"above {low:g}" if open_low else f"at least {low:g}"
@@ -186,6 +195,7 @@ def _check_number(name, value, kind, low, high=None, open_low=False, optional=Fa
             bound = f"{bound} and at most {high:g}" if open_low else \
                 f"between {low:g} and {high:g}"
         raise ConfigError(f"{name} must be {bound}, got {value!r}")
+    return value
 
 
 def config_fields():

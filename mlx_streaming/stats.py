@@ -267,9 +267,18 @@ def stats(model) -> dict:
     expert was resident when the call began. ``records_read`` counts reads.
     ``syncs`` counts calls that waited for their ids on the host;
     ``graph_calls`` those that ran inside the graph (the native step on the
-    CPU backend), reported when their forward pass ends.
+    CPU backend), reported when their forward pass ends. Read between
+    forward passes: from another thread, it waits for the pass in flight.
     """
     runtime = runtime_of(model)
+    # Between forward passes, as reset_stats: a pass counts as it goes,
+    # and a report read inside one (a thread switch between two counters)
+    # could show a layer's reads ahead used but not yet issued.
+    with runtime.lock:
+        return _report(runtime)
+
+
+def _report(runtime) -> dict:
     report = runtime.stats.report()
     config = runtime.config
     report.update(
@@ -284,7 +293,7 @@ def stats(model) -> dict:
         cache_bytes=runtime.cache_bytes,
         residency="paged" if runtime.paged else "resident",
         prefetch=config.prefetch,
-        prefetch_decision=runtime.prefetch_switch.decision if config.prefetch != "off" else "off",
+        prefetch_decision=_prefetch_decision(runtime),
         prefetch_budget=_budget_of(runtime),
     )
     if runtime.reader.name == "remote":
@@ -302,6 +311,14 @@ def stats(model) -> dict:
         t["prefetch_wasted_read_share"] = (
             max(0, read - t["prefetch_useful"]) / read if read > 0 else None)
     return report
+
+
+def _prefetch_decision(runtime) -> str:
+    if runtime.config.prefetch == "off":
+        return "off"
+    if not runtime.paged:
+        return "off: every expert resident"
+    return runtime.prefetch_switch.decision
 
 
 def _budget_of(runtime):

@@ -96,3 +96,50 @@ def test_close_is_idempotent_and_reads_after_close_fail_cleanly(qwen):
     with pytest.raises(mlx_streaming.StreamingError):
         for t in range(40):  # some call misses and must read
             mx.eval(model(mx.array([[t * 7 % 500, 3, 9]])))
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_stats_from_another_thread_wait_for_the_forward_pass(qwen, io):
+    """A report read inside a pass could show a layer's reads ahead used
+    and not yet issued (seen with reset_stats hammered during decode):
+    stats and reset_stats wait for the pass in flight, and so see whole
+    passes."""
+    import mlx.core as mx
+
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, io=io, prefetch="next-layer",
+                                  prefetch_budget=4, prefetch_precision=0)
+    runtime = model.streaming
+    first = runtime.manifest.layers[0].layer
+    count = runtime.stats.on_paged_call
+    inside = release = None
+
+    def pausing(layer, *args, **kwargs):  # in the first layer's call
+        count(layer, *args, **kwargs)
+        if layer == first and inside is not None and not inside.is_set():
+            inside.set()
+            release.wait(30)
+
+    runtime.stats.on_paged_call = pausing
+    tokens = mx.array([[5, 17, 3]])
+    mx.eval(model(tokens))
+    out = {}
+    for read in (lambda: out.update(stats=mlx_streaming.stats(model)),
+                 lambda: mlx_streaming.reset_stats(model)):
+        inside, release = threading.Event(), threading.Event()
+        worker = threading.Thread(target=lambda: mx.eval(model(tokens)))
+        worker.start()
+        assert inside.wait(60)
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(0.5)
+        alive = reader.is_alive()
+        release.set()
+        reader.join(60)
+        worker.join(60)
+        assert alive, "read inside a forward pass"
+    layers = out["stats"]["layers"].values()
+    assert {c["calls"] for c in layers} == {2}
+    assert all(c["prefetch_useful"] + c["prefetch_wasted"] <= c["prefetch_issued"]
+               for c in layers)
+    # The reset waited for the third pass: none of it is left counted.
+    assert mlx_streaming.stats(model)["total"]["calls"] == 0

@@ -374,6 +374,19 @@ def test_config_errors_are_value_errors_and_streaming_errors():
     assert issubclass(ConfigError, ValueError)
 
 
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
+    import numpy as np
+
+    config = StreamConfig(prefetch_precision=np.float32(0.5), slots_per_layer=np.int64(4),
+                          cache_gb=2)
+    assert (config.prefetch_precision, config.slots_per_layer, config.cache_gb) == (0.5, 4, 2.0)
+    assert type(config.prefetch_precision) is float and type(config.slots_per_layer) is int
+    for bad in (dict(prefetch_precision=True), dict(prefetch_precision=np.bool_(True)),
+                dict(slots_per_layer=np.float64(3)), dict(prefetch_precision=np.float32(1.5))):
+        with pytest.raises(ConfigError):
+            StreamConfig(**bad)
+
+
 def test_load_takes_mlx_lm_load_arguments(qwen):
     model, tokenizer, config = mlx_streaming.load(str(qwen[1]), None, None, None, False, True,
                                                   slots_per_layer=4)

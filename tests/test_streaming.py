@@ -53,10 +53,11 @@ def test_slots_hold_the_experts_bytes(qwen):
 
 def test_full_pool_is_resident_without_syncs(qwen):
     _, stream_dir = qwen
-    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=1000)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=1000, prefetch="next-layer")
     logits_trace(model, steps=4)
     s = mlx_streaming.stats(model)
     assert s["residency"] == "resident"
+    assert s["prefetch_decision"] == "off: every expert resident"
     assert s["total"]["syncs"] == 0
     assert s["total"]["misses"] == 0 and s["total"]["bytes_read"] == 0
 
