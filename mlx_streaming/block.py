@@ -119,7 +119,9 @@ class Paged:
         experts = distinct(ids)
         probs = np.array(probs[0]).reshape(-1, probs[0].shape[-1]) if probs else None
         hits = int(np.count_nonzero(self.store.pool.slot_of_expert[ids] >= 0))
-        self.events.on_paged_call(self.layer, _tokens(indices), ids, experts, hits, probs)
+        tokens = _tokens(indices)
+        self.events.on_paged_call(self.layer, tokens, ids, experts, hits, probs)
+        self.store.control.routed(self.layer, tokens, ids, experts)
         self.store.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
         return ids, experts, probs
 
@@ -204,5 +206,7 @@ class NativePaged(Paged):
     def _route(self, indices, probs):
         ids = np.array(indices)
         hits, experts = self.store.route(ids)
-        self.events.on_paged_call(self.layer, _tokens(indices), ids, experts, hits, None)
+        tokens = _tokens(indices)
+        self.events.on_paged_call(self.layer, tokens, ids, experts, hits, None)
+        self.store.control.routed(self.layer, tokens, ids, experts)
         return ids, experts, probs

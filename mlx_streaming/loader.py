@@ -49,6 +49,7 @@ from .prefetch import (
     NextLayerPrefetch,
     PrefetchBudget,
     PrefetchCalibration,
+    PrefetchControl,
     PrefetchSwitch,
     ReadEveryPrediction,
 )
@@ -86,10 +87,11 @@ class Runtime:
         self.speculative = SpecStats()  # drafts through this model (speculative.py)
         self.trace = TraceWriter(config.trace) if config.trace else None
         observers = [self.stats] + ([self.trace] if self.trace else [])
+        learners = []
         first = manifest.layers[0].layer
         if config.prefetch == "auto":
             self.prefetch_switch = PrefetchSwitch(first, config.prefetch_max_tokens)
-            observers.append(self.prefetch_switch)
+            learners.append(self.prefetch_switch)
         else:
             self.prefetch_switch = AlwaysOn()
         self.prefetch_budget = None
@@ -100,18 +102,21 @@ class Runtime:
                 first, len(manifest.layers), max(l.stride for l in manifest.layers),
                 config.prefetch_max_tokens, fixed=config.prefetch_budget)
             if config.prefetch_budget is None:
-                observers.append(self.prefetch_budget)
+                learners.append(self.prefetch_budget)
             if config.prefetch_affinity:
                 layers = [l for l in manifest.layers if not _is_mtp(l)]
                 self.prefetch_affinity = Affinity(
                     [(a.layer, a.num_experts, b.layer, b.num_experts)
                      for a, b in _prefetch_pairs(layers)])
-                observers.append(self.prefetch_affinity)
+                learners.append(self.prefetch_affinity)
             if config.prefetch_precision > 0:
                 self.prefetch_calibration = PrefetchCalibration(
                     [l.layer for l in manifest.layers if not _is_mtp(l)],
                     config.prefetch_precision)
-                observers.append(self.prefetch_calibration)
+                learners.append(self.prefetch_calibration)
+        # What prefetch learns comes straight from the calls and the stores,
+        # not over the telemetry of ``events``.
+        self.prefetch_control = PrefetchControl(learners)
         self.events = Events(observers)
         self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
 
@@ -562,7 +567,8 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
                   and native_store_fits(runtime.reader, policy, staging))
         store_class = NativeStore if native else ExpertStore
         runtime.stores.append(store_class(spec, pool, runtime.reader, file, runtime.events,
-                                          config.verify, staging, blob, policy))
+                                          config.verify, staging, blob, policy,
+                                          runtime.prefetch_control))
     prefetchers = _make_prefetchers(model, runtime, blocks) if staging else {}
     for store in runtime.stores:
         if runtime.paged:

@@ -18,7 +18,53 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .stats import Events, Observer
+from .stats import Events
+
+
+class Learner:
+    """What a part of prefetch learns from the running model; each hook is
+    a no-op unless overridden. ``PrefetchControl`` feeds them."""
+
+    def on_call(self, layer: int, tokens: int) -> None: ...
+    def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray) -> None: ...
+    def on_read(self, layer: int, nbytes: int) -> None: ...
+    def on_stall(self, layer: int, seconds: float) -> None: ...
+
+
+class PrefetchControl:
+    """Feeds prefetch's learners (the switch, the budget, affinity, the
+    calibration) from the paged calls and the stores that run them: an
+    explicit channel, apart from the telemetry of ``stats.Events``, which
+    only reports. Only the hooks a learner overrides are called."""
+
+    def __init__(self, learners=()):
+        def hooks(name):
+            return [getattr(l, name) for l in learners
+                    if getattr(type(l), name) is not getattr(Learner, name)]
+
+        self._call, self._route = hooks("on_call"), hooks("on_route")
+        self._read, self._stall = hooks("on_read"), hooks("on_stall")
+
+    def routed(self, layer: int, tokens: int, ids: np.ndarray, experts: np.ndarray) -> None:
+        """A paged call of ``tokens`` tokens routed to ``ids``
+        (``experts`` distinct), before it reads."""
+        for hook in self._call:
+            hook(layer, tokens)
+        for hook in self._route:
+            hook(layer, ids, experts)
+
+    def read(self, layer: int, nbytes: int) -> None:
+        """A layer's demand reads of ``nbytes``."""
+        for hook in self._read:
+            hook(layer, nbytes)
+
+    def stalled(self, layer: int, seconds: float) -> None:
+        """Seconds a layer's call waited for its reads."""
+        for hook in self._stall:
+            hook(layer, seconds)
+
+
+NO_CONTROL = PrefetchControl()
 
 
 class NoPrefetch:
@@ -86,7 +132,7 @@ class NextLayerPrefetch:
         scores = probs.max(axis=0)[order] * probs.shape[-1]
         order = self.calibration.select(store.layer, order, scores, len(rows))
         order = order[: self.budget.records]
-        issued = store.staging.stage(store.layer, store.file, order, order * store.spec.stride)
+        issued = store.stage(order)
         self.events.on_predict(store.layer, ranked)
         self.events.on_prefetch(store.layer, issued=issued)
 
@@ -101,7 +147,7 @@ def rank_order(ids: np.ndarray) -> np.ndarray:
     return unique[np.lexsort((first, -counts))].astype(np.int64)
 
 
-class Affinity(Observer):
+class Affinity(Learner):
     """How often each expert of a layer followed each expert of the layer
     before it, counted on this model's routing so far (every paged call).
 
@@ -122,7 +168,7 @@ class Affinity(Observer):
         self.pairs_seen = dict.fromkeys(self.counts, 0)
         self._last = {}  # layer -> [rows, k] ids of its last call
 
-    def on_route(self, layer, ids, experts, probs=None):
+    def on_route(self, layer, ids, experts):
         rows = ids.reshape(-1, ids.shape[-1])
         before = self.before.get(layer)
         if before is not None:
@@ -155,7 +201,7 @@ class Affinity(Observer):
         return (counts / counts.sum(axis=-1, keepdims=True)).mean(axis=1)
 
 
-class PrefetchBudget(Observer):
+class PrefetchBudget(Learner):
     """Bandwidth-aware prefetch: stage per layer at most the records the
     disk, at its measured rate, reads within one layer's compute time, so
     that prefetch never queues reads that the next layer's demand reads
@@ -189,7 +235,7 @@ class PrefetchBudget(Observer):
     def _mean(self, old, new):
         return new if old is None else old + self.smoothing * (new - old)
 
-    def on_read(self, layer, records, nbytes, seconds):
+    def on_read(self, layer, nbytes):
         self._bytes += nbytes
 
     def on_stall(self, layer, seconds):
@@ -220,7 +266,7 @@ class PrefetchBudget(Observer):
         self.records = records
 
 
-class PrefetchSwitch(Observer):
+class PrefetchSwitch(Learner):
     """``prefetch="auto"``: decides from measurement whether prefetch pays.
 
     After ``warmup`` decode tokens (a cold pool stalls on every first read),
@@ -319,7 +365,7 @@ class ReadEveryPrediction:
         return {}
 
 
-class PrefetchCalibration(Observer):
+class PrefetchCalibration(Learner):
     """``prefetch_precision > 0``: reads ahead only predictions likely
     enough to be used, so that at least ``target`` of what a layer reads
     ahead is used.
@@ -379,7 +425,7 @@ class PrefetchCalibration(Observer):
         self._pending[layer] = (order, bins, rows)
         return order[bins >= self.lowest[(layer, rows > 1)]]
 
-    def on_route(self, layer, ids, experts, probs=None):
+    def on_route(self, layer, ids, experts):
         pending = self._pending.pop(layer, None)
         if pending is None:
             return

@@ -14,6 +14,7 @@ from .errors import CorruptExpertError, ExpertReadError
 from .format import LayerSpec
 from .policy import LRU, DecayedLFU, Policy
 from .pool import SlotPool
+from .prefetch import NO_CONTROL, PrefetchControl
 from .stats import Events
 
 
@@ -57,6 +58,7 @@ class ExpertStore:
         staging=None,
         blob=None,
         policy: Policy = None,
+        control: PrefetchControl = NO_CONTROL,
     ):
         self.spec = spec
         self.layer = spec.layer
@@ -65,6 +67,7 @@ class ExpertStore:
         self.reader = reader
         self.file = file
         self.events = events
+        self.control = control  # what prefetch learns from this layer's reads
         self.staging = staging
         self.checksums = np.array(spec.checksums, dtype=np.uint32)
         self.expert_nbytes = spec.expert_nbytes
@@ -121,7 +124,9 @@ class ExpertStore:
         self._check(experts, want_crc, crcs)
         self.pool.assign(experts, slots)
         self.policy.filled(experts)
-        self.events.on_stall(self.layer, time.perf_counter() - start)
+        stalled = time.perf_counter() - start
+        self.events.on_stall(self.layer, stalled)
+        self.control.stalled(self.layer, stalled)
 
     def _want_crc(self, experts: np.ndarray) -> np.ndarray:
         if self.verify == "always":
@@ -153,10 +158,9 @@ class ExpertStore:
 
     def _read(self, experts, slots, want_crc) -> np.ndarray:
         start = time.perf_counter()
-        offsets = experts.astype(np.int64) * self.spec.stride
         crcs = self.reader.read(
             self.file,
-            offsets,
+            self._offsets(experts),
             self.pool.segments,
             self.pool.addresses[slots],
             want_crc,
@@ -164,7 +168,17 @@ class ExpertStore:
         )
         nbytes = len(experts) * self.expert_nbytes
         self.events.on_read(self.layer, len(experts), nbytes, time.perf_counter() - start)
+        self.control.read(self.layer, nbytes)
         return crcs
+
+    def stage(self, experts: np.ndarray) -> int:
+        """Start reading ``experts`` ahead into the staging area (prefetch);
+        returns how many reads were issued."""
+        return self.staging.stage(self.layer, self.file, experts, self._offsets(experts))
+
+    def _offsets(self, experts: np.ndarray) -> np.ndarray:
+        """Where each expert's record starts in the blob (docs/FORMAT.md)."""
+        return experts.astype(np.int64) * self.spec.stride
 
     def _take_staged(self, experts, slots, want_crc, crcs, from_disk) -> int:
         useful = 0
@@ -262,9 +276,11 @@ class NativeStore(ExpertStore):
         if not read:
             return
         self.events.on_read(self.layer, read, read * self.expert_nbytes, read_s)
+        self.control.read(self.layer, read * self.expert_nbytes)
         if bad >= 0:
             raise CorruptExpertError(self.layer, bad, "checksum mismatch")
         self.events.on_stall(self.layer, load_s)
+        self.control.stalled(self.layer, load_s)
 
     def _read_error(self, message: str) -> ExpertReadError:
         if self.reader.closed:

@@ -182,12 +182,12 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
     assert budget.records == 0  # earned by measurement
     for _ in range(3):
         budget.on_call(0, 1)
-        budget.on_read(2, 2, 12_000_000, 0.01)
+        budget.on_read(2, 12_000_000)
         budget.on_stall(2, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
         clock.now += 0.1  # 40 ms of compute over 4 layers: 10 ms each
     budget.on_call(0, 1)
     assert budget.records == 2  # 200 MB/s x 10 ms / 1 MB
-    budget.on_read(1, 1, 1_000_000, 0.001)  # one fast read...
+    budget.on_read(1, 1_000_000)  # one read...
     budget.on_stall(1, 0.1)  # ...in a token that stalled 100 ms: 10 MB/s
     clock.now += 0.14
     budget.on_call(0, 1)
@@ -209,7 +209,7 @@ def test_prefetch_budget_rate_is_not_led_by_burst_reads():
                             clock=clock, smoothing=0.5)
     budget.on_call(0, 1)
     for stall in (0.001, 0.099, 0.001, 0.099):  # 1 MB each token
-        budget.on_read(0, 1, 1_000_000, stall)
+        budget.on_read(0, 1_000_000)
         budget.on_stall(0, stall)
         clock.now += 0.2
         budget.on_call(0, 1)
@@ -499,6 +499,35 @@ def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):
         mlx_streaming.load(qwen[1], io="native")
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4)
     assert mlx_streaming.stats(model)["io"] == "python"
+
+
+def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):
+    """What prefetch learns (calls, routes, reads, stalls) reaches its
+    learners through ``PrefetchControl``: each learner gets only the hooks
+    it defines, and the stats observers carry none of it."""
+    from mlx_streaming.prefetch import Learner, PrefetchControl
+
+    class Routes(Learner):
+        def __init__(self):
+            self.seen = []
+
+        def on_route(self, layer, ids, experts):
+            self.seen.append((layer, experts.tolist()))
+
+    routes = Routes()
+    control = PrefetchControl([routes, Learner()])
+    assert control._call == [] and len(control._route) == 1 and control._stall == []
+    control.routed(3, 1, np.array([[4, 2]]), np.array([2, 4]))
+    control.stalled(3, 0.5)
+    assert routes.seen == [(3, [2, 4])]
+
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="auto")
+    runtime = model.streaming
+    assert not any(isinstance(o, Learner) for o in runtime.events.observers)
+    assert all(s.control is runtime.prefetch_control for s in runtime.stores)
+    _stats_of_decode(model, 12)
+    assert runtime.prefetch_switch._seen == 12  # the switch counted each decode token
+    assert runtime.prefetch_affinity.seen(runtime.stores[0].layer) > 0
 
 
 class FakeClock:
