@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional
 from unittest import mock
@@ -45,6 +46,13 @@ MEMO_HEADER = "X-MLX-Streaming-Memo"
 RECENT_REQUESTS = 32
 MAX_BODY_BYTES = 32 << 20
 CLIENT_TIMEOUT_S = 120
+# Connections the kernel holds before they are accepted (socketserver's 5
+# reset clients that arrive together, before admission can answer 429).
+LISTEN_BACKLOG = 128
+# mlx-lm builds and keeps a matcher per set of stop strings, ~4 KB per
+# character: long ones are memory a request could pin.
+MAX_STOP_CHARS = 512
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -146,6 +154,7 @@ class Service:
         self.memo = Memo(int(memo_mb * 1e6)) if memo_mb > 0 else None
         self.recent = collections.deque(maxlen=RECENT_REQUESTS)
         self.lock = threading.Lock()
+        self._longest_token = None
 
     def known_model(self, name) -> bool:
         return name in ("default_model", self.model_id, self.path)
@@ -153,6 +162,15 @@ class Service:
     def context_length(self) -> Optional[int]:
         args = getattr(self.provider.model, "args", None)
         return getattr(args, "max_position_embeddings", None)
+
+    def longest_token_chars(self) -> int:
+        """The most characters of text one token stands for: its vocabulary
+        entry is at least that long (a byte-level token holds one character
+        per byte of text; a byte-fallback one, ``<0xE2>``, one byte)."""
+        if self._longest_token is None:
+            vocab = self.provider.tokenizer._tokenizer.get_vocab()
+            self._longest_token = max(map(len, vocab), default=1)
+        return self._longest_token
 
     def record(self, tokens: int, seconds: float, first_token_s: Optional[float]) -> None:
         with self.lock:
@@ -200,6 +218,9 @@ def _counting(service: Service, generate):
                         first = time.perf_counter() - start
                     n += 1
                     yield item
+            except Exception:
+                _repair_random_state()
+                raise
             finally:
                 service.record(n, time.perf_counter() - start, first)
 
@@ -210,6 +231,20 @@ def _counting(service: Service, generate):
 
 # Per handler thread: the server-side failure behind mlx-lm's error reply.
 _faults = threading.local()
+
+
+def _repair_random_state() -> None:
+    """mlx-lm's samplers are compiled with the random state as input and
+    output: one that raises (a top_k it refuses) leaves the state without
+    a value, and every later sampled request would fail. Reseed it then."""
+    import os
+
+    import mlx.core as mx
+
+    try:
+        mx.eval(mx.random.state)
+    except Exception:
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
 
 
 class _Output:
@@ -273,6 +308,21 @@ def _without_request_headers(data: bytes) -> bytes:
     return b"\r\n".join(lines) + sep + body
 
 
+def _text_length(prompt) -> int:
+    """Characters of text in a prompt or in chat messages."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    n = 0
+    for message in prompt if isinstance(prompt, list) else []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content
+                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -281,25 +331,69 @@ def _is_number(v) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def _check_fields(body: dict, completion: bool, vocab: Optional[int]):
+def _has_image(message: dict) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content)
+
+
+# Sampling fields: (lowest, highest) allowed, None for no bound. mlx-lm's
+# samplers raise on some of what its checks let through (top_k at or above
+# the vocabulary, xtc_threshold above 0.5), and NaN poisons the logits.
+_SAMPLING = {
+    "top_p": (0, 1), "min_p": (0, 1), "xtc_probability": (0, 1), "xtc_threshold": (0, 0.5),
+    "repetition_penalty": (0, None), "presence_penalty": (None, None),
+    "frequency_penalty": (None, None),
+}
+
+
+def _check_sampling(body: dict, vocab: Optional[int]):
+    for name, (low, high) in _SAMPLING.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_number(value) or (low is not None and value < low) or (
+                high is not None and value > high):
+            bounds = {(0, 1): " from 0 to 1", (0, 0.5): " from 0 to 0.5",
+                      (0, None): " of 0 or more"}.get((low, high), "")
+            return name, f"'{name}' must be a finite number{bounds}, got {value!r}"
+    top_k = body.get("top_k")
+    if top_k is not None:
+        # 0 means no top-k; mlx-lm's sampler takes 1 to vocab - 1.
+        high = (vocab - 1) if vocab else 1 << 20
+        if not (_is_int(top_k) and 0 <= top_k <= high):
+            return "top_k", f"'top_k' must be an integer from 0 (off) to {high}, got {top_k!r}"
+    return None
+
+
+def _check_fields(body: dict, completion: bool, vocab: Optional[int], images: bool = False):
     """The first problem with the request's fields as ``(field, message)``,
-    or None. Checked here because mlx-lm lets some through to a crash."""
+    or None. Checked here because mlx-lm lets some through to a crash, or to
+    work that holds the queue. ``images``: the model takes image parts."""
     if completion:
         prompt = body.get("prompt")
-        if not (isinstance(prompt, str) and prompt) and not (
-                isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
-            return "prompt", "'prompt' must be a non-empty string or a list of token ids"
-        if isinstance(prompt, list) and vocab and not all(0 <= t < vocab for t in prompt):
-            return "prompt", f"token ids must be from 0 to {vocab - 1}"
+        if not (isinstance(prompt, str) and prompt):
+            # mlx-lm encodes the prompt as text: a list of token ids cannot run.
+            return "prompt", "'prompt' must be a non-empty string (token id lists are not " \
+                             "supported)"
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             return "messages", "'messages' must be a non-empty list of objects with a 'role'"
+        if not images and any(_has_image(m) for m in messages):
+            # mlx-lm would download the image (from any URL) for nothing.
+            return "messages", "this model takes text only: remove the image parts"
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and len(stop) <= 16 and all(isinstance(x, str) for x in stop)):
         return "stop", "'stop' must be a string or a list of at most 16 strings"
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if sum(len(x) for x in stops) > MAX_STOP_CHARS:
+        return "stop", f"'stop' strings may hold {MAX_STOP_CHARS} characters in all"
+    problem = _check_sampling(body, vocab)
+    if problem is not None:
+        return problem
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict) or not all(
@@ -330,6 +424,12 @@ def make_handler(base):
         service: Service = None  # set on the class by ``serve``
 
         def do_GET(self):
+            try:
+                self._get()
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                pass  # the client left before the answer
+
+        def _get(self):
             path = self.path.split("?", 1)[0].rstrip("/")
             if path == "/v1/stats":
                 return self._json(200, self.service.stats())
@@ -483,7 +583,8 @@ def make_handler(base):
                 self._error(400, f"temperature must be a number of 0 or more, got "
                             f"{temperature!r}", param="temperature")
                 return False
-            problem = _check_fields(body, self.path == "/v1/completions", self._vocab_size())
+            problem = _check_fields(body, self.path == "/v1/completions", self._vocab_size(),
+                                    images=self.service.provider.processor is not None)
             if problem is not None:
                 self._error(400, problem[1], param=problem[0])
                 return False
@@ -509,13 +610,16 @@ def make_handler(base):
             limit = self.service.context_length()
             if tokenizer is None or limit is None:
                 return True
+            chars = _text_length(body[field])
+            if chars > limit * self.service.longest_token_chars():
+                # Longer than any tokenization of it could fit: no need to
+                # spend seconds tokenizing it.
+                self._error(400, f"the prompt has {chars} characters, more than the model's "
+                            f"context of {limit} tokens can hold; shorten it",
+                            "context_length_exceeded", param=field)
+                return False
             try:
-                if field == "prompt":
-                    prompt = body["prompt"]
-                    n = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
-                else:
-                    n = len(tokenizer.apply_chat_template(
-                        body["messages"], tools=body.get("tools"), add_generation_prompt=True))
+                n = len(self._tokens(tokenizer, body, field))
             except Exception:
                 return True  # mlx-lm's own parsing reports what is wrong
             if n > limit:
@@ -524,9 +628,23 @@ def make_handler(base):
                 return False
             return True
 
+        def _tokens(self, tokenizer, body: dict, field: str) -> list:
+            """The prompt's tokens as mlx-lm makes them (its ``_tokenize``)."""
+            if field == "prompt":
+                return tokenizer.encode(body["prompt"])
+            if not tokenizer.has_chat_template:
+                from mlx_lm.server import convert_chat
+
+                return tokenizer.encode(convert_chat(body["messages"], body.get("role_mapping")))
+            template_args = dict(self.response_generator.cli_args.chat_template_args or {})
+            template_args.update(body.get("chat_template_kwargs") or {})
+            return tokenizer.apply_chat_template(
+                body["messages"], tools=body.get("tools"), add_generation_prompt=True,
+                **template_args)
+
         def _error(self, status: int, message: str, code: Optional[str] = None,
                    param: Optional[str] = None, headers: Optional[dict] = None):
-            kind = {429: "rate_limit_error", 404: "invalid_request_error"}.get(
+            kind = "server_error" if status >= 500 else {429: "rate_limit_error"}.get(
                 status, "invalid_request_error")
             self._json(status, {"error": {"message": message, "type": kind, "param": param,
                                           "code": code}}, headers)
@@ -607,9 +725,18 @@ def serve(args, mlx_args) -> None:
         raise ConfigError("--adapter-path and --draft-model are not supported on a streamed "
                           "model")
     config = config_from_args(args)
+    _check_defaults(mlx_args)
     _check_address(mlx_args.host, mlx_args.port)
     provider = make_provider(mlx_args, config)
     provider.load_default()  # load errors are one line, before the port opens
+    limit = getattr(getattr(provider.model, "args", None), "max_position_embeddings", None)
+    if limit is not None and mlx_args.max_tokens > limit:
+        raise ConfigError(f"--max-tokens {mlx_args.max_tokens} exceeds the model's context "
+                          f"of {limit} tokens")
+    vocab = getattr(getattr(provider.model, "args", None), "vocab_size", None)
+    problem = _check_sampling({"top_k": mlx_args.top_k}, vocab)
+    if problem is not None:
+        raise ConfigError(f"--top-k: {problem[1]}")
     service = Service(provider, args.max_queue, args.memo_mb)
     generator = mlx_server.ResponseGenerator(
         provider, LRUPromptCache(mlx_args.prompt_cache_size))
@@ -621,13 +748,31 @@ def serve(args, mlx_args) -> None:
               f"{mlx_args.port} (reader: {provider.model.streaming.reader.name}, "
               f"max queue {args.max_queue})", file=sys.stderr, flush=True)
         mlx_server._run_http_server(mlx_args.host, mlx_args.port, generator,
-                                    handler_class=handler)
+                                    server_class=_Server, handler_class=handler)
     except OSError as e:
         raise ConfigError(f"cannot listen on {mlx_args.host}:{mlx_args.port} "
                           f"({e.strerror or e}); choose another --host or --port") from None
     finally:
         # Its thread is not a daemon: the process would otherwise never exit.
         generator.stop_and_join()
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG
+
+
+def _check_defaults(mlx_args) -> None:
+    """The request defaults the server's flags set: checked as a request's
+    would be, so that a bad flag is the operator's error at start, not
+    every client's."""
+    if not (_is_int(mlx_args.max_tokens) and mlx_args.max_tokens >= 1):
+        raise ConfigError(f"--max-tokens must be 1 or more, got {mlx_args.max_tokens}")
+    if not (_is_number(mlx_args.temp) and mlx_args.temp >= 0):
+        raise ConfigError(f"--temp must be a number of 0 or more, got {mlx_args.temp}")
+    flags = {name: getattr(mlx_args, name) for name in ("top_p", "min_p", "top_k")}
+    problem = _check_sampling(flags, None)
+    if problem is not None:
+        raise ConfigError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
 
 
 def _check_address(host: str, port: int) -> None:

@@ -146,6 +146,13 @@ def test_stop_strings(server, models):
     ({"prompt": "x", "stream": True, "stream_options": "x"}, None, 400, None),
     ({"prompt": "x", "top_p": 5}, None, 400, None),  # refused by mlx-lm, reworded here
     ({"prompt": "x", "top_k": -1}, None, 400, None),
+    # mlx-lm's sampler raises on these, and left its random state broken
+    ({"prompt": "x", "temperature": 1, "top_k": 10**6}, None, 400, None),
+    ({"prompt": "x", "temperature": 1, "xtc_probability": 0.5, "xtc_threshold": 0.7}, None,
+     400, None),
+    (None, b'{"prompt": "x", "temperature": 0.5, "frequency_penalty": NaN}', 400, None),
+    ({"prompt": [1, 2, 3]}, None, 400, None),  # mlx-lm encodes the prompt as text
+    ({"prompt": "x", "stop": ["ab" * 300]}, None, 400, None),  # memory mlx-lm keeps
 ])
 def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
     got, _, reply = server.post("/v1/completions", body, raw)
@@ -159,6 +166,58 @@ def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
 def test_invalid_chat_messages(server, messages):
     got, _, reply = server.post("/v1/chat/completions", {"messages": messages})
     assert got == 400 and reply["error"]["param"] == "messages"
+
+
+def test_prompts_beyond_the_context_are_refused_before_they_run(server):
+    chat = {"messages": [{"role": "user", "content": "def " * 1100}], "max_tokens": 2}
+    got, _, reply = server.post("/v1/chat/completions", chat)  # no chat template here
+    assert got == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    start = time.monotonic()
+    got, _, reply = server.post("/v1/completions", {"prompt": "x" * 4_000_000})
+    assert got == 400 and "characters" in reply["error"]["message"], reply
+    assert time.monotonic() - start < 10  # not tokenized: refused on its length
+
+
+def test_image_parts_are_refused_for_a_text_model(server):
+    with socket.socket() as s:  # an address the server must not fetch
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        url = "http://127.0.0.1:%d/secret.png" % s.getsockname()[1]
+        part = {"type": "image_url", "image_url": {"url": url}}
+        got, _, reply = server.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
+        assert got == 400 and reply["error"]["param"] == "messages", reply
+        s.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            s.accept()
+
+
+def test_a_sampler_failure_does_not_break_later_requests():
+    """mlx-lm's samplers are compiled with the random state: one that
+    raises left it without a value, and every later sampled request failed."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_streaming.server import _repair_random_state
+
+    logits = mx.random.normal((1, 64))
+    with pytest.raises(ValueError):
+        make_sampler(temp=1.0, top_k=1000)(logits)
+    _repair_random_state()
+    mx.eval(make_sampler(temp=0.7)(logits))
+
+
+def test_the_listen_backlog_holds_a_burst_of_clients(server):
+    """socketserver listens with a backlog of 5: clients arriving together
+    beyond it waited on TCP retransmits, or were reset, before admission
+    could answer them 429."""
+    import shutil
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2) to read the backlog")
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{server.port}"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[0] == "LISTEN" and int(out[2]) >= 128, out  # Send-Q: the backlog
 
 
 def test_oversized_or_truncated_bodies(server):
@@ -280,6 +339,23 @@ def test_models_and_stats(server, models):
     assert stats["streaming"]["slots_per_layer"] == 4
     assert stats["streaming"]["total"]["hits"] + stats["streaming"]["total"]["misses"] > 0
     assert stats["recent_requests"] > 0 and stats["recent_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temp", "-1"], "--temp"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--max-tokens", "100000"], "context"),
+    (["--top-p", "nan"], "top_p"),
+    (["--top-k", "100000"], "top_k"),
+])
+def test_bad_request_defaults_are_refused_at_start(models, flags, message):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    proc = subprocess.run([sys.executable, "-m", "mlx_streaming.server", "--model",
+                           str(stream_dir), "--port", str(free_port()), *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, last
 
 
 def test_bad_model_dir_is_one_line(tmp_path):
