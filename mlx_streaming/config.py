@@ -40,6 +40,9 @@ MAX_GB = 1e6
 MAX_IO_THREADS = 64
 # Prefetch stages at most this many records per layer (staging holds 2 x width).
 MAX_BUDGET = 1 << 16
+# Slots, layers, experts and tokens per call: far beyond any model, and
+# still a number every size computed from it can hold.
+MAX_COUNT = 1 << 24
 # Hub repos: parallel range requests, and seconds any network wait may take.
 DEFAULT_FETCH_THREADS = 8
 MAX_FETCH_THREADS = 64
@@ -67,41 +70,47 @@ class StreamConfig:
     cache_gb: Optional[float] = _option(
         None, "memory for the model's weights in GB: the resident spine, then spine layers "
         "(those that do not fit are streamed), then expert slots (default: available "
-        "memory less a reserve)", type=float)
+        "memory less a reserve)", type=float,
+        bounds=dict(low=0, high=MAX_GB, open_low=True, optional=True))
     slots_per_layer: Optional[int] = _option(
-        None, "experts resident per layer (overrides cache_gb)", type=int)
+        None, "experts resident per layer (overrides cache_gb)", type=int,
+        bounds=dict(low=1, high=MAX_COUNT, optional=True))
     pinned_layers: Optional[int] = _option(
         None, "spine layers kept resident; the others are read on every pass (default: "
-        "as many as the budget holds)", type=int)
+        "as many as the budget holds)", type=int,
+        bounds=dict(low=0, high=MAX_COUNT, optional=True))
     spine_ring: int = _option(
         DEFAULT_SPINE_RING, f"layer buffers that streamed spine layers take turns in "
-        f"(1-{MAX_SPINE_RING}); 2 reads the next layer while one computes", type=int)
+        f"(1-{MAX_SPINE_RING}); 2 reads the next layer while one computes", type=int,
+        bounds=dict(low=1, high=MAX_SPINE_RING))
     io: str = _option("auto", "expert reader: the C++ extension, Python, or native "
                       "when built", choices=IO_CHOICES)
     direct_io: Optional[bool] = _option(
         None, "uncached expert reads (O_DIRECT / F_NOCACHE); auto: when the experts "
         "cannot stay in the page cache", choices=DIRECT_IO_CHOICES)
     io_threads: int = _option(default_io_threads(), f"reader threads (1-{MAX_IO_THREADS})",
-                              type=int)
+                              type=int, bounds=dict(low=1, high=MAX_IO_THREADS))
     prefetch: str = _option("off", "next-layer: read the next layer's predicted experts "
                             "ahead; auto: measure and keep it only if it pays",
                             choices=PREFETCH_CHOICES)
     prefetch_width: Optional[int] = _option(
-        None, "experts predicted per token (default 2 x top-k)", type=int)
+        None, "experts predicted per token (default 2 x top-k)", type=int,
+        bounds=dict(low=1, high=MAX_COUNT, optional=True))
     prefetch_budget: Optional[int] = _option(
         None, "most records prefetched per layer (default: measured, what the disk reads "
-        "in one layer's compute time)", type=int)
+        "in one layer's compute time)", type=int,
+        bounds=dict(low=0, high=MAX_BUDGET, optional=True))
     prefetch_precision: float = _option(
         DEFAULT_PREFETCH_PRECISION, "least share of a layer's reads ahead that it must use: "
         "each layer reads only the predictions whose scores, counted on its calls so far, "
         "were used that often (0: every prediction the bandwidth budget allows)",
-        type=float)
+        type=float, bounds=dict(low=0, high=1))
     prefetch_affinity: bool = _option(
         True, "weigh each prediction by how often the expert followed the experts this "
         "layer chose, counted on the routing so far", choices=ON_OFF)
     prefetch_max_tokens: int = _option(
         DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",
-        type=int)
+        type=int, bounds=dict(low=1, high=MAX_COUNT))
     policy: str = _option(
         DEFAULT_POLICY, "which resident experts a miss evicts (bench cache compares them)",
         choices=POLICY_CHOICES)
@@ -110,10 +119,11 @@ class StreamConfig:
         "(and again after its blob changes on disk), on every read, or never",
         choices=VERIFY_CHOICES)
     reserve_gb: float = _option(DEFAULT_RESERVE_GB, "memory left free when cache_gb is "
-                                "not given, in GB", type=float)
+                                "not given, in GB", type=float, bounds=dict(low=0, high=MAX_GB))
     pressure_gb: float = _option(
         DEFAULT_PRESSURE_GB, "when available memory falls below this many GB during a run, "
-        "the expert pools shrink (and grow back when it returns); 0: never", type=float)
+        "the expert pools shrink (and grow back when it returns); 0: never", type=float,
+        bounds=dict(low=0, high=MAX_GB))
     trace: Optional[str] = _option(None, "write the routing of every MoE call to this file")
     mtp: bool = _option(False, "load the model's multi-token-prediction layers (kept by "
                         "convert when the checkpoint has them) to draft with (--draft mtp)",
@@ -121,18 +131,21 @@ class StreamConfig:
     disk_cache_gb: Optional[float] = _option(
         None, "Hub repos: GB of expert records kept on disk between runs, 0 for none "
         "(default: half the free space of the disk_cache_dir disk, at most the experts)",
-        type=float)
+        type=float, bounds=dict(low=0, high=MAX_GB, optional=True))
     disk_cache_dir: Optional[str] = _option(
         None, "Hub repos: where records, downloaded spines and conversions are kept "
         "(default: HF_HOME/mlx_streaming)")
     endpoint: Optional[str] = _option(
         None, "Hub repos: the Hub's URL (default: huggingface_hub's, HF_ENDPOINT)")
     fetch_threads: int = _option(DEFAULT_FETCH_THREADS, "Hub repos: parallel range requests "
-                                 f"(1-{MAX_FETCH_THREADS})", type=int)
+                                 f"(1-{MAX_FETCH_THREADS})", type=int,
+        bounds=dict(low=1, high=MAX_FETCH_THREADS))
     fetch_timeout: float = _option(DEFAULT_FETCH_TIMEOUT, "Hub repos: seconds to wait for "
-                                   "the server before a try fails", type=float)
+                                   "the server before a try fails", type=float,
+        bounds=dict(low=0, high=3600.0, open_low=True))
     fetch_retries: int = _option(DEFAULT_FETCH_RETRIES, "Hub repos: tries after the first "
-                                 "before a fetch is an error", type=int)
+                                 "before a fetch is an error", type=int,
+        bounds=dict(low=0, high=MAX_FETCH_RETRIES))
 
     def __post_init__(self):
         _check_choice("io", self.io, IO_CHOICES)
@@ -146,29 +159,12 @@ class StreamConfig:
             raise ConfigError(f"mtp must be True or False, got {self.mtp!r}")
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
-        for name, kind, bounds in _NUMBERS:
-            # Stored as plain Python numbers (numpy scalars are accepted).
-            object.__setattr__(self, name, _number(name, getattr(self, name), kind, **bounds))
-
-
-# The numeric options, their kinds and bounds.
-_NUMBERS = (
-    ("cache_gb", float, dict(low=0, high=MAX_GB, open_low=True, optional=True)),
-    ("slots_per_layer", int, dict(low=1, optional=True)),
-    ("pinned_layers", int, dict(low=0, optional=True)),
-    ("spine_ring", int, dict(low=1, high=MAX_SPINE_RING)),
-    ("io_threads", int, dict(low=1, high=MAX_IO_THREADS)),
-    ("prefetch_width", int, dict(low=1, optional=True)),
-    ("prefetch_max_tokens", int, dict(low=1)),
-    ("prefetch_budget", int, dict(low=0, high=MAX_BUDGET, optional=True)),
-    ("prefetch_precision", float, dict(low=0, high=1)),
-    ("reserve_gb", float, dict(low=0, high=MAX_GB)),
-    ("pressure_gb", float, dict(low=0, high=MAX_GB)),
-    ("disk_cache_gb", float, dict(low=0, high=MAX_GB, optional=True)),
-    ("fetch_threads", int, dict(low=1, high=MAX_FETCH_THREADS)),
-    ("fetch_timeout", float, dict(low=0, high=3600.0, open_low=True)),
-    ("fetch_retries", int, dict(low=0, high=MAX_FETCH_RETRIES)),
-)
+        for f in fields(self):
+            bounds = f.metadata.get("bounds")
+            if bounds is not None:
+                # Stored as plain Python numbers (numpy scalars are accepted).
+                value = _number(f.name, getattr(self, f.name), f.metadata["type"], **bounds)
+                object.__setattr__(self, f.name, value)
 
 
 def _check_choice(name, value, choices):
@@ -182,20 +178,26 @@ def _number(name, value, kind, low, high=None, open_low=False, optional=False):
     if value is None and optional:
         return None
     is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    ok_type = is_int or (kind is float and isinstance(value, numbers.Real)
-                         and not isinstance(value, bool))
-    if not ok_type or not math.isfinite(value):
+    is_float = kind is float and isinstance(value, numbers.Real) and not is_int \
+        and not isinstance(value, bool)
+    # Integers are compared as they are: a huge one is out of bounds, not
+    # an OverflowError from float().
+    if not (is_int or (is_float and math.isfinite(value))):
         raise ConfigError(f"{name} must be a finite {'integer' if kind is int else 'number'}, "
                           f"got {value!r}")
-    value = kind(value)
     too_low = value <= low if open_low else value < low
     if too_low or (high is not None and value > high):
-        bound = f"above {low:g}" if open_low else f"at least {low:g}"
+        lo, hi = _shown(low), _shown(high)
+        bound = f"above {lo}" if open_low else f"at least {lo}"
         if high is not None:
-            bound = f"{bound} and at most {high:g}" if open_low else \
-                f"between {low:g} and {high:g}"
-        raise ConfigError(f"{name} must be {bound}, got {value!r}")
-    return value
+            bound = f"{bound} and at most {hi}" if open_low else f"between {lo} and {hi}"
+        got = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}..."
+        raise ConfigError(f"{name} must be {bound}, got {got}")
+    return kind(value)
+
+
+def _shown(bound) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def config_fields():
@@ -207,6 +209,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("streaming options (mlx_streaming.load keywords)")
     for f in fields(StreamConfig):
         meta = dict(f.metadata)
+        meta.pop("bounds", None)
         flag = "--" + f.name.replace("_", "-")
         choices = meta.pop("choices", None)
         if isinstance(choices, dict):

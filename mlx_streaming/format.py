@@ -120,7 +120,9 @@ class LayerSpec:
     def blob_nbytes(self) -> int:
         return self.num_experts * self.stride
 
-    def record_offset(self, expert: int) -> int:
+    def record_offset(self, expert):
+        """Where an expert's record starts in the blob (an int, or int64
+        offsets of an array of experts)."""
         return expert * self.stride
 
 

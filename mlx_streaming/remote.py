@@ -498,8 +498,9 @@ class RemoteReader(PythonReader):
     def _fetch_run(self, blob: RemoteBlob, run: Tuple[int, int]) -> Dict[int, np.ndarray]:
         first, count = run
         stride = blob.spec.stride
-        data = np.frombuffer(self.fetcher.fetch(blob.url, first * stride, count * stride),
-                             np.uint8)
+        data = np.frombuffer(
+            self.fetcher.fetch(blob.url, blob.spec.record_offset(first), count * stride),
+            np.uint8)
         out = {}
         for j in range(count):
             e = first + j
@@ -517,7 +518,8 @@ class RemoteReader(PythonReader):
         stride = blob.spec.stride
         log.warning("layer %d expert %d from %s failed its checksum; fetching it again",
                     blob.spec.layer, expert, blob.url)
-        record = np.frombuffer(self.fetcher.fetch(blob.url, expert * stride, stride), np.uint8)
+        record = np.frombuffer(
+            self.fetcher.fetch(blob.url, blob.spec.record_offset(expert), stride), np.uint8)
         if not self._good(blob.spec, expert, record):
             raise ExpertFetchError(
                 f"layer {blob.spec.layer}, expert {expert}: the bytes fetched from "

@@ -26,7 +26,6 @@ import argparse
 import collections
 import io
 import json
-import math
 import socket
 import sys
 import threading
@@ -53,6 +52,10 @@ LISTEN_BACKLOG = 128
 # character: long ones are memory a request could pin.
 MAX_STOP_CHARS = 512
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+# The largest magnitude a number field may have (float32 holds ~3.4e38).
+MAX_NUMBER = 1e30
+# /v1/stats waits this long for the forward pass in flight to end.
+STATS_WAIT_S = 1.0
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -163,14 +166,18 @@ class Service:
         args = getattr(self.provider.model, "args", None)
         return getattr(args, "max_position_embeddings", None)
 
-    def longest_token_chars(self) -> int:
-        """The most characters of text one token stands for: its vocabulary
+    def longest_token_chars(self) -> Optional[int]:
+        """The most characters of text one token stands for, or None where
+        the tokenizer does not list its vocabulary: a token's vocabulary
         entry is at least that long (a byte-level token holds one character
         per byte of text; a byte-fallback one, ``<0xE2>``, one byte)."""
         if self._longest_token is None:
-            vocab = self.provider.tokenizer._tokenizer.get_vocab()
-            self._longest_token = max(map(len, vocab), default=1)
-        return self._longest_token
+            try:
+                vocab = self.provider.tokenizer.get_vocab()
+                self._longest_token = max(map(len, vocab), default=0) or False
+            except Exception:
+                self._longest_token = False  # asked once
+        return self._longest_token or None
 
     def record(self, tokens: int, seconds: float, first_token_s: Optional[float]) -> None:
         with self.lock:
@@ -183,7 +190,9 @@ class Service:
             recent = list(self.recent)
         tokens = sum(r["tokens"] for r in recent)
         seconds = sum(r["seconds"] for r in recent)
-        report = stats(self.provider.model) if self.provider.model is not None else {}
+        # A long pass (a prefill, a slow remote read) must not hold a poller.
+        model = self.provider.model
+        report = stats(model, wait=STATS_WAIT_S) if model is not None else {}
         return dict(
             model=self.model_id,
             streaming=report,
@@ -218,9 +227,6 @@ def _counting(service: Service, generate):
                         first = time.perf_counter() - start
                     n += 1
                     yield item
-            except Exception:
-                _repair_random_state()
-                raise
             finally:
                 service.record(n, time.perf_counter() - start, first)
 
@@ -231,20 +237,6 @@ def _counting(service: Service, generate):
 
 # Per handler thread: the server-side failure behind mlx-lm's error reply.
 _faults = threading.local()
-
-
-def _repair_random_state() -> None:
-    """mlx-lm's samplers are compiled with the random state as input and
-    output: one that raises (a top_k it refuses) leaves the state without
-    a value, and every later sampled request would fail. Reseed it then."""
-    import os
-
-    import mlx.core as mx
-
-    try:
-        mx.eval(mx.random.state)
-    except Exception:
-        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
 
 
 class _Output:
@@ -308,27 +300,14 @@ def _without_request_headers(data: bytes) -> bytes:
     return b"\r\n".join(lines) + sep + body
 
 
-def _text_length(prompt) -> int:
-    """Characters of text in a prompt or in chat messages."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    n = 0
-    for message in prompt if isinstance(prompt, list) else []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            n += len(content)
-        elif isinstance(content, list):
-            n += sum(len(p["text"]) for p in content
-                     if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return n
-
-
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A finite number MLX can take as a float32 (JSON integers have no
+    bound)."""
+    return (_is_int(v) or isinstance(v, float)) and abs(v) <= MAX_NUMBER
 
 
 def _has_image(message: dict) -> bool:
@@ -337,45 +316,52 @@ def _has_image(message: dict) -> bool:
         isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content)
 
 
-# Sampling fields: (lowest, highest) allowed, None for no bound. mlx-lm's
-# samplers raise on some of what its checks let through (top_k at or above
-# the vocabulary, xtc_threshold above 0.5), and NaN poisons the logits.
+# Sampling fields: (lowest, highest) allowed, None for no bound; NaN
+# poisons the logits.
 _SAMPLING = {
-    "top_p": (0, 1), "min_p": (0, 1), "xtc_probability": (0, 1), "xtc_threshold": (0, 0.5),
+    "top_p": (0, 1), "min_p": (0, 1), "xtc_probability": (0, 1), "xtc_threshold": (0, 1),
     "repetition_penalty": (0, None), "presence_penalty": (None, None),
     "frequency_penalty": (None, None),
 }
 
 
-def _check_sampling(body: dict, vocab: Optional[int]):
+def _check_sampling(body: dict, vocab: Optional[int], temperature: float):
+    """As mlx-lm's checks, plus what its samplers raise on where they run
+    (at a temperature above 0): a top_k of the vocabulary or more, XTC with
+    a threshold above 0.5. Raised inside a sampler compiled with the random
+    state, these left the state without a value: every later sampled
+    request failed."""
     for name, (low, high) in _SAMPLING.items():
         value = body.get(name)
         if value is None:
             continue
         if not _is_number(value) or (low is not None and value < low) or (
                 high is not None and value > high):
-            bounds = {(0, 1): " from 0 to 1", (0, 0.5): " from 0 to 0.5",
-                      (0, None): " of 0 or more"}.get((low, high), "")
+            bounds = {(0, 1): " from 0 to 1", (0, None): " of 0 or more"}.get((low, high), "")
             return name, f"'{name}' must be a finite number{bounds}, got {value!r}"
     top_k = body.get("top_k")
-    if top_k is not None:
-        # 0 means no top-k; mlx-lm's sampler takes 1 to vocab - 1.
-        high = (vocab - 1) if vocab else 1 << 20
-        if not (_is_int(top_k) and 0 <= top_k <= high):
-            return "top_k", f"'top_k' must be an integer from 0 (off) to {high}, got {top_k!r}"
+    if top_k is not None and not (_is_int(top_k) and top_k >= 0):
+        return "top_k", f"'top_k' must be an integer of 0 (off) or more, got {top_k!r}"
+    if temperature > 0 and vocab and (top_k or 0) >= vocab:
+        return "top_k", f"'top_k' must be below the vocabulary of {vocab}, got {top_k!r}"
+    if temperature > 0 and (body.get("xtc_probability") or 0) > 0 and \
+            body.get("xtc_threshold", 0.1) > 0.5:
+        return "xtc_threshold", "'xtc_threshold' must be at most 0.5 where XTC applies"
     return None
 
 
-def _check_fields(body: dict, completion: bool, vocab: Optional[int], images: bool = False):
+def _check_fields(body: dict, completion: bool, vocab: Optional[int], temperature: float,
+                  images: bool = False):
     """The first problem with the request's fields as ``(field, message)``,
     or None. Checked here because mlx-lm lets some through to a crash, or to
-    work that holds the queue. ``images``: the model takes image parts."""
+    work that holds the queue. ``temperature``: the request's, or the
+    server's default; ``images``: the model takes image parts."""
     if completion:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) and prompt):
             # mlx-lm encodes the prompt as text: a list of token ids cannot run.
-            return "prompt", "'prompt' must be a non-empty string (token id lists are not " \
-                             "supported)"
+            return "prompt", "'prompt' must be a non-empty string (lists, of strings or " \
+                             "token ids, are not supported)"
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -391,7 +377,7 @@ def _check_fields(body: dict, completion: bool, vocab: Optional[int], images: bo
     stops = [stop] if isinstance(stop, str) else stop or []
     if sum(len(x) for x in stops) > MAX_STOP_CHARS:
         return "stop", f"'stop' strings may hold {MAX_STOP_CHARS} characters in all"
-    problem = _check_sampling(body, vocab)
+    problem = _check_sampling(body, vocab, temperature)
     if problem is not None:
         return problem
     bias = body.get("logit_bias")
@@ -578,13 +564,14 @@ def make_handler(base):
                                 param=name)
                     return False
             temperature = body.get("temperature", 0)
-            if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-                    or not math.isfinite(temperature) or temperature < 0:
+            if not _is_number(temperature) or temperature < 0:
                 self._error(400, f"temperature must be a number of 0 or more, got "
                             f"{temperature!r}", param="temperature")
                 return False
-            problem = _check_fields(body, self.path == "/v1/completions", self._vocab_size(),
-                                    images=self.service.provider.processor is not None)
+            problem = _check_fields(
+                body, self.path == "/v1/completions", self._vocab_size(),
+                body.get("temperature", self.response_generator.cli_args.temp),
+                images=self.service.provider.processor is not None)
             if problem is not None:
                 self._error(400, problem[1], param=problem[0])
                 return False
@@ -610,16 +597,17 @@ def make_handler(base):
             limit = self.service.context_length()
             if tokenizer is None or limit is None:
                 return True
-            chars = _text_length(body[field])
-            if chars > limit * self.service.longest_token_chars():
-                # Longer than any tokenization of it could fit: no need to
-                # spend seconds tokenizing it.
-                self._error(400, f"the prompt has {chars} characters, more than the model's "
-                            f"context of {limit} tokens can hold; shorten it",
-                            "context_length_exceeded", param=field)
-                return False
             try:
-                n = len(self._tokens(tokenizer, body, field))
+                text = self._prompt_text(tokenizer, body, field)
+                longest = self.service.longest_token_chars()
+                # Longer than any tokenization of it could fit: refused
+                # without spending seconds tokenizing it.
+                if longest is not None and len(text) > limit * longest:
+                    self._error(400, f"the prompt has {len(text)} characters, more than the "
+                                f"model's context of {limit} tokens can hold; shorten it",
+                                "context_length_exceeded", param=field)
+                    return False
+                n = len(self._tokens(tokenizer, body, field, text))
             except Exception:
                 return True  # mlx-lm's own parsing reports what is wrong
             if n > limit:
@@ -628,19 +616,40 @@ def make_handler(base):
                 return False
             return True
 
-        def _tokens(self, tokenizer, body: dict, field: str) -> list:
-            """The prompt's tokens as mlx-lm makes them (its ``_tokenize``)."""
+        # The prompt as mlx-lm's ``_tokenize`` makes it.
+
+        def _prompt_text(self, tokenizer, body: dict, field: str) -> str:
             if field == "prompt":
-                return tokenizer.encode(body["prompt"])
+                return body["prompt"]
             if not tokenizer.has_chat_template:
                 from mlx_lm.server import convert_chat
 
-                return tokenizer.encode(convert_chat(body["messages"], body.get("role_mapping")))
-            template_args = dict(self.response_generator.cli_args.chat_template_args or {})
-            template_args.update(body.get("chat_template_kwargs") or {})
+                return convert_chat(body["messages"], body.get("role_mapping"))
             return tokenizer.apply_chat_template(
-                body["messages"], tools=body.get("tools"), add_generation_prompt=True,
-                **template_args)
+                self._messages(body), add_generation_prompt=True,
+                **dict(self._template_args(body), tokenize=False))
+
+        def _tokens(self, tokenizer, body: dict, field: str, text: str) -> list:
+            if field == "prompt" or not tokenizer.has_chat_template:
+                return tokenizer.encode(text)
+            return tokenizer.apply_chat_template(
+                self._messages(body), add_generation_prompt=True,
+                **dict(self._template_args(body), tokenize=True))
+
+        def _messages(self, body: dict) -> list:
+            import copy
+
+            from mlx_lm.server import process_message_content
+
+            messages = copy.deepcopy(body["messages"])  # converted in place
+            process_message_content(
+                messages, keep_images=self.service.provider.processor is not None)
+            return messages
+
+        def _template_args(self, body: dict) -> dict:
+            args = dict(self.response_generator.cli_args.chat_template_args or {})
+            args.update(body.get("chat_template_kwargs") or {})
+            return dict(args, tools=body.get("tools") or None)
 
         def _error(self, status: int, message: str, code: Optional[str] = None,
                    param: Optional[str] = None, headers: Optional[dict] = None):
@@ -734,7 +743,8 @@ def serve(args, mlx_args) -> None:
         raise ConfigError(f"--max-tokens {mlx_args.max_tokens} exceeds the model's context "
                           f"of {limit} tokens")
     vocab = getattr(getattr(provider.model, "args", None), "vocab_size", None)
-    problem = _check_sampling({"top_k": mlx_args.top_k}, vocab)
+    # Any request may sample with the default top_k.
+    problem = _check_sampling({"top_k": mlx_args.top_k}, vocab, temperature=1.0)
     if problem is not None:
         raise ConfigError(f"--top-k: {problem[1]}")
     service = Service(provider, args.max_queue, args.memo_mb)
@@ -770,7 +780,7 @@ def _check_defaults(mlx_args) -> None:
     if not (_is_number(mlx_args.temp) and mlx_args.temp >= 0):
         raise ConfigError(f"--temp must be a number of 0 or more, got {mlx_args.temp}")
     flags = {name: getattr(mlx_args, name) for name in ("top_p", "min_p", "top_k")}
-    problem = _check_sampling(flags, None)
+    problem = _check_sampling(flags, None, mlx_args.temp)
     if problem is not None:
         raise ConfigError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
 

@@ -258,7 +258,7 @@ def runtime_of(model):
     return runtime
 
 
-def stats(model) -> dict:
+def stats(model, wait: Optional[float] = None) -> dict:
     """Counters of a streaming model: hits, misses, bytes read, read and
     stall seconds, host syncs and prefetch telemetry, per layer and in
     total, with the I/O path that ran.
@@ -268,14 +268,20 @@ def stats(model) -> dict:
     ``syncs`` counts calls that waited for their ids on the host;
     ``graph_calls`` those that ran inside the graph (the native step on the
     CPU backend), reported when their forward pass ends. Read between
-    forward passes: from another thread, it waits for the pass in flight.
+    forward passes: from another thread, it waits for the pass in flight,
+    or at most ``wait`` seconds; past that the counters are read as they
+    stand, maybe partway through a pass (``mid_pass`` True).
     """
     runtime = runtime_of(model)
     # Between forward passes, as reset_stats: a pass counts as it goes,
     # and a report read inside one (a thread switch between two counters)
     # could show a layer's reads ahead used but not yet issued.
-    with runtime.lock:
-        return _report(runtime)
+    if not runtime.lock.acquire(timeout=-1 if wait is None else wait):
+        return dict(_report(runtime), mid_pass=True)
+    try:
+        return dict(_report(runtime), mid_pass=False)
+    finally:
+        runtime.lock.release()
 
 
 def _report(runtime) -> dict:

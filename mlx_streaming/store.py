@@ -177,8 +177,7 @@ class ExpertStore:
         return self.staging.stage(self.layer, self.file, experts, self._offsets(experts))
 
     def _offsets(self, experts: np.ndarray) -> np.ndarray:
-        """Where each expert's record starts in the blob (docs/FORMAT.md)."""
-        return experts.astype(np.int64) * self.spec.stride
+        return self.spec.record_offset(experts.astype(np.int64))
 
     def _take_staged(self, experts, slots, want_crc, crcs, from_disk) -> int:
         useful = 0

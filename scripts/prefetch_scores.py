@@ -64,14 +64,23 @@ def residency(routing: np.ndarray, experts: int, slots: int) -> list:
     return before
 
 
-def candidates(model, xs, k: int, slots: int, width: int):
+def norm_ratio(model, i: int):
+    """What turns layer i's MoE input into what layer i+1's norm would make
+    of the same residual: the ratio of their RMSNorm weights."""
+    layers = model.model.layers
+    return layers[i + 1].post_attention_layernorm.weight / \
+        layers[i].post_attention_layernorm.weight
+
+
+def candidates(model, xs, k: int, slots: int, width: int, rescale: bool = False):
     """Per (token, layer): [(score, used)] of the non-resident predictions,
     best first; and the count of misses."""
     gates = [layer.mlp.gate for layer in model.model.layers]
     routed = [np.array(mx.argpartition(-g(x), k - 1, axis=-1)[:, :k]) for g, x in zip(gates, xs)]
     out, misses = [], 0
     for i in range(len(xs) - 1):
-        probs = np.array(mx.softmax(gates[i + 1](xs[i]).astype(mx.float32), axis=-1))
+        x = xs[i] * norm_ratio(model, i) if rescale else xs[i]
+        probs = np.array(mx.softmax(gates[i + 1](x).astype(mx.float32), axis=-1))
         resident = residency(routed[i + 1], probs.shape[-1], slots)
         counts = np.ones((probs.shape[-1], probs.shape[-1]), np.float32)
         for t in range(len(probs)):
@@ -120,6 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--slots", type=int, default=8, help="pool slots per layer")
     p.add_argument("--budget", type=int, default=4, help="most records read ahead a call")
+    p.add_argument("--norm-ratio", action="store_true",
+                   help="scale the MoE input by the ratio of the two layers' norm weights "
+                        "before the next router (on T12, whose norm weights are all near 1, "
+                        "it changed nothing; untried on a real model)")
     args = p.parse_args(argv)
     model, tokenizer = load(args.model)
     text = Path(argparse.__file__).read_text()[20000:60000]  # stdlib source, as trained on
@@ -127,7 +140,8 @@ def main(argv=None) -> int:
     if len(ids) <= WARMUP:
         p.error(f"--tokens must exceed the {WARMUP} warm-up tokens")
     k = model.model.layers[0].mlp.top_k
-    rows, misses = candidates(model, moe_inputs(model, ids), k, args.slots, 2 * k)
+    rows, misses = candidates(model, moe_inputs(model, ids), k, args.slots, 2 * k,
+                              args.norm_ratio)
     report(rows, misses, args.budget)
     return 0
 

@@ -129,6 +129,8 @@ def test_stats_from_another_thread_wait_for_the_forward_pass(qwen, io):
         worker = threading.Thread(target=lambda: mx.eval(model(tokens)))
         worker.start()
         assert inside.wait(60)
+        # Asked to wait at most a little, it reads the counters as they stand.
+        assert mlx_streaming.stats(model, wait=0.05)["mid_pass"]
         reader = threading.Thread(target=read)
         reader.start()
         reader.join(0.5)
@@ -137,6 +139,7 @@ def test_stats_from_another_thread_wait_for_the_forward_pass(qwen, io):
         reader.join(60)
         worker.join(60)
         assert alive, "read inside a forward pass"
+    assert not out["stats"]["mid_pass"]
     layers = out["stats"]["layers"].values()
     assert {c["calls"] for c in layers} == {2}
     assert all(c["prefetch_useful"] + c["prefetch_wasted"] <= c["prefetch_issued"]

@@ -528,6 +528,7 @@ def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):
     _stats_of_decode(model, 12)
     assert runtime.prefetch_switch._seen == 12  # the switch counted each decode token
     assert runtime.prefetch_affinity.seen(runtime.stores[0].layer) > 0
+    assert runtime.prefetch_budget.rate is not None  # reads and stalls reached the budget
 
 
 class FakeClock:

@@ -146,12 +146,14 @@ def test_stop_strings(server, models):
     ({"prompt": "x", "stream": True, "stream_options": "x"}, None, 400, None),
     ({"prompt": "x", "top_p": 5}, None, 400, None),  # refused by mlx-lm, reworded here
     ({"prompt": "x", "top_k": -1}, None, 400, None),
-    # mlx-lm's sampler raises on these, and left its random state broken
+    # mlx-lm's sampler raises on these, and left its random state broken:
+    # every later sampled request failed
     ({"prompt": "x", "temperature": 1, "top_k": 10**6}, None, 400, None),
     ({"prompt": "x", "temperature": 1, "xtc_probability": 0.5, "xtc_threshold": 0.7}, None,
      400, None),
     (None, b'{"prompt": "x", "temperature": 0.5, "frequency_penalty": NaN}', 400, None),
     ({"prompt": [1, 2, 3]}, None, 400, None),  # mlx-lm encodes the prompt as text
+    ({"prompt": "x", "presence_penalty": 10**400}, None, 400, None),  # not a 500
     ({"prompt": "x", "stop": ["ab" * 300]}, None, 400, None),  # memory mlx-lm keeps
 ])
 def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
@@ -192,19 +194,16 @@ def test_image_parts_are_refused_for_a_text_model(server):
             s.accept()
 
 
-def test_a_sampler_failure_does_not_break_later_requests():
-    """mlx-lm's samplers are compiled with the random state: one that
-    raises left it without a value, and every later sampled request failed."""
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
-
-    from mlx_streaming.server import _repair_random_state
-
-    logits = mx.random.normal((1, 64))
-    with pytest.raises(ValueError):
-        make_sampler(temp=1.0, top_k=1000)(logits)
-    _repair_random_state()
-    mx.eval(make_sampler(temp=0.7)(logits))
+def test_sampling_values_that_take_no_effect_are_accepted(server):
+    """Greedy decoding ignores top_k, and XTC off ignores its threshold, as
+    in mlx-lm."""
+    for extra in ({"temperature": 0, "top_k": 10**6},
+                  {"temperature": 0.5, "xtc_probability": 0.0, "xtc_threshold": 0.9},
+                  {"temperature": 0.5, "top_k": 5, "presence_penalty": -1}):
+        got, _, reply = server.post("/v1/completions", dict(prompt="x", max_tokens=2, **extra))
+        assert got == 200, (extra, reply)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})[0] == 200
 
 
 def test_the_listen_backlog_holds_a_burst_of_clients(server):
