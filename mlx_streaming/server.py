@@ -26,10 +26,12 @@ import argparse
 import collections
 import io
 import json
+import re
 import socket
 import sys
 import threading
 import time
+import uuid
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional
@@ -291,6 +293,19 @@ def _openai_error(head: bytes, body: bytes) -> bytes:
                                         "param": None, "code": None}}).encode()
 
 
+_RESPONSE_ID = re.compile(rb'"id": "((?:chat)?cmpl-)[0-9a-f-]{36}"')
+_CREATED = re.compile(rb'"created": \d{10}\b')
+
+
+def _fresh(data: bytes) -> bytes:
+    """A memoised response as a new one: its own id and creation time (as
+    long as the old ones, so Content-Length holds)."""
+    rid = uuid.uuid4()
+    data = _RESPONSE_ID.sub(lambda m: b'"id": "' + m.group(1) + str(rid).encode() + b'"', data)
+    now = str(int(time.time())).encode()
+    return _CREATED.sub(b'"created": ' + now, data) if len(now) == 10 else data
+
+
 def _without_request_headers(data: bytes) -> bytes:
     """A response to store: without the headers that belong to one request
     (the memo marker, CORS for its origin, its date)."""
@@ -472,7 +487,8 @@ def make_handler(base):
                 self._set_cors_headers()  # this request's origin, not the first one's
                 extra = f"{MEMO_HEADER}: hit\r\n".encode() + b"".join(self._headers_buffer)
                 self._headers_buffer = []
-                self.wfile.write(cached.replace(b"\r\n", b"\r\n" + extra, 1))
+                reply = _fresh(cached)
+                self.wfile.write(reply.replace(b"\r\n", b"\r\n" + extra, 1))
                 self.wfile.flush()
                 return
             if not self.service.admission.enter():

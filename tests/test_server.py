@@ -319,12 +319,18 @@ def test_memo_serves_repeated_greedy_requests_only(server):
     second = c.completions.with_raw_response.create(**body)
     assert first.headers[MEMO] == "miss" and second.headers[MEMO] == "hit"
     assert first.parse().choices[0].text == second.parse().choices[0].text
-    heads, texts = [], []
+    assert first.parse().id != second.parse().id  # a response of its own
+    assert second.parse().id.startswith("cmpl-")
+    assert second.parse().created >= first.parse().created
+    heads, texts, ids = [], [], []
     for _ in range(2):  # streamed: the memo replays the whole event stream
         raw = c.completions.with_raw_response.create(**body, stream=True)
         heads.append(raw.headers[MEMO])
-        texts.append("".join(chunk.choices[0].text for chunk in raw.parse()))
+        chunks = list(raw.parse())
+        texts.append("".join(chunk.choices[0].text for chunk in chunks))
+        ids.append({chunk.id for chunk in chunks})
     assert heads == ["miss", "hit"] and texts[0] == texts[1] == first.parse().choices[0].text
+    assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]
     sampled = [c.completions.with_raw_response.create(**dict(body, temperature=0.9))
                for _ in range(2)]
     assert all(MEMO not in s.headers for s in sampled)
