@@ -44,7 +44,8 @@ DEMO_MAX_TOKENS = 120
 WHAT_IT_IS = (
     "[demo] The demo model is a tiny qwen3_moe (4 layers, 16 experts of which 4 per "
     "token) trained for a few minutes to recite the Zen of Python; it knows nothing "
-    "else. Prompted with the passage's opening words it should continue it verbatim.")
+    "else. Prompted with the passage's opening words it continues it, the first lines "
+    "verbatim, then drifts.")
 
 
 def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) -> Path:
