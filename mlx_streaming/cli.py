@@ -9,6 +9,7 @@
 """
 
 import importlib
+import os
 import sys
 from typing import Callable, List, Optional
 
@@ -35,6 +36,11 @@ def run_main(body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output left (``| head``): stop quietly, as a
+        # process killed by SIGPIPE would, and let nothing flush to it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def main(argv: Optional[List[str]] = None) -> int:

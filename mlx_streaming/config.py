@@ -157,6 +157,11 @@ class StreamConfig:
                               f"{self.prefetch_affinity!r}")
         if self.mtp not in (True, False):
             raise ConfigError(f"mtp must be True or False, got {self.mtp!r}")
+        if self.trace is not None:
+            trace = os.fspath(self.trace) if isinstance(self.trace, os.PathLike) else self.trace
+            if not (isinstance(trace, str) and trace):
+                raise ConfigError(f"trace must be a file path, got {self.trace!r}")
+            object.__setattr__(self, "trace", trace)
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
         for f in fields(self):

@@ -87,6 +87,15 @@ def resolve_source(src: str) -> Path:
     if path.exists():
         if not (path / "config.json").exists():
             raise ConversionError(f"{src} has no config.json; it is not an mlx-lm model")
+        if manifest_path(path).exists():
+            raise ConversionError(f"{src} is already a stream directory: load or generate "
+                                  "from it; convert takes the mlx-lm or Hub model")
+        vocabularies = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model",
+                        "*tiktoken*")
+        if not any(f.is_file() for pattern in vocabularies for f in path.glob(pattern)):
+            print(f"warning: {src} has no tokenizer files (tokenizer.json, tokenizer.model, "
+                  "vocab.json); the converted model will not load until you copy them in",
+                  file=sys.stderr)
         return path
     try:
         from huggingface_hub import snapshot_download

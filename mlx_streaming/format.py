@@ -17,6 +17,7 @@ are still read.
 """
 
 import json
+import re
 import math
 import os
 import struct
@@ -332,9 +333,15 @@ def layer_from_dict(d, where: str = "layer") -> LayerSpec:
     top_k = _nonneg(_get(d, "top_k", int, where), f"{where}.top_k", 1)
     if top_k > num:
         raise _Malformed(f"{where}.top_k {top_k} exceeds num_experts {num}")
+    module = _get(d, "module", str, where)
+    index = _layer_in_path(module)
+    if index is not None and index != layer:
+        # The converter numbers a layer by its module's path: an entry
+        # whose module sits in another layer would run another's experts.
+        raise _Malformed(f"{where}.module {module!r} is not in layer {layer}")
     return LayerSpec(
         layer=layer,
-        module=_get(d, "module", str, where),
+        module=module,
         kind=_get(d, "kind", str, where),
         file=file,
         num_experts=num,
@@ -344,6 +351,16 @@ def layer_from_dict(d, where: str = "layer") -> LayerSpec:
         quantization=_quantization_from_dict(d.get("quantization"), where),
         checksums=tuple(checksums),
     )
+
+
+def _layer_in_path(module: str) -> Optional[int]:
+    """The transformer layer of a module path (its last integer), None for
+    an MTP module (numbered after the model's layers) or a path without
+    one (numbered by order)."""
+    if module.startswith("mtp."):
+        return None
+    numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", module)
+    return int(numbers[-1]) if numbers else None
 
 
 def _spine_from_list(entries) -> Tuple[SpineFile, ...]:

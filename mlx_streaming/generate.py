@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from .cli import run_main
 from .config import add_config_flags, config_from_args
@@ -60,6 +61,10 @@ def check_args(args) -> None:
         raise ConfigError(f"--max-tokens must be 1 or more, got {args.max_tokens}")
     if not args.prompt:
         raise ConfigError("the prompt is empty; pass some text with --prompt")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the locale could not decode, as surrogates
+        raise ConfigError("the prompt is not valid UTF-8 text") from None
     if not 0 <= args.temp < float("inf"):
         raise ConfigError(f"--temp must be 0 or a positive number, got {args.temp}")
     if not 0 < args.top_p <= 1:
@@ -68,6 +73,11 @@ def check_args(args) -> None:
         raise ConfigError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
     if args.draft and args.draft_model:
         raise ConfigError("pass either --draft or --draft-model, not both")
+    out = Path(args.stats_json) if args.stats_json else None
+    if out is not None and (out.is_dir() or not out.resolve().parent.is_dir()):
+        # Known before the model loads, not after the whole generation.
+        raise ConfigError(f"cannot write --stats-json {args.stats_json} (not a file in an "
+                          "existing directory)")
     if (args.draft or args.draft_model) and args.top_p < 1:
         raise ConfigError("--top-p is not supported with drafts; use --temp alone")
     if not 1 <= args.num_draft_tokens <= 64:

@@ -95,8 +95,9 @@ def resolve(repo_id: str, revision: Optional[str], endpoint: Optional[str]) -> H
     except HfHubHTTPError as e:
         raise FormatError(f"the Hub at {where} refused {repo_id}: {first_line(e)}") from None
     except Exception as e:  # network errors come as httpx's
-        raise HubUnreachable(f"cannot reach the Hub at {where} for {repo_id} "
-                             f"({type(e).__name__}: {first_line(e)}); check the network") from None
+        raise HubUnreachable(f"{repo_id}: no such local directory, and cannot reach the Hub "
+                             f"at {where} ({type(e).__name__}: {first_line(e)}); check the "
+                             "path or the network") from None
     return HubRepo(repo_id, info.sha, files, endpoint)
 
 

@@ -28,7 +28,7 @@ from .discover import (
     projections,
     set_module,
 )
-from .errors import ConfigError, FormatError, StreamingError
+from .errors import ConfigError, FormatError, StreamingError, first_line
 from .format import (
     LayerSpec,
     Manifest,
@@ -255,12 +255,18 @@ def load(
         ConfigError: an option is unknown or out of range.
     """
     config = _make_config(config, options)
+    for name, value in (("tokenizer_config", tokenizer_config), ("model_config", model_config)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a dict, got {type(value).__name__}")
     if adapter_path is not None:
         raise ConfigError(
             "adapter_path is not supported on streamed models: fuse the adapters with "
             "`mlx_lm.fuse` and convert the fused model"
         )
     path, repo = _locate(str(path_or_hf_repo), revision, config)
+    if config.trace is not None and Path(config.trace).resolve().is_relative_to(path.resolve()):
+        raise ConfigError(f"the trace {config.trace} would be written into the model's own "
+                          "directory; write it elsewhere")
     manifest = read_manifest(path, blobs=repo is None)
     if repo is not None:
         hub.check_remote_blobs(repo, manifest)
@@ -285,12 +291,20 @@ def load(
                                          budget.min_slots(manifest))
     if runtime.paged or runtime.ring is not None:
         _serialize_calls(model)
-    tokenizer = load_tokenizer(
-        path, tokenizer_config, eos_token_ids=model_config.get("eos_token_id")
-    )
+    tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
     if return_config:
         return model, tokenizer, model_config
     return model, tokenizer
+
+
+def _load_tokenizer(path: Path, tokenizer_config, model_config: dict):
+    try:
+        return load_tokenizer(path, tokenizer_config,
+                              eos_token_ids=model_config.get("eos_token_id"))
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise FormatError(f"cannot load the tokenizer in {path} ({first_line(e)}); copy the "
+                          "source model's tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json, ...) into it") from None
 
 
 def _locate(name: str, revision: Optional[str], config: StreamConfig):
@@ -310,6 +324,9 @@ def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
     if config is not None:
         if options:
             raise ConfigError("pass either config= or options, not both")
+        if not isinstance(config, StreamConfig):
+            raise ConfigError(f"config must be a StreamConfig, got {type(config).__name__}; "
+                              "or pass the options as keywords")
         return config
     # None means "the default" for every option, as on the command line.
     return StreamConfig(**{k: v for k, v in options.items() if v is not None})
@@ -385,7 +402,11 @@ def _dense_quantization(path: Path, manifest: Manifest, model_config: dict):
     extra = {f"{d.prefix}.{name}": q for d in manifest.dense for name, q in d.quantization.items()}
     if not extra:
         return model_config, []
-    on_disk = json.loads((path / "config.json").read_text())
+    try:
+        on_disk = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise FormatError(f"cannot read {path}/config.json ({e}); re-convert the model, or "
+                          "copy the source model's config.json back") from None
     base = model_config.get("quantization", on_disk.get("quantization"))
     if not isinstance(base, dict):
         raise FormatError(f"{path}/config.json has no quantization, but the dense records "

@@ -522,3 +522,80 @@ def test_without_the_extension_load_warns_and_reads_in_python(qwen, monkeypatch)
     assert mlx_streaming.stats(model)["io"] == "python"
     assert "not built" in mlx_streaming.stats(model)["io_reason"]
     check_matches_resident(qwen[0], qwen[1], slots_per_layer=4, io="python")
+
+
+# -- found by a hostile probe of the command line and load() ------------------
+
+@pytest.mark.parametrize("damage", ["no config", "bad config", "no tokenizer"])
+def test_a_stream_directory_missing_its_config_or_tokenizer_is_one_line(stream_copy, damage):
+    if damage == "no config":
+        (stream_copy / "config.json").unlink()
+    elif damage == "bad config":
+        (stream_copy / "config.json").write_text("{garbage")
+    else:
+        (stream_copy / "tokenizer.json").unlink()
+    match = "tokenizer" if damage == "no tokenizer" else "config.json"
+    with pytest.raises(FormatError, match=match):
+        mlx_streaming.load(stream_copy, slots_per_layer=4)
+    proc = run("mlx_streaming.generate", "--model", str(stream_copy), "--max-tokens", "2",
+               check_ok=False)
+    assert_one_line_error(proc, match)
+
+
+def test_a_manifest_entry_naming_another_layers_module_is_refused(stream_copy):
+    """Its experts would run in the other layer: wrong output, checksums fine."""
+    path = manifest_path(stream_copy)
+    manifest = json.loads(path.read_text())
+    first, second = manifest["layers"][:2]
+    first["module"], second["module"] = second["module"], first["module"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="is not in layer"):
+        mlx_streaming.load(stream_copy, slots_per_layer=4)
+
+
+def test_trace_must_be_a_path_outside_the_model(qwen):
+    for bad in (True, "", 5):
+        with pytest.raises(ConfigError, match="trace must be a file path"):
+            StreamConfig(trace=bad)
+    blob = qwen[1] / "experts" / read_manifest(qwen[1]).layers[0].file
+    before = blob.stat().st_size
+    with pytest.raises(ConfigError, match="model's own directory"):
+        mlx_streaming.load(qwen[1], trace=str(blob))
+    assert blob.stat().st_size == before
+
+
+def test_load_refuses_arguments_of_the_wrong_kind(qwen):
+    with pytest.raises(ConfigError, match="model_config must be a dict"):
+        mlx_streaming.load(qwen[1], model_config="x")
+    with pytest.raises(ConfigError, match="config must be a StreamConfig"):
+        mlx_streaming.load(qwen[1], config={"slots_per_layer": 4})
+
+
+def test_odd_prompts_and_outputs_are_one_line_or_quiet(qwen, tmp_path):
+    stream = str(qwen[1])
+    proc = run("mlx_streaming.generate", "--model", stream, "--max-tokens", "2", "--prompt",
+               os.fsdecode(b"\xff\xfe abc"), check_ok=False)  # not UTF-8: surrogates
+    assert_one_line_error(proc, "not valid UTF-8")
+    proc = run("mlx_streaming.generate", "--model", stream, "--max-tokens", "2",
+               "--stats-json", str(tmp_path / "missing" / "s.json"), check_ok=False)
+    assert_one_line_error(proc, "cannot write --stats-json")
+    assert "tok/s" not in proc.stderr  # refused before generating
+    # The reader of the output leaves (``| head``): a quiet stop.
+    gen = subprocess.Popen([sys.executable, "-m", "mlx_streaming.generate", "--model", stream,
+                            "--max-tokens", "50"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    gen.stdout.close()
+    err = gen.stderr.read()
+    assert gen.wait(300) == 141 and "Traceback" not in err and "Exception" not in err, err
+
+
+def test_converting_a_stream_directory_or_one_without_a_tokenizer_says_so(qwen, tmp_path,
+                                                                           capsys):
+    with pytest.raises(ConversionError, match="already a stream directory"):
+        convert(qwen[1], tmp_path / "again")
+    src = tmp_path / "src"
+    shutil.copytree(qwen[0], src)
+    for f in ("tokenizer.json", "tokenizer.model", "vocab.json"):
+        (src / f).unlink(missing_ok=True)
+    convert(src, tmp_path / "out")
+    assert "has no tokenizer files" in capsys.readouterr().err
