@@ -17,9 +17,9 @@ are still read.
 """
 
 import json
-import re
 import math
 import os
+import re
 import struct
 import zlib
 from dataclasses import asdict, dataclass, field
