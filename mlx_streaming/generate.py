@@ -33,7 +33,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="stream directory (mlx_streaming convert) or Hugging Face repo id")
     p.add_argument("--revision", default=None,
                    help="of a repo id: branch, tag or commit (default main)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt; - reads it from "
+                   "standard input (as mlx-lm's generate)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (1 or more)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
 
     def body():
+        if args.prompt == "-":
+            args.prompt = sys.stdin.read()
         check_args(args)
         config = config_from_args(args)
         if args.draft == "mtp" and not config.mtp:

@@ -133,3 +133,13 @@ def test_demo_builds_and_generates_offline(tmp_path):
     # The second run reuses the cached model.
     proc = run("mlx_streaming.demo", "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "4")
     assert "[demo] built in" not in proc.stderr
+
+
+def test_generate_reads_the_prompt_from_stdin_with_a_dash(qwen):
+    args = ["--model", str(qwen[1]), "--max-tokens", "6", "--slots-per-layer", "6"]
+    base = [sys.executable, "-m", "mlx_streaming.generate", *args]
+    piped = subprocess.run(base + ["--prompt", "-"], input="def f(x):", capture_output=True,
+                           text=True, timeout=600)
+    direct = run("mlx_streaming.generate", *args, "--prompt", "def f(x):")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == direct.stdout and piped.stdout.strip()
