@@ -36,11 +36,24 @@ def run_main(body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except OutputClosed:
         # The reader of our output left (``| head``): stop quietly, as a
         # process killed by SIGPIPE would, and let nothing flush to it again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+class OutputClosed(Exception):
+    """The reader of standard output went away (``write_out``)."""
+
+
+def write_out(text: str, end: str = "") -> None:
+    """Print to standard output now; a reader that left is ``OutputClosed``
+    (a broken pipe anywhere else stays an error)."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise OutputClosed() from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -55,6 +55,8 @@ from .format import (
     fsync_path,
     layer_from_dict,
     layout_record,
+    VOCABULARY_FILES,
+    has_vocabulary,
     manifest_path,
     check_safetensors,
     record_checksum,
@@ -90,12 +92,6 @@ def resolve_source(src: str) -> Path:
         if manifest_path(path).exists():
             raise ConversionError(f"{src} is already a stream directory: load or generate "
                                   "from it; convert takes the mlx-lm or Hub model")
-        vocabularies = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model",
-                        "*tiktoken*")
-        if not any(f.is_file() for pattern in vocabularies for f in path.glob(pattern)):
-            print(f"warning: {src} has no tokenizer files (tokenizer.json, tokenizer.model, "
-                  "vocab.json); the converted model will not load until you copy them in",
-                  file=sys.stderr)
         return path
     try:
         from huggingface_hub import snapshot_download
@@ -431,6 +427,9 @@ def convert(
         if holds == "done" and not force:
             print(f"{dst} is already converted from {src}", file=sys.stderr)
             return dst
+        if not has_vocabulary(src_path):
+            print(f"warning: {src} has no tokenizer vocabulary ({', '.join(VOCABULARY_FILES)}); "
+                  "the converted model will not load until you copy it in", file=sys.stderr)
         _check_dst(dst, holds, force)
         # Everything that can refuse the source runs before dst is touched.
         model, config = _load_source(src, src_path)

@@ -353,6 +353,16 @@ def layer_from_dict(d, where: str = "layer") -> LayerSpec:
     )
 
 
+# A tokenizer's vocabulary, in the files tokenizers load it from.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.model.*", "vocab.json",
+                    "spiece.model", "tekken.json", "*tiktoken*")
+
+
+def has_vocabulary(path: Path) -> bool:
+    """Whether a model directory holds a tokenizer's vocabulary."""
+    return any(f.is_file() for pattern in VOCABULARY_FILES for f in path.glob(pattern))
+
+
 def _layer_in_path(module: str) -> Optional[int]:
     """The transformer layer of a module path (its last integer), None for
     an MTP module (numbered after the model's layers) or a path without

@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .cli import run_main
+from .cli import run_main, write_out
 from .config import add_config_flags, config_from_args
 from .errors import ConfigError, first_line
 
@@ -166,13 +166,24 @@ def _responses(args, model, tokenizer, prompt, sampler):
                                        temp=args.temp, seed=args.seed)
 
 
+def _read_stdin() -> str:
+    """The prompt from standard input, as UTF-8 text whatever the locale."""
+    if sys.stdin is None:
+        raise ConfigError("--prompt - reads standard input, and there is none")
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError("the prompt is not valid UTF-8 text") from None
+
+
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
 
     def body():
-        if args.prompt == "-":
-            args.prompt = sys.stdin.read()
         check_args(args)
+        if args.prompt == "-":
+            args.prompt = _read_stdin()
+            check_args(args)
         config = config_from_args(args)
         if args.draft == "mtp" and not config.mtp:
             config = replace(config, mtp=True)
@@ -199,7 +210,7 @@ def main(argv=None) -> int:
             raise ConfigError("the prompt encodes to no tokens; pass some text with --prompt")
         sampler = make_sampler(args.temp, args.top_p)
         if args.echo_prompt:
-            print(args.prompt, end="", flush=True)
+            write_out(args.prompt)
         response = None
         for response in _responses(args, model, tokenizer, prompt, sampler):
             text = response.text
@@ -208,8 +219,8 @@ def main(argv=None) -> int:
                 # The streaming detokenizer drops the first token's leading
                 # space, which belongs between the prompt and the reply.
                 text = " " + text
-            print(text, end="", flush=True)
-        print()
+            write_out(text)
+        write_out("", end="\n")
         if response is None:
             model.streaming.close()
             return 0

@@ -95,9 +95,8 @@ def resolve(repo_id: str, revision: Optional[str], endpoint: Optional[str]) -> H
     except HfHubHTTPError as e:
         raise FormatError(f"the Hub at {where} refused {repo_id}: {first_line(e)}") from None
     except Exception as e:  # network errors come as httpx's
-        raise HubUnreachable(f"{repo_id}: no such local directory, and cannot reach the Hub "
-                             f"at {where} ({type(e).__name__}: {first_line(e)}); check the "
-                             "path or the network") from None
+        raise HubUnreachable(f"cannot reach the Hub at {where} for {repo_id} "
+                             f"({type(e).__name__}: {first_line(e)}); check the network") from None
     return HubRepo(repo_id, info.sha, files, endpoint)
 
 
@@ -214,7 +213,8 @@ def _offline(name: str, revision: Optional[str], config: StreamConfig, error: Ex
     found = [d for d in snapshots.glob("*") if (d / MANIFEST_FILE).is_file()
              and _names(d.name, revision)]
     if not found:
-        raise error
+        raise HubUnreachable(f"{error}, or the path: {name} is not a local directory "
+                             "either") from None
     local = max(found, key=lambda d: d.stat().st_mtime)
     warnings.warn(f"{error}; running {name} at commit {local.name} from the local cache: "
                   "experts not in the disk cache cannot be fetched", RuntimeWarning,

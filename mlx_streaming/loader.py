@@ -36,6 +36,7 @@ from .format import (
     check_safetensors,
     check_spine_files,
     file_crc32,
+    has_vocabulary,
     read_manifest,
     spine_files,
 )
@@ -302,9 +303,10 @@ def _load_tokenizer(path: Path, tokenizer_config, model_config: dict):
         return load_tokenizer(path, tokenizer_config,
                               eos_token_ids=model_config.get("eos_token_id"))
     except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
-        raise FormatError(f"cannot load the tokenizer in {path} ({first_line(e)}); copy the "
-                          "source model's tokenizer files (tokenizer.json, "
-                          "tokenizer_config.json, ...) into it") from None
+        hint = "" if has_vocabulary(path) else ("; copy the source model's tokenizer files "
+                                                "(tokenizer.json, ...) into it")
+        raise FormatError(f"cannot load the tokenizer in {path} ({first_line(e)}){hint}") \
+            from None
 
 
 def _locate(name: str, revision: Optional[str], config: StreamConfig):

@@ -143,3 +143,8 @@ def test_generate_reads_the_prompt_from_stdin_with_a_dash(qwen):
     direct = run("mlx_streaming.generate", *args, "--prompt", "def f(x):")
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == direct.stdout and piped.stdout.strip()
+    bad = subprocess.run(base + ["--prompt", "-"], input=b"abc\xff", capture_output=True,
+                         timeout=600)
+    assert_one_line_error(subprocess.CompletedProcess(bad.args, bad.returncode,
+                                                      bad.stdout.decode(), bad.stderr.decode()),
+                          "not valid UTF-8")

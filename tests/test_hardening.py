@@ -598,4 +598,7 @@ def test_converting_a_stream_directory_or_one_without_a_tokenizer_says_so(qwen, 
     for f in ("tokenizer.json", "tokenizer.model", "vocab.json"):
         (src / f).unlink(missing_ok=True)
     convert(src, tmp_path / "out")
-    assert "has no tokenizer files" in capsys.readouterr().err
+    assert "has no tokenizer vocabulary" in capsys.readouterr().err
+    (src / "tekken.json").write_text("{}")  # Mistral's: a vocabulary, no warning
+    convert(src, tmp_path / "out2")
+    assert "tokenizer vocabulary" not in capsys.readouterr().err
