@@ -7,13 +7,14 @@ parent owns it, as a ``Linear`` with one output per expert (``gate``,
 ``router``) or, for DeepSeek, a gate module holding a ``[E, D]`` weight.
 """
 
-import re
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+from .format import layer_in_path
 
 EXPERT_BLOCK_TYPES = (SwitchGLU, SwitchMLP)
 
@@ -36,8 +37,8 @@ def _path_sort_key(path: str):
 def layer_index(path: str, ordinal: int) -> int:
     """The transformer layer a block sits in (the last integer in its path),
     or its ordinal among the expert blocks when the path has none."""
-    numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", path)
-    return int(numbers[-1]) if numbers else ordinal
+    index = layer_in_path(path)
+    return ordinal if index is None else index
 
 
 def num_experts(block: nn.Module) -> int:

@@ -334,7 +334,8 @@ def layer_from_dict(d, where: str = "layer") -> LayerSpec:
     if top_k > num:
         raise _Malformed(f"{where}.top_k {top_k} exceeds num_experts {num}")
     module = _get(d, "module", str, where)
-    index = _layer_in_path(module)
+    # MTP layers are numbered after the model's layers, not by their path.
+    index = None if module.startswith("mtp.") else layer_in_path(module)
     if index is not None and index != layer:
         # The converter numbers a layer by its module's path: an entry
         # whose module sits in another layer would run another's experts.
@@ -363,12 +364,9 @@ def has_vocabulary(path: Path) -> bool:
     return any(f.is_file() for pattern in VOCABULARY_FILES for f in path.glob(pattern))
 
 
-def _layer_in_path(module: str) -> Optional[int]:
-    """The transformer layer of a module path (its last integer), None for
-    an MTP module (numbered after the model's layers) or a path without
-    one (numbered by order)."""
-    if module.startswith("mtp."):
-        return None
+def layer_in_path(module: str) -> Optional[int]:
+    """The transformer layer a module path names (its last integer), or
+    None for a path without one."""
     numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", module)
     return int(numbers[-1]) if numbers else None
 
