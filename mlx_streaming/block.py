@@ -13,12 +13,14 @@ How ids become slots is a residency strategy chosen at load:
   the ids are the slots: no remap, no host sync.
 - ``Paged``: a partial pool. One host sync per call evaluates the router's
   ids; misses are read into the slots the policy values least; the ids are
-  remapped to slots on the device with the layer's table.
+  remapped to slots on the device with the layer's table. With ``overlap``,
+  a one-token call computes its resident experts while its misses are read.
 - ``NativePaged``: ``Paged`` with the host's bookkeeping of a call in C++
   (``store.NativeStore``), when the extension and the policy allow it.
 """
 
 import math
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,7 +71,8 @@ class Paged:
     computation that reads the pool is pending or in flight.
     """
 
-    def __init__(self, store: ExpertStore, events: Events, prefetch=None, router=None):
+    def __init__(self, store: ExpertStore, events: Events, prefetch=None, router=None,
+                 overlap=None):
         self.store = store
         self.layer = store.layer
         self.events = events
@@ -77,6 +80,9 @@ class Paged:
         # This layer's own router scorer, applied again to the block's input
         # when the policy or a trace wants the router's probabilities.
         self.router = router
+        # The thread that reads a call's misses while its resident experts
+        # compute (an executor of one worker, the runtime's), or None.
+        self.overlap = overlap
         self.pending = []
 
     def __call__(self, inner, x, indices):
@@ -84,7 +90,10 @@ class Paged:
         self._sync(indices, predicted, probs)
         ids, experts, probs = self._route(indices, probs)
         if len(experts) <= self.store.pool.slots:
-            self.store.ensure(experts)
+            if self.overlap is not None and _tokens(indices) == 1:
+                y = self._overlapped(inner, x, indices, ids, experts, y)
+            else:
+                self.events.on_stall(self.layer, self.store.ensure(experts))
             self._launch(y)
         else:
             y = self._chunked(inner, x, indices, ids, experts)
@@ -131,6 +140,40 @@ class Paged:
         mx.async_eval(y)
         self.pending.append(y)
 
+    def _overlapped(self, inner, x, indices, ids, experts, y):
+        """One token with some experts resident and some missing: the
+        resident ones compute while the worker reads the misses, then the
+        rest. Each expert's column is computed by the same call as in one
+        ``inner`` call over all of them (expert matmuls are independent per
+        column), and the columns are put back in the router's order, so the
+        output is the same bits. The misses take slots that no resident
+        expert of this call holds (``ensure``), so the compute in flight
+        never reads a slot being written. The device stalled only from the
+        end of that compute to the end of the reads."""
+        columns = ids.reshape(-1)
+        resident = self.store.resident(columns)
+        if resident.all() or not resident.any():
+            self.events.on_stall(self.layer, self.store.ensure(experts))
+            return y
+        first, rest = np.nonzero(resident)[0], np.nonzero(~resident)[0]
+        y_first = self._columns(inner, x, indices, columns[first])
+        mx.async_eval(y_first)
+        reading = self.overlap.submit(self.store.ensure, experts)
+        try:
+            mx.eval(y_first)
+        finally:
+            computed = time.perf_counter()
+            reading.result()  # waits, and raises what the reads raised
+        self.events.on_stall(self.layer, time.perf_counter() - computed)
+        y_rest = self._columns(inner, x, indices, columns[rest])
+        order = mx.array(np.argsort(np.concatenate([first, rest])))
+        return mx.concatenate([y_first, y_rest], axis=-2)[..., order, :]
+
+    def _columns(self, inner, x, indices, experts):
+        """``inner`` on the call's token for the resident ``experts``."""
+        slots = self.store.pool.slot_of_expert[experts].astype(np.int32)
+        return inner(x, mx.array(slots).reshape(*indices.shape[:-1], len(slots)))
+
     def _chunked(self, inner, x, indices, ids, experts):
         """More distinct experts than slots: run the (token, expert) pairs in
         groups of experts that fit, each group evaluated before the next one
@@ -148,7 +191,7 @@ class Paged:
         groups = math.ceil(len(order) / slots)
         for c in range(groups):
             group = order[c * slots : (c + 1) * slots]
-            self.store.ensure(group, last=c == groups - 1)
+            self.events.on_stall(self.layer, self.store.ensure(group, last=c == groups - 1))
             pairs = np.nonzero(np.isin(flat, group))[0]
             slot_ids = self.store.pool.slot_of_expert[flat[pairs]]
             y = inner(x_rows[mx.array(token_of_pair[pairs])], mx.array(slot_ids)[:, None])
@@ -180,8 +223,9 @@ class NativePaged(Paged):
     native route and ensure. ``Paged`` is the reference; the two agree call
     for call (tests/test_native_paging.py)."""
 
-    def __init__(self, store, events, prefetch=None, router=None, in_graph: bool = False):
-        super().__init__(store, events, prefetch, router)
+    def __init__(self, store, events, prefetch=None, router=None, overlap=None,
+                 in_graph: bool = False):
+        super().__init__(store, events, prefetch, router, overlap)
         self.in_graph = in_graph
 
     def __call__(self, inner, x, indices):

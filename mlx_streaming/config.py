@@ -108,6 +108,9 @@ class StreamConfig:
     prefetch_affinity: bool = _option(
         True, "weigh each prediction by how often the expert followed the experts this "
         "layer chose, counted on the routing so far", choices=ON_OFF)
+    overlap: bool = _option(
+        True, "synced calls compute their resident experts while their misses are read",
+        choices=ON_OFF)
     prefetch_max_tokens: int = _option(
         DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",
         type=int, bounds=dict(low=1, high=MAX_COUNT))
@@ -155,6 +158,8 @@ class StreamConfig:
         if self.prefetch_affinity not in (True, False):
             raise ConfigError(f"prefetch_affinity must be True or False, got "
                               f"{self.prefetch_affinity!r}")
+        if self.overlap not in (True, False):
+            raise ConfigError(f"overlap must be True or False, got {self.overlap!r}")
         if self.mtp not in (True, False):
             raise ConfigError(f"mtp must be True or False, got {self.mtp!r}")
         if self.trace is not None:

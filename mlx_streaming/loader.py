@@ -2,6 +2,7 @@
 experts are streamed from SSD through per-layer slot pools."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 import threading
 from contextlib import contextmanager
 import warnings
@@ -83,6 +84,7 @@ class Runtime:
         self.stores: List[ExpertStore] = []
         self.residencies: List[Paged] = []
         self.staging = None  # prefetch's staging area, when prefetch is on
+        self._overlap = None  # the thread that reads misses while experts compute
         self.cancelled_at_reset = 0
         self.stats = Stats([l.layer for l in manifest.layers])
         self.speculative = SpecStats()  # drafts through this model (speculative.py)
@@ -121,6 +123,14 @@ class Runtime:
         self.events = Events(observers)
         self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
 
+    def overlap_reads(self) -> Optional[ThreadPoolExecutor]:
+        """The paged blocks' worker for reads overlapped with compute (one
+        thread for every layer: calls run one at a time), or None when
+        ``overlap`` is off."""
+        if self.config.overlap and self._overlap is None:
+            self._overlap = ThreadPoolExecutor(1, thread_name_prefix="mlx_streaming-reads")
+        return self._overlap
+
     @property
     def cache_bytes(self) -> int:
         return sum(s.pool.nbytes for s in self.stores)
@@ -139,6 +149,8 @@ class Runtime:
                 self.ring.close()
             if self.spine_reader is not None:
                 self.spine_reader.close()
+            if self._overlap is not None:
+                self._overlap.shutdown(wait=True)
             for store in self.stores:
                 if isinstance(store, NativeStore):
                     store.index.unbind()  # a lazy graph left behind reads nothing
@@ -599,12 +611,13 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
             if store.policy.router or config.trace:
                 router = find_router(model, store.spec.module, store.spec.num_experts,
                                      input_dims_of(blocks[store.spec.module]))
+            args = (store, runtime.events, prefetchers.get(store.layer), router,
+                    runtime.overlap_reads())
             if isinstance(store, NativeStore):
                 # Calls inside the graph need the CPU backend (block.NativePaged).
-                residency = NativePaged(store, runtime.events, prefetchers.get(store.layer),
-                                        router, in_graph=calls_in_graph())
+                residency = NativePaged(*args, in_graph=calls_in_graph())
             else:
-                residency = Paged(store, runtime.events, prefetchers.get(store.layer), router)
+                residency = Paged(*args)
             runtime.residencies.append(residency)
         else:
             store.preload()

@@ -93,22 +93,28 @@ class ExpertStore:
     def resident(self, experts: np.ndarray) -> np.ndarray:
         return self.pool.slot_of_expert[experts] >= 0
 
-    def ensure(self, experts: np.ndarray, last: bool = True) -> None:
+    def ensure(self, experts: np.ndarray, last: bool = True) -> float:
         """Make the distinct ``experts`` resident (the policy has observed
-        the call they come from).
+        the call they come from); returns the seconds spent bringing them
+        in (0 when all were resident). The caller reports how much of that
+        the device waited (``Events.on_stall``): with ``Paged``'s overlap it
+        computes the resident experts meanwhile.
 
-        The caller guarantees that no pending computation reads this pool
-        (the layer's host sync evaluated every earlier reader).
+        The caller guarantees that no pending computation reads the slots
+        that misses take: never those of ``experts`` (the layer's host sync
+        evaluated every earlier reader).
         """
         slots = self.pool.slot_of_expert[experts]
         hit = slots >= 0
         missing = experts[~hit]
-        if len(missing):
-            victims = self.policy.victims(len(missing), protected=slots[hit])
-            self.load(missing, victims, last)
+        if not len(missing):
+            return 0.0
+        victims = self.policy.victims(len(missing), protected=slots[hit])
+        return self.load(missing, victims, last)
 
-    def load(self, experts: np.ndarray, slots: np.ndarray, last: bool = True) -> None:
-        """Read ``experts`` into ``slots`` and map them in the table."""
+    def load(self, experts: np.ndarray, slots: np.ndarray, last: bool = True) -> float:
+        """Read ``experts`` into ``slots`` and map them in the table; returns
+        the seconds it took."""
         start = time.perf_counter()
         # Until the bytes are in and checked, the slots hold nothing valid:
         # if anything below raises, the table maps nothing to them.
@@ -124,9 +130,10 @@ class ExpertStore:
         self._check(experts, want_crc, crcs)
         self.pool.assign(experts, slots)
         self.policy.filled(experts)
-        stalled = time.perf_counter() - start
-        self.events.on_stall(self.layer, stalled)
-        self.control.stalled(self.layer, stalled)
+        waited = time.perf_counter() - start
+        # Prefetch learns the disk's rate from the host's wait for reads.
+        self.control.stalled(self.layer, waited)
+        return waited
 
     def _want_crc(self, experts: np.ndarray) -> np.ndarray:
         if self.verify == "always":
@@ -136,7 +143,7 @@ class ExpertStore:
     def preload(self) -> None:
         """Read every expert into the slot of the same index (all resident)."""
         experts = np.arange(self.spec.num_experts)
-        self.load(experts, experts)
+        self.events.on_stall(self.layer, self.load(experts, experts))
 
     def _fill(self, experts, slots, want_crc, last=True) -> np.ndarray:
         if self.staging is None:
@@ -267,19 +274,19 @@ class NativeStore(ExpertStore):
         self.policy.clock = self.index.clock
         return out
 
-    def ensure(self, experts: np.ndarray, last: bool = True) -> None:
+    def ensure(self, experts: np.ndarray, last: bool = True) -> float:
         try:
             read, bad, read_s, load_s = self.index.ensure(experts)
         except self.ext.ReadError as e:
             raise self._read_error(str(e)) from None
         if not read:
-            return
+            return 0.0
         self.events.on_read(self.layer, read, read * self.expert_nbytes, read_s)
         self.control.read(self.layer, read * self.expert_nbytes)
         if bad >= 0:
             raise CorruptExpertError(self.layer, bad, "checksum mismatch")
-        self.events.on_stall(self.layer, load_s)
         self.control.stalled(self.layer, load_s)
+        return load_s
 
     def _read_error(self, message: str) -> ExpertReadError:
         if self.reader.closed:

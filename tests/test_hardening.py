@@ -318,11 +318,14 @@ def test_manifest_without_spine_checksums_still_loads(stream_copy, qwen):
 
 
 @pytest.mark.parametrize("verify", ["first-read", "always"])
-def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, verify):
+@pytest.mark.parametrize("prefetch", ["off", "next-layer"])  # next-layer: overlapped reads
+def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, verify,
+                                                             prefetch):
     import mlx_lm
 
     reference = logits_trace(mlx_lm.load(str(qwen[0]))[0], steps=12)
-    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=4, verify=verify)
+    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=4, verify=verify,
+                                  prefetch=prefetch)
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)

@@ -217,3 +217,29 @@ def test_every_policy_is_exact(qwen, policy):
     # pool small enough that every call evicts.
     src, stream_dir = qwen
     check_matches_resident(src, stream_dir, slots_per_layer=4, policy=policy)
+
+
+@pytest.mark.parametrize("io", ["python", "native"])
+def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monkeypatch):
+    # Decode steps with some experts resident and some missing split in
+    # two: the resident columns, then (after the worker's reads) the rest.
+    # Both paths give mlx-lm's bits; only the overlapped one splits.
+    from mlx_streaming.block import Paged
+
+    if io == "native" and load_extension()[0] is None:
+        pytest.skip("the native extension is not built")
+    src, stream_dir = qwen
+    split = []
+    columns = Paged._columns
+
+    def counted(self, inner, x, indices, experts):
+        split.append(len(experts))
+        return columns(self, inner, x, indices, experts)
+
+    monkeypatch.setattr(Paged, "_columns", counted)
+    for overlap in (True, False):
+        split.clear()
+        model = check_matches_resident(src, stream_dir, slots_per_layer=4, io=io,
+                                       prefetch="next-layer", overlap=overlap)
+        assert bool(split) == overlap
+        assert model.streaming._overlap is None or model.streaming._overlap._shutdown

@@ -64,6 +64,8 @@ def add_arguments(p) -> None:
                         "(e.g. 0,0.75; default: load()'s)")
     p.add_argument("--prefetch-affinity", default=None,
                    help="on, off or on,off to compare (default: load()'s)")
+    p.add_argument("--overlap", default=None, help="on, off or on,off: synced calls compute "
+                   "their resident experts while their misses are read")
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="uncached expert reads (auto: as load() decides)")
     p.add_argument("--verify", default="first-read",
@@ -163,7 +165,11 @@ def run(args) -> dict:
     for a in affinities:
         if a not in ON_OFF and a is not None:
             raise BenchError(f"--prefetch-affinity takes on, off or on,off, got {a!r}")
-    for pool in pools:
+    overlaps = args.overlap.split(",") if args.overlap else [None]
+    for o in overlaps:
+        if o not in ON_OFF and o is not None:
+            raise BenchError(f"--overlap takes on, off or on,off, got {o!r}")
+    for pool, overlap in itertools.product(pools, overlaps):
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
             size = dict(slots_per_layer=pool_slots(manifest.layers[0], pool))
@@ -177,11 +183,13 @@ def run(args) -> dict:
                 load["prefetch_precision"] = precision
             if affinity is not None:
                 load["prefetch_affinity"] = ON_OFF[affinity]
+            if overlap is not None:
+                load["overlap"] = ON_OFF[overlap]
             name = "(c) mlx_streaming" + "".join(
                 f" {label}={value}" for label, value, choices in
                 [("verify", verify, modes), ("policy", policy, policies),
                  ("prefetch", prefetch, prefetches), ("precision", precision, precisions),
-                 ("affinity", affinity, affinities)]
+                 ("affinity", affinity, affinities), ("overlap", overlap, overlaps)]
                 if len(choices) > 1 and value is not None)
             cases.append((name, pool and size["slots_per_layer"] / num_experts,
                           dict(common, kind="streaming", model=str(stream_dir), load=load),
