@@ -32,6 +32,15 @@ from .stats import Events
 from .store import ExpertStore
 
 
+# An overlapped call costs the host more than a plain one (a hand-off to the
+# read worker, a second sync, a second expert call: 0.3-0.4 ms a call on this
+# machine's CPU backend, where it made T's small calls 18% slower when
+# always on), so a call overlaps only when its misses are expected to take
+# longer than this to read (a decayed mean per layer of what they took).
+OVERLAP_MIN_READ_S = 1e-3
+OVERLAP_SMOOTHING = 0.2
+
+
 class StreamingExperts(nn.Module):
     """Drop-in for ``SwitchGLU``/``SwitchMLP``: same ``(x, indices)`` call,
     same output, experts gathered from a slot pool."""
@@ -83,6 +92,7 @@ class Paged:
         # The thread that reads a call's misses while its resident experts
         # compute (an executor of one worker, the runtime's), or None.
         self.overlap = overlap
+        self.read_per_miss = 0.0  # seconds, measured (_measured): whether overlap pays
         self.pending = []
 
     def __call__(self, inner, x, indices):
@@ -152,8 +162,12 @@ class Paged:
         end of that compute to the end of the reads."""
         columns = ids.reshape(-1)
         resident = self.store.resident(columns)
-        if resident.all() or not resident.any():
-            self.events.on_stall(self.layer, self.store.ensure(experts))
+        missing = len(experts) - len(distinct(columns[resident]))
+        if (resident.all() or not resident.any()
+                or missing * self.read_per_miss < OVERLAP_MIN_READ_S):
+            waited = self.store.ensure(experts)
+            self.events.on_stall(self.layer, waited)
+            self._measured(waited, missing)
             return y
         first, rest = np.nonzero(resident)[0], np.nonzero(~resident)[0]
         y_first = self._columns(inner, x, indices, columns[first])
@@ -163,11 +177,19 @@ class Paged:
             mx.eval(y_first)
         finally:
             computed = time.perf_counter()
-            reading.result()  # waits, and raises what the reads raised
+            waited = reading.result()  # waits, and raises what the reads raised
         self.events.on_stall(self.layer, time.perf_counter() - computed)
+        self._measured(waited, missing)
         y_rest = self._columns(inner, x, indices, columns[rest])
         order = mx.array(np.argsort(np.concatenate([first, rest])))
         return mx.concatenate([y_first, y_rest], axis=-2)[..., order, :]
+
+    def _measured(self, waited: float, missing: int) -> None:
+        """Keep a decayed mean of the seconds a missing expert took to
+        bring in (read, or taken from prefetch's staging)."""
+        if missing:
+            per_miss = waited / missing
+            self.read_per_miss += OVERLAP_SMOOTHING * (per_miss - self.read_per_miss)
 
     def _columns(self, inner, x, indices, experts):
         """``inner`` on the call's token for the resident ``experts``."""

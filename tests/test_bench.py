@@ -329,3 +329,20 @@ def test_simulator_charges_the_host_work_of_each_missed_record():
     charged = project_case(**common, miss_s=1e-3)
     misses_per_call = (1 - base["hit_rate"]) * 2
     assert charged["seconds"] - base["seconds"] == pytest.approx(misses_per_call * 1e-3)
+
+
+def test_simulator_hides_demand_reads_behind_the_resident_experts_compute():
+    from mlx_streaming.bench.cache import Call
+    from mlx_streaming.bench.simulate import project_case
+
+    # One expert resident and one missing per call (pool of 1, two experts
+    # alternating with a fixed one): each call reads one 1 ms record.
+    calls = {0: [Call(np.array([0, 1 + i % 2]), np.array([[0, 1 + i % 2]]))
+                 for i in range(20)]}
+    common = dict(calls=calls, fraction=2 / 3, policy="lru", prefetch=False, compute_s=0.01,
+                  sync_s=0.0, moe_layers=1, expert_bytes=1e6, top_k=2, ssd_gbps=1.0,
+                  ssd_latency_s=0.0, skip=2)
+    assert project_case(**common)["stall_s"] == pytest.approx(1e-3)
+    # The one resident expert's compute hides that much of the read, no more.
+    assert project_case(**common, hit_compute_s=4e-4)["stall_s"] == pytest.approx(6e-4)
+    assert project_case(**common, hit_compute_s=5e-3)["stall_s"] == 0

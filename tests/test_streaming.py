@@ -223,7 +223,10 @@ def test_every_policy_is_exact(qwen, policy):
 def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monkeypatch):
     # Decode steps with some experts resident and some missing split in
     # two: the resident columns, then (after the worker's reads) the rest.
-    # Both paths give mlx-lm's bits; only the overlapped one splits.
+    # Both paths give mlx-lm's bits; only the overlapped one splits. This
+    # model's reads take microseconds, under the bar where overlap pays:
+    # it splits only with the bar at 0.
+    from mlx_streaming import block
     from mlx_streaming.block import Paged
 
     if io == "native" and load_extension()[0] is None:
@@ -237,9 +240,10 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
         return columns(self, inner, x, indices, experts)
 
     monkeypatch.setattr(Paged, "_columns", counted)
-    for overlap in (True, False):
+    for overlap, bar in [(True, 0.0), (False, 0.0), (True, block.OVERLAP_MIN_READ_S)]:
+        monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", bar)
         split.clear()
         model = check_matches_resident(src, stream_dir, slots_per_layer=4, io=io,
                                        prefetch="next-layer", overlap=overlap)
-        assert bool(split) == overlap
+        assert bool(split) == (overlap and bar == 0)
         assert model.streaming._overlap is None or model.streaming._overlap._shutdown

@@ -26,7 +26,7 @@ decode with the model resident, paged with every expert in its pool, paged
 at ``--pool``, paged at ``--pool`` with ``io="python"`` (the reference
 path: route and ensure in numpy, the Python reader), and paged at
 ``--pool`` with next-layer prefetch (a host sync per call, as every call
-makes on a GPU) alternate, and the tok/s of each is reported. With the
+makes on a GPU), both without ``overlap``, alternate, and the tok/s of each is reported. With the
 native step (``store.NativeStore``) the route and ensure steps are one C++
 call each.
 """
@@ -230,13 +230,16 @@ def run(args) -> dict:
     slots = max(spec.top_k, round(args.pool * experts))
     partial, _ = load(args.model, slots_per_layer=slots, policy=args.policy)
     # The reference path: route and ensure in Python (and the Python reader).
-    python, _ = load(args.model, slots_per_layer=slots, policy=args.policy, io="python")
+    # Synced calls run without their overlap here, so that the stall is
+    # every read's whole cost (bench simulate models the overlap apart).
+    python, _ = load(args.model, slots_per_layer=slots, policy=args.policy, io="python",
+                     overlap=False)
     # Prefetch's path: a host sync per call for the ids and the next layer's
     # prediction, route and ensure in Python (the path of every call on a GPU).
     precision = {} if args.prefetch_precision is None else dict(
         prefetch_precision=args.prefetch_precision)
     prefetch, _ = load(args.model, slots_per_layer=slots, policy=args.policy,
-                       prefetch="next-layer", **precision)
+                       prefetch="next-layer", overlap=False, **precision)
     cases = {"resident": resident, "paged, all hits": paged,
              f"paged, pool {args.pool:.0%}": partial,
              f"paged, pool {args.pool:.0%}, io=python": python,

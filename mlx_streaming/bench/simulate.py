@@ -12,8 +12,9 @@ The model of one decode token (one token per MoE call):
                             (``bench overhead`` measures both paths)
     + reads                 per call with m missed experts: latency + m x
                             (expert bytes / SSD bandwidth + the host's work
-                            per missed record), not overlapped with compute
-                            (demand reads wait for the sync)
+                            per missed record), after the sync; on the synced
+                            path (``overlap``) less the compute of the call's
+                            resident experts, which runs meanwhile
 
 With prefetch, the previous layer's prediction (recorded in the trace) is
 read while that layer computes: the part of its read time that fits in one
@@ -124,11 +125,13 @@ SHAPES = {
 def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, prefetch: bool,
                  compute_s: float, sync_s: float, moe_layers: int, expert_bytes: float,
                  top_k: int, ssd_gbps: float, ssd_latency_s: float, skip: int = 0,
-                 miss_s: float = 0.0) -> dict:
+                 miss_s: float = 0.0, hit_compute_s: float = 0.0) -> dict:
     """Projected seconds per token and its parts, replaying each traced
     layer at ``fraction`` of its experts; the traced layers stand for all
     ``moe_layers`` (their mean per call). The first ``skip`` calls warm the
-    pool and are not counted (as decode's warm-up tokens are not)."""
+    pool and are not counted (as decode's warm-up tokens are not).
+    ``hit_compute_s``: the compute of one resident expert, which hides as
+    much of its call's demand reads (``Paged``'s overlap; 0 for none)."""
     per_call_read, per_call_stall, hits, lookups = [], [], 0, 0
     layer_compute = compute_s / moe_layers
     for seq in calls.values():
@@ -142,6 +145,7 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
             m = len(missed) * scale
             read = (m > 0) * ssd_latency_s + m * (expert_bytes / ssd_gbps / 1e9 + miss_s)
             per_call_read.append(read)
+            hidden = (call.ids.size - len(missed)) * scale * hit_compute_s if m else 0.0
             if prefetch and call.predicted is not None:
                 caught = len(set(missed.tolist()) & set(call.predicted.tolist())) * scale
                 staged = len(call.predicted) * scale * (len(missed) / max(1, len(call.experts)))
@@ -149,9 +153,10 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
                 rest = m - caught
                 t_demand = (rest > 0) * ssd_latency_s + rest * expert_bytes / ssd_gbps / 1e9 \
                     + m * miss_s
-                per_call_stall.append(max(0.0, t_pf - layer_compute) + t_demand)
+                per_call_stall.append(max(0.0, t_pf - layer_compute)
+                                      + max(0.0, t_demand - hidden))
             else:
-                per_call_stall.append(read)
+                per_call_stall.append(max(0.0, read - hidden))
     reads = float(np.mean(per_call_stall)) * moe_layers
     seconds = compute_s + moe_layers * sync_s + reads
     return dict(seconds=seconds, tps=1 / seconds, stall_s=reads, hit_rate=hits / lookups,
@@ -235,6 +240,9 @@ def validate(args) -> dict:
                        _call_cost(d[calls_case], d["resident"], layers),
                        _host_per_miss(d[misses_case], iso))
 
+    # A resident expert's compute, from the isolated expert call (top-k of them).
+    hit_compute = ov["pieces"]["resident_call"] / 1e6 / spec.top_k
+
     # A paged call takes one of two paths here, each with its own costs:
     # inside the graph (the CPU backend's native step, no host sync), or a
     # host sync per call (prefetch's path, and every call's on a GPU).
@@ -249,10 +257,12 @@ def validate(args) -> dict:
         # The path the case ran, as its own counters say.
         path = SYNCED if (row.get("syncs_per_token") or 0) > 0 else IN_GRAPH
         here = synced if path == SYNCED else in_graph
+        overlap = path == SYNCED and load.get("overlap", True)
         p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
                          load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
-                         here.ssd_latency_s, skip=WARMUP_TOKENS, miss_s=here.miss_s)
+                         here.ssd_latency_s, skip=WARMUP_TOKENS, miss_s=here.miss_s,
+                         hit_compute_s=hit_compute if overlap else 0.0)
         # Judged as ratios to mlx-lm resident, paired round by round: the
         # machine's speed drifts between rounds by more than the error allowed.
         measured_ratio = paired_ratio(row["runs_tps"], resident["runs_tps"])
@@ -267,7 +277,7 @@ def validate(args) -> dict:
     if not errors:
         raise BenchError("no streamed case of bench decode ran: nothing to validate")
     result = dict(rows=rows, profiles=[asdict(in_graph), asdict(synced)],
-                  resident_tps=resident_tps,
+                  resident_tps=resident_tps, hit_compute_s=hit_compute,
                   max_abs_error=max(errors))
     title = (f"bench simulate --validate: projected vs measured decode on this machine "
              f"(max error {result['max_abs_error']:.0%})")
@@ -341,6 +351,9 @@ def project(args) -> dict:
             active = shape.dense_active_params * 4.5 / 8 + \
                 shape.moe_layers * shape.top_k * shape.expert_bytes()
             compute = active / (prof.weight_gbps * 1e9)
+            # Every call syncs on a GPU; its resident experts compute while
+            # its misses are read (Paged's overlap).
+            hit_compute = shape.expert_bytes() / (prof.weight_gbps * 1e9)
             for policy in args.policies.split(","):
                 if fraction >= 1:  # every expert resident: mlx-lm's own decode
                     rows.append(dict(row, policy=policy, pool=1.0, hit_rate=1.0,
@@ -349,7 +362,7 @@ def project(args) -> dict:
                 p = project_case(calls, fraction, policy, False, compute, prof.sync_s,
                                  shape.moe_layers, shape.expert_bytes(), shape.top_k,
                                  prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_TOKENS,
-                                 miss_s=prof.miss_s)
+                                 miss_s=prof.miss_s, hit_compute_s=hit_compute)
                 rows.append(dict(row, policy=policy, pool=fraction, hit_rate=p["hit_rate"],
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"]))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
