@@ -160,15 +160,14 @@ class Paged:
         expert of this call holds (``ensure``), so the compute in flight
         never reads a slot being written. The device stalled only from the
         end of that compute to the end of the reads."""
-        columns = ids.reshape(-1)
-        resident = self.store.resident(columns)
-        missing = len(experts) - len(distinct(columns[resident]))
-        if (resident.all() or not resident.any()
-                or missing * self.read_per_miss < OVERLAP_MIN_READ_S):
+        missing = int(np.count_nonzero(~self.store.resident(experts)))
+        if not 0 < missing < len(experts) or missing * self.read_per_miss < OVERLAP_MIN_READ_S:
             waited = self.store.ensure(experts)
             self.events.on_stall(self.layer, waited)
             self._measured(waited, missing)
             return y
+        columns = ids.reshape(-1)
+        resident = self.store.resident(columns)
         first, rest = np.nonzero(resident)[0], np.nonzero(~resident)[0]
         y_first = self._columns(inner, x, indices, columns[first])
         mx.async_eval(y_first)
