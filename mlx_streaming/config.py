@@ -109,7 +109,8 @@ class StreamConfig:
         True, "weigh each prediction by how often the expert followed the experts this "
         "layer chose, counted on the routing so far", choices=ON_OFF)
     overlap: bool = _option(
-        True, "synced calls compute their resident experts while their misses are read",
+        True, "a one-token call that syncs computes its resident experts while its misses "
+        "are read, when they are expected to take 1 ms or more",
         choices=ON_OFF)
     prefetch_max_tokens: int = _option(
         DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",
