@@ -21,6 +21,7 @@ How ids become slots is a residency strategy chosen at load:
 
 import math
 import time
+from concurrent.futures import wait
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,11 +35,34 @@ from .store import ExpertStore
 
 # An overlapped call costs the host more than a plain one (a hand-off to the
 # read worker, a second sync, a second expert call: 0.3-0.4 ms a call on this
-# machine's CPU backend, where it made T's small calls 18% slower when
-# always on), so a call overlaps only when its misses are expected to take
+# machine's CPU backend; always on, it made prefetch on the trained model T,
+# whose small experts are read from the page cache in microseconds, 18%
+# slower), so a call overlaps only when its misses are expected to take
 # longer than this to read (a decayed mean per layer of what they took).
 OVERLAP_MIN_READ_S = 1e-3
 OVERLAP_SMOOTHING = 0.2
+# mlx-lm's expert call sorts a call of this many ids or more by expert
+# (switch_layers: ``indices.size >= 64``), which a GPU may compute with
+# another kernel than fewer ids: such a call is never split.
+SORTED_GATHER_IDS = 64
+
+
+def _finished(future):
+    """The worker's reads, waited for to their end even when this thread
+    is interrupted (an interrupt is re-raised after): they write slots that
+    the next call could otherwise hand out again. None: nothing submitted."""
+    if future is None:
+        return None
+    interrupted = None
+    while True:
+        try:
+            wait([future])
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
+    return future.result()
 
 
 class StreamingExperts(nn.Module):
@@ -77,7 +101,10 @@ class Paged:
     Safety rule for writing slots in place: every output computed from the
     pool is kept in ``pending`` until the next host sync, which evaluates it
     together with the router's ids. So when ``ensure`` overwrites a slot, no
-    computation that reads the pool is pending or in flight.
+    computation that reads that slot or the table is pending or in flight:
+    an overlapped call's resident experts compute meanwhile, but from slots
+    that ``ensure`` never hands out in that call, named by a copy of their
+    slot ids.
     """
 
     def __init__(self, store: ExpertStore, events: Events, prefetch=None, router=None,
@@ -100,10 +127,11 @@ class Paged:
         self._sync(indices, predicted, probs)
         ids, experts, probs = self._route(indices, probs)
         if len(experts) <= self.store.pool.slots:
-            if self.overlap is not None and _tokens(indices) == 1:
+            if (self.overlap is not None and _tokens(indices) == 1
+                    and indices.shape[-1] < SORTED_GATHER_IDS):
                 y = self._overlapped(inner, x, indices, ids, experts, y)
             else:
-                self.events.on_stall(self.layer, self.store.ensure(experts))
+                self._stalled(self.store.ensure(experts))
             self._launch(y)
         else:
             y = self._chunked(inner, x, indices, ids, experts)
@@ -163,25 +191,31 @@ class Paged:
         missing = int(np.count_nonzero(~self.store.resident(experts)))
         if not 0 < missing < len(experts) or missing * self.read_per_miss < OVERLAP_MIN_READ_S:
             waited = self.store.ensure(experts)
-            self.events.on_stall(self.layer, waited)
+            self._stalled(waited)
             self._measured(waited, missing)
             return y
         columns = ids.reshape(-1)
         resident = self.store.resident(columns)
         first, rest = np.nonzero(resident)[0], np.nonzero(~resident)[0]
-        y_first = self._columns(inner, x, indices, columns[first])
-        mx.async_eval(y_first)
-        reading = self.overlap.submit(self.store.ensure, experts)
+        slots_first = self._slots(indices, columns[first])
+        reading = None
         try:
+            reading = self.overlap.submit(self.store.ensure, experts)
+            y_first = inner(x, slots_first)
             mx.eval(y_first)
-        finally:
             computed = time.perf_counter()
-            waited = reading.result()  # waits, and raises what the reads raised
-        self.events.on_stall(self.layer, time.perf_counter() - computed)
+        finally:
+            waited = _finished(reading)  # raises what the reads raised
+        self._stalled(time.perf_counter() - computed)
         self._measured(waited, missing)
         y_rest = self._columns(inner, x, indices, columns[rest])
         order = mx.array(np.argsort(np.concatenate([first, rest])))
         return mx.concatenate([y_first, y_rest], axis=-2)[..., order, :]
+
+    def _stalled(self, seconds: float) -> None:
+        """The device waited ``seconds`` for this call's reads."""
+        self.events.on_stall(self.layer, seconds)
+        self.store.control.stalled(self.layer, seconds)
 
     def _measured(self, waited: float, missing: int) -> None:
         """Keep a decayed mean of the seconds a missing expert took to
@@ -190,10 +224,15 @@ class Paged:
             per_miss = waited / missing
             self.read_per_miss += OVERLAP_SMOOTHING * (per_miss - self.read_per_miss)
 
+    def _slots(self, indices, experts):
+        """The slots of the call's resident ``experts``, shaped as its
+        ids (a copy: the table is written while they compute)."""
+        slots = self.store.pool.slot_of_expert[experts].astype(np.int32)
+        return mx.array(slots).reshape(*indices.shape[:-1], len(slots))
+
     def _columns(self, inner, x, indices, experts):
         """``inner`` on the call's token for the resident ``experts``."""
-        slots = self.store.pool.slot_of_expert[experts].astype(np.int32)
-        return inner(x, mx.array(slots).reshape(*indices.shape[:-1], len(slots)))
+        return inner(x, self._slots(indices, experts))
 
     def _chunked(self, inner, x, indices, ids, experts):
         """More distinct experts than slots: run the (token, expert) pairs in
@@ -212,7 +251,7 @@ class Paged:
         groups = math.ceil(len(order) / slots)
         for c in range(groups):
             group = order[c * slots : (c + 1) * slots]
-            self.events.on_stall(self.layer, self.store.ensure(group, last=c == groups - 1))
+            self._stalled(self.store.ensure(group, last=c == groups - 1))
             pairs = np.nonzero(np.isin(flat, group))[0]
             slot_ids = self.store.pool.slot_of_expert[flat[pairs]]
             y = inner(x_rows[mx.array(token_of_pair[pairs])], mx.array(slot_ids)[:, None])

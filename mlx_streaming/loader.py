@@ -150,6 +150,8 @@ class Runtime:
             if self.spine_reader is not None:
                 self.spine_reader.close()
             if self._overlap is not None:
+                for residency in self.residencies:
+                    residency.overlap = None  # later calls fail as a closed model's do
                 self._overlap.shutdown(wait=True)
             for store in self.stores:
                 if isinstance(store, NativeStore):

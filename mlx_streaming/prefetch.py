@@ -28,6 +28,9 @@ class Learner:
     def on_call(self, layer: int, tokens: int) -> None: ...
     def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray) -> None: ...
     def on_read(self, layer: int, nbytes: int) -> None: ...
+    # The host's whole wait for a call's reads, and the part of it that the
+    # device waited too (less with ``Paged``'s overlap).
+    def on_wait(self, layer: int, seconds: float) -> None: ...
     def on_stall(self, layer: int, seconds: float) -> None: ...
 
 
@@ -44,6 +47,7 @@ class PrefetchControl:
 
         self._call, self._route = hooks("on_call"), hooks("on_route")
         self._read, self._stall = hooks("on_read"), hooks("on_stall")
+        self._wait = hooks("on_wait")
 
     def routed(self, layer: int, tokens: int, ids: np.ndarray, experts: np.ndarray) -> None:
         """A paged call of ``tokens`` tokens routed to ``ids``
@@ -58,8 +62,13 @@ class PrefetchControl:
         for hook in self._read:
             hook(layer, nbytes)
 
+    def waited(self, layer: int, seconds: float) -> None:
+        """Seconds a layer's call took to bring in its misses."""
+        for hook in self._wait:
+            hook(layer, seconds)
+
     def stalled(self, layer: int, seconds: float) -> None:
-        """Seconds a layer's call waited for its reads."""
+        """Seconds of those that the device waited (computed nothing)."""
         for hook in self._stall:
             hook(layer, seconds)
 
@@ -208,9 +217,11 @@ class PrefetchBudget(Learner):
     would wait behind.
 
     Both are measured per decode token: the rate as the bytes of the
-    token's demand reads over the time it stalled on them (a throttled or
+    token's demand reads over the time it waited for them (a throttled or
     busy disk shows up here, where one fast read would not show it); a
-    layer's compute as the token's time less its stalls, over the layers.
+    layer's compute as the token's time less the part of those waits that
+    the device stalled (an overlapped call computes during the rest), over
+    the layers.
     Decayed means of each set the budget. It starts at zero: prefetch is
     earned by measurement.
     """
@@ -226,10 +237,10 @@ class PrefetchBudget(Learner):
         # A budget the user fixed (load's prefetch_budget) is never measured.
         self.records = 0 if fixed is None else fixed
         self.rate = None  # bytes per second
-        self._mean_bytes = self._mean_stall = None
+        self._mean_bytes = self._mean_wait = None
         self.layer_compute = None  # seconds
         self._last = None
-        self._stall = 0.0
+        self._stall = self._wait = 0.0
         self._bytes = 0
 
     def _mean(self, old, new):
@@ -237,6 +248,9 @@ class PrefetchBudget(Learner):
 
     def on_read(self, layer, nbytes):
         self._bytes += nbytes
+
+    def on_wait(self, layer, seconds):
+        self._wait += seconds
 
     def on_stall(self, layer, seconds):
         self._stall += seconds
@@ -248,17 +262,17 @@ class PrefetchBudget(Learner):
         if self._last is not None and tokens <= self.max_tokens:
             compute = max(0.0, now - self._last - self._stall) / self.layers
             self.layer_compute = self._mean(self.layer_compute, compute)
-            if self._bytes and self._stall > 0:
+            if self._bytes and self._wait > 0:
                 # A ratio of means, not a mean of ratios: a throttled disk
                 # serves a token's few reads at once from its burst credit
                 # and makes the next token wait, and the fast tokens would
                 # otherwise outweigh the slow ones.
                 self._mean_bytes = self._mean(self._mean_bytes, self._bytes)
-                self._mean_stall = self._mean(self._mean_stall, self._stall)
-                self.rate = self._mean_bytes / self._mean_stall
+                self._mean_wait = self._mean(self._mean_wait, self._wait)
+                self.rate = self._mean_bytes / self._mean_wait
         # Only decode-to-decode intervals measure: a prefill call starts none.
         self._last = now if tokens <= self.max_tokens else None
-        self._stall, self._bytes = 0.0, 0
+        self._stall, self._wait, self._bytes = 0.0, 0.0, 0
         if self.rate is not None and self.layer_compute is not None:
             self._set(int(self.rate * self.layer_compute // self.record_bytes))
 

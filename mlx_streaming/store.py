@@ -132,7 +132,7 @@ class ExpertStore:
         self.policy.filled(experts)
         waited = time.perf_counter() - start
         # Prefetch learns the disk's rate from the host's wait for reads.
-        self.control.stalled(self.layer, waited)
+        self.control.waited(self.layer, waited)
         return waited
 
     def _want_crc(self, experts: np.ndarray) -> np.ndarray:
@@ -143,7 +143,7 @@ class ExpertStore:
     def preload(self) -> None:
         """Read every expert into the slot of the same index (all resident)."""
         experts = np.arange(self.spec.num_experts)
-        self.events.on_stall(self.layer, self.load(experts, experts))
+        self.events.on_stall(self.layer, self.load(experts, experts))  # at load
 
     def _fill(self, experts, slots, want_crc, last=True) -> np.ndarray:
         if self.staging is None:
@@ -285,7 +285,7 @@ class NativeStore(ExpertStore):
         self.control.read(self.layer, read * self.expert_nbytes)
         if bad >= 0:
             raise CorruptExpertError(self.layer, bad, "checksum mismatch")
-        self.control.stalled(self.layer, load_s)
+        self.control.waited(self.layer, load_s)
         return load_s
 
     def _read_error(self, message: str) -> ExpertReadError:

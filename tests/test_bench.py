@@ -335,14 +335,17 @@ def test_simulator_hides_demand_reads_behind_the_resident_experts_compute():
     from mlx_streaming.bench.cache import Call
     from mlx_streaming.bench.simulate import project_case
 
-    # One expert resident and one missing per call (pool of 1, two experts
-    # alternating with a fixed one): each call reads one 1 ms record.
+    # One expert resident and one missing per call (two slots: a fixed
+    # expert and two alternating): each call reads one 2 ms record.
     calls = {0: [Call(np.array([0, 1 + i % 2]), np.array([[0, 1 + i % 2]]))
                  for i in range(20)]}
     common = dict(calls=calls, fraction=2 / 3, policy="lru", prefetch=False, compute_s=0.01,
-                  sync_s=0.0, moe_layers=1, expert_bytes=1e6, top_k=2, ssd_gbps=1.0,
-                  ssd_latency_s=0.0, skip=2)
-    assert project_case(**common)["stall_s"] == pytest.approx(1e-3)
+                  sync_s=0.0, moe_layers=1, top_k=2, ssd_gbps=1.0, ssd_latency_s=0.0, skip=2)
+    assert project_case(**common, expert_bytes=2e6)["stall_s"] == pytest.approx(2e-3)
     # The one resident expert's compute hides that much of the read, no more.
-    assert project_case(**common, hit_compute_s=4e-4)["stall_s"] == pytest.approx(6e-4)
-    assert project_case(**common, hit_compute_s=5e-3)["stall_s"] == 0
+    hidden = project_case(**common, expert_bytes=2e6, hit_compute_s=4e-4)
+    assert hidden["stall_s"] == pytest.approx(1.6e-3)
+    assert project_case(**common, expert_bytes=2e6, hit_compute_s=5e-3)["stall_s"] == 0
+    # Reads under the bar where Paged overlaps (1 ms) are not hidden.
+    short = project_case(**common, expert_bytes=5e5, hit_compute_s=4e-4)
+    assert short["stall_s"] == pytest.approx(5e-4)

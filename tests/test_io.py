@@ -183,12 +183,14 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
     for _ in range(3):
         budget.on_call(0, 1)
         budget.on_read(2, 12_000_000)
-        budget.on_stall(2, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
+        budget.on_wait(2, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
+        budget.on_stall(2, 0.06)  # all of it stalled
         clock.now += 0.1  # 40 ms of compute over 4 layers: 10 ms each
     budget.on_call(0, 1)
     assert budget.records == 2  # 200 MB/s x 10 ms / 1 MB
     budget.on_read(1, 1_000_000)  # one read...
-    budget.on_stall(1, 0.1)  # ...in a token that stalled 100 ms: 10 MB/s
+    budget.on_wait(1, 0.1)  # ...in a token that waited 100 ms for it: 10 MB/s
+    budget.on_stall(1, 0.1)
     clock.now += 0.14
     budget.on_call(0, 1)
     assert budget.records == 0
@@ -196,6 +198,27 @@ def test_prefetch_budget_follows_disk_rate_and_compute():
     clock.now += 5.0
     budget.on_call(0, 1)
     assert budget.layer_compute == pytest.approx(0.01)
+
+
+def test_prefetch_budget_counts_overlapped_reads_as_compute_time():
+    """With ``Paged``'s overlap the device computes during part of a call's
+    reads: the rate is the bytes over the whole wait, a layer's compute the
+    token's time less only the device's stall."""
+    from mlx_streaming.prefetch import PrefetchBudget
+
+    clock = FakeClock()
+    budget = PrefetchBudget(first_layer=0, layers=4, record_bytes=1_000_000, max_tokens=8,
+                            clock=clock, smoothing=1.0)
+    for _ in range(3):
+        budget.on_call(0, 1)
+        budget.on_read(2, 12_000_000)
+        budget.on_wait(2, 0.06)  # 200 MB/s...
+        budget.on_stall(2, 0.02)  # ...of which the device waited 20 ms
+        clock.now += 0.1
+    budget.on_call(0, 1)
+    assert budget.rate == pytest.approx(200e6)
+    assert budget.layer_compute == pytest.approx(0.02)  # (100 - 20) ms over 4 layers
+    assert budget.records == 4
 
 
 def test_prefetch_budget_rate_is_not_led_by_burst_reads():
@@ -210,6 +233,7 @@ def test_prefetch_budget_rate_is_not_led_by_burst_reads():
     budget.on_call(0, 1)
     for stall in (0.001, 0.099, 0.001, 0.099):  # 1 MB each token
         budget.on_read(0, 1_000_000)
+        budget.on_wait(0, stall)
         budget.on_stall(0, stall)
         clock.now += 0.2
         budget.on_call(0, 1)

@@ -219,7 +219,7 @@ def test_every_policy_is_exact(qwen, policy):
     check_matches_resident(src, stream_dir, slots_per_layer=4, policy=policy)
 
 
-@pytest.mark.parametrize("io", ["python", "native"])
+@pytest.mark.parametrize("io", ["python", "native", "native-synced"])
 def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monkeypatch):
     # Decode steps with some experts resident and some missing split in
     # two: the resident columns, then (after the worker's reads) the rest.
@@ -229,9 +229,14 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
     from mlx_streaming import block
     from mlx_streaming.block import Paged
 
-    if io == "native" and load_extension()[0] is None:
+    if io != "python" and load_extension()[0] is None:
         pytest.skip("the native extension is not built")
     src, stream_dir = qwen
+    options = dict(io=io, prefetch="next-layer")  # prefetch's path: Python store, synced
+    if io == "native-synced":
+        # The native store's calls synced, as on a GPU: its ensure on the worker.
+        monkeypatch.setattr("mlx_streaming.loader.calls_in_graph", lambda: False)
+        options = dict(io="native", prefetch="off")
     split = []
     columns = Paged._columns
 
@@ -243,7 +248,75 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
     for overlap, bar in [(True, 0.0), (False, 0.0), (True, block.OVERLAP_MIN_READ_S)]:
         monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", bar)
         split.clear()
-        model = check_matches_resident(src, stream_dir, slots_per_layer=4, io=io,
-                                       prefetch="next-layer", overlap=overlap)
+        model = check_matches_resident(src, stream_dir, slots_per_layer=4, overlap=overlap,
+                                       **options)
+        if io == "native-synced":
+            assert type(model.streaming.stores[0]).__name__ == "NativeStore"
         assert bool(split) == (overlap and bar == 0)
         assert model.streaming._overlap is None or model.streaming._overlap._shutdown
+
+
+def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):
+    # Ctrl-C while the worker reads: the call waits for the reads to end
+    # before the interrupt leaves it (they write slots that the next call
+    # could hand out again), and later calls stay exact.
+    import signal
+    import threading
+    import time
+
+    from mlx_streaming import block
+    from mlx_streaming.store import ExpertStore
+
+    monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
+    src, stream_dir = qwen
+    reference = logits_trace(mlx_lm.load(str(src))[0], steps=8)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io="python",
+                                  prefetch="next-layer")
+    finished, armed = threading.Event(), [True]
+    ensure = ExpertStore.ensure
+
+    def slow(self, experts, last=True):
+        if threading.current_thread() is threading.main_thread() or not armed[0]:
+            return ensure(self, experts, last)
+        armed[0] = False
+        time.sleep(0.2)  # the call's resident experts are computed: it waits for this
+        # A real SIGINT to the main thread (interrupt_main would only be
+        # seen once the wait ended).
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.3)
+        try:
+            return ensure(self, experts, last)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(ExpertStore, "ensure", slow)
+    cache = make_prompt_cache(model)
+    out = model(mx.array([PROMPT]), cache=cache)[:, -1]
+    assert mx.array_equal(out, reference[0]).item()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(8):
+            out = model(mx.argmax(out, axis=-1, keepdims=True), cache=cache)[:, -1]
+            mx.eval(out)
+    assert finished.is_set()  # the reads ended before the interrupt left the call
+    # The interrupted token's cache entries are gone with it: start again.
+    cache = make_prompt_cache(model)
+    out = model(mx.array([PROMPT]), cache=cache)[:, -1]
+    for step in range(1, 9):
+        assert mx.array_equal(out, reference[step - 1]).item(), f"logits differ at {step - 1}"
+        out = model(mx.argmax(out, axis=-1, keepdims=True), cache=cache)[:, -1]
+    model.streaming.close()
+
+
+def test_a_closed_model_with_overlap_is_a_clear_error(qwen, monkeypatch):
+    from mlx_streaming import block
+    from mlx_streaming.errors import ExpertReadError
+
+    monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
+    _, stream_dir = qwen
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io="python",
+                                  prefetch="next-layer")
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    model.streaming.close()
+    with pytest.raises(ExpertReadError, match="this model was closed"):
+        mx.eval(model(mx.array([[PROMPT[3]]]), cache=cache))

@@ -228,7 +228,7 @@ def run(args) -> dict:
     timings = pieces(paged, args.repeats)
     resident, _ = load(args.model, slots_per_layer=experts)
     slots = max(spec.top_k, round(args.pool * experts))
-    partial, _ = load(args.model, slots_per_layer=slots, policy=args.policy)
+    partial, _ = load(args.model, slots_per_layer=slots, policy=args.policy, overlap=False)
     # The reference path: route and ensure in Python (and the Python reader).
     # Synced calls run without their overlap here, so that the stall is
     # every read's whole cost (bench simulate models the overlap apart).

@@ -43,6 +43,7 @@ from typing import Dict, List
 
 import numpy as np
 
+from ..block import OVERLAP_MIN_READ_S
 from ..config import DEFAULT_POLICY
 from ..format import read_manifest
 from ..policy import make_policy
@@ -145,7 +146,9 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
             m = len(missed) * scale
             read = (m > 0) * ssd_latency_s + m * (expert_bytes / ssd_gbps / 1e9 + miss_s)
             per_call_read.append(read)
-            hidden = (call.ids.size - len(missed)) * scale * hit_compute_s if m else 0.0
+            # Paged overlaps only calls whose reads take OVERLAP_MIN_READ_S or more.
+            hidden = ((call.ids.size - len(missed)) * scale * hit_compute_s
+                      if read >= OVERLAP_MIN_READ_S else 0.0)
             if prefetch and call.predicted is not None:
                 caught = len(set(missed.tolist()) & set(call.predicted.tolist())) * scale
                 staged = len(call.predicted) * scale * (len(missed) / max(1, len(call.experts)))
