@@ -26,9 +26,9 @@ decode with the model resident, paged with every expert in its pool, paged
 at ``--pool``, paged at ``--pool`` with ``io="python"`` (the reference
 path: route and ensure in numpy, the Python reader), and paged at
 ``--pool`` with next-layer prefetch (a host sync per call, as every call
-makes on a GPU), both without ``overlap``, alternate, and the tok/s of each is reported. With the
-native step (``store.NativeStore``) the route and ensure steps are one C++
-call each.
+makes on a GPU), the paged ones without ``overlap``, alternate, and the
+tok/s of each is reported. With the native step (``store.NativeStore``)
+the route and ensure steps are one C++ call each.
 """
 
 import time
