@@ -270,7 +270,9 @@ def test_paired_ratio_cancels_the_machines_drift():
     ("--policies", "lru,lfu-decayed", "'lfu-decayed'"),
     ("--pools", "0.25,0", "'0.25,0'"),
     ("--pools", "1.5", "'1.5'"),
-    ("--pools", "quarter", "'quarter'")])
+    ("--pools", "quarter", "'quarter'"),
+    ("--prefetch-affinity", "on,of", "'of'"),
+    ("--overlap", "yes", "'yes'")])
 def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag, value, said):
     # No model at this path: the value is refused before it is looked for.
     assert bench_main(["decode", "--model", str(tmp_path / "none"), flag, value,

@@ -121,6 +121,15 @@ def _check_choices(args) -> None:
                              f"got {', '.join(map(repr, bad))}")
 
 
+def _on_off(flag: str, text) -> list:
+    """An on/off flag's values to compare (``[None]``: load()'s default)."""
+    values = text.split(",") if text else [None]
+    bad = [v for v in values if v is not None and v not in ON_OFF]
+    if bad:
+        raise BenchError(f"{flag} takes on, off or on,off, got {bad[0]!r}")
+    return values
+
+
 def _pools(text: str) -> list:
     """--pools as fractions of each layer's experts, each in (0, 1] (a pool
     of 0 would run the top-k slots the smallest pool has, under another
@@ -137,6 +146,8 @@ def _pools(text: str) -> list:
 
 def run(args) -> dict:
     _check_choices(args)
+    affinities = _on_off("--prefetch-affinity", args.prefetch_affinity)
+    overlaps = _on_off("--overlap", args.overlap)
     # A cache size in GB sizes the pools instead of --pools.
     pools = _pools(args.pools) if args.cache_gb is None else [None]
     stream_dir = Path(args.model)
@@ -161,14 +172,6 @@ def run(args) -> dict:
     prefetches = args.prefetch.split(",")
     precisions = ([float(v) for v in args.prefetch_precision.split(",")]
                   if args.prefetch_precision else [None])
-    affinities = args.prefetch_affinity.split(",") if args.prefetch_affinity else [None]
-    for a in affinities:
-        if a not in ON_OFF and a is not None:
-            raise BenchError(f"--prefetch-affinity takes on, off or on,off, got {a!r}")
-    overlaps = args.overlap.split(",") if args.overlap else [None]
-    for o in overlaps:
-        if o not in ON_OFF and o is not None:
-            raise BenchError(f"--overlap takes on, off or on,off, got {o!r}")
     for pool, overlap in itertools.product(pools, overlaps):
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
