@@ -50,9 +50,7 @@ SORTED_GATHER_IDS = 64
 def _finished(future):
     """The worker's reads, waited for to their end even when this thread
     is interrupted (an interrupt is re-raised after): they write slots that
-    the next call could otherwise hand out again. None: nothing submitted."""
-    if future is None:
-        return None
+    the next call could otherwise hand out again."""
     interrupted = None
     while True:
         try:
@@ -205,7 +203,9 @@ class Paged:
             mx.eval(y_first)
             computed = time.perf_counter()
         finally:
-            waited = _finished(reading)  # raises what the reads raised
+            # None: interrupted around the submit, which may have queued the
+            # reads all the same; a no-op queued behind them waits for them.
+            waited = _finished(reading if reading is not None else self.overlap.submit(int))
         self._stalled(time.perf_counter() - computed)
         self._measured(waited, missing)
         y_rest = self._columns(inner, x, indices, columns[rest])

@@ -156,26 +156,27 @@ class StreamConfig:
         _check_choice("prefetch", self.prefetch, PREFETCH_CHOICES)
         _check_choice("verify", self.verify, VERIFY_CHOICES)
         _check_choice("policy", self.policy, POLICY_CHOICES)
-        if self.prefetch_affinity not in (True, False):
-            raise ConfigError(f"prefetch_affinity must be True or False, got "
-                              f"{self.prefetch_affinity!r}")
-        if self.overlap not in (True, False):
-            raise ConfigError(f"overlap must be True or False, got {self.overlap!r}")
-        if self.mtp not in (True, False):
-            raise ConfigError(f"mtp must be True or False, got {self.mtp!r}")
+        for name in ("prefetch_affinity", "overlap", "mtp"):
+            _check_bool(name, getattr(self, name))
         if self.trace is not None:
             trace = os.fspath(self.trace) if isinstance(self.trace, os.PathLike) else self.trace
             if not (isinstance(trace, str) and trace):
                 raise ConfigError(f"trace must be a file path, got {self.trace!r}")
             object.__setattr__(self, "trace", trace)
-        if self.direct_io not in (None, True, False):
-            raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
+        if self.direct_io is not None:
+            _check_bool("direct_io", self.direct_io, "None, ")
         for f in fields(self):
             bounds = f.metadata.get("bounds")
             if bounds is not None:
                 # Stored as plain Python numbers (numpy scalars are accepted).
                 value = _number(f.name, getattr(self, f.name), f.metadata["type"], **bounds)
                 object.__setattr__(self, f.name, value)
+
+
+def _check_bool(name, value, also=""):
+    # Not ``in (True, False)``: 1 and 0 compare equal to them.
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be {also}True or False, got {value!r}")
 
 
 def _check_choice(name, value, choices):

@@ -375,7 +375,8 @@ def test_bad_flags_are_one_line_errors(qwen, flags, message):
 def test_config_errors_are_value_errors_and_streaming_errors():
     for bad in (dict(cache_gb=float("nan")), dict(io_threads=10**5), dict(verify="sometimes"),
                 dict(policy="mru"), dict(prefetch_budget=-1),
-                dict(slots_per_layer=2.5), dict(direct_io="yes")):
+                dict(slots_per_layer=2.5), dict(direct_io="yes"), dict(direct_io=1),
+                dict(overlap=1), dict(mtp=0), dict(prefetch_affinity="on")):
         with pytest.raises(ConfigError):
             StreamConfig(**bad)
     assert issubclass(ConfigError, ValueError)
