@@ -162,7 +162,7 @@ class StreamConfig:
             trace = os.fspath(self.trace) if isinstance(self.trace, os.PathLike) else self.trace
             if not (isinstance(trace, str) and trace):
                 raise ConfigError(f"trace must be a file path, got {self.trace!r}")
-            object.__setattr__(self, "trace", trace)
+            object.__setattr__(self, "trace", os.path.expanduser(trace))
         if self.direct_io is not None:
             _check_bool("direct_io", self.direct_io, "None, ")
         for f in fields(self):

@@ -74,16 +74,30 @@ def check_args(args) -> None:
         raise ConfigError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
     if args.draft and args.draft_model:
         raise ConfigError("pass either --draft or --draft-model, not both")
-    out = Path(args.stats_json) if args.stats_json else None
-    if out is not None and (out.is_dir() or not out.resolve().parent.is_dir()):
-        # Known before the model loads, not after the whole generation.
-        raise ConfigError(f"cannot write --stats-json {args.stats_json} (not a file in an "
-                          "existing directory)")
+    if args.stats_json:
+        _check_writable(Path(args.stats_json))
     if (args.draft or args.draft_model) and args.top_p < 1:
         raise ConfigError("--top-p is not supported with drafts; use --temp alone")
     if not 1 <= args.num_draft_tokens <= 64:
         raise ConfigError(f"--num-draft-tokens must be from 1 to 64, got "
                           f"{args.num_draft_tokens}")
+
+
+def _check_writable(out: Path) -> None:
+    """``--stats-json`` known writable before the model loads, not after
+    the whole generation: opened for appending (which changes nothing in
+    a file there), and removed again if this made it."""
+    if out.is_dir() or not out.resolve().parent.is_dir():
+        raise ConfigError(f"cannot write --stats-json {out} (not a file in an existing "
+                          "directory)")
+    existed = out.exists()
+    try:
+        with open(out, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot write --stats-json {out} ({e.strerror})") from None
+    if not existed:
+        out.unlink()
 
 
 def format_prompt(tokenizer, prompt: str, ignore_template: bool):

@@ -287,6 +287,9 @@ def load(
         hub.check_remote_blobs(repo, manifest)
     check_spine_files(path, manifest, checksums=config.verify == "always")
     model, model_config = _load_spine(path, manifest, model_config, trust_remote_code)
+    # Before the runtime and the weights: a broken tokenizer is known
+    # without waiting for a large model to load.
+    tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
     if config.mtp:
         manifest = _attach_mtp(model, path, manifest, model_config, config)
     runtime = _build_runtime(path, manifest, config, repo)
@@ -306,7 +309,6 @@ def load(
                                          budget.min_slots(manifest))
     if runtime.paged or runtime.ring is not None:
         _serialize_calls(model)
-    tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
     if return_config:
         return model, tokenizer, model_config
     return model, tokenizer

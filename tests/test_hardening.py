@@ -366,6 +366,8 @@ def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, 
     (["--seed", str(10**30)], "seed must be from 0"),
     (["--trace", "/"], "cannot write the trace to /"),
     (["--stats-json", "/", "--max-tokens", "2"], "cannot write --stats-json /"),
+    # A directory where nothing can be made (as root, only such a one refuses).
+    (["--stats-json", "/proc/s.json"], "cannot write --stats-json /proc/s.json"),
 ])
 def test_bad_flags_are_one_line_errors(qwen, flags, message):
     proc = run("mlx_streaming.generate", "--model", str(qwen[1]), *flags, check_ok=False)
@@ -535,7 +537,8 @@ def test_without_the_extension_load_warns_and_reads_in_python(qwen, monkeypatch)
 # -- found by a hostile probe of the command line and load() ------------------
 
 @pytest.mark.parametrize("damage", ["no config", "bad config", "no tokenizer"])
-def test_a_stream_directory_missing_its_config_or_tokenizer_is_one_line(stream_copy, damage):
+def test_a_stream_directory_missing_its_config_or_tokenizer_is_one_line(stream_copy, damage,
+                                                                       monkeypatch):
     if damage == "no config":
         (stream_copy / "config.json").unlink()
     elif damage == "bad config":
@@ -543,8 +546,14 @@ def test_a_stream_directory_missing_its_config_or_tokenizer_is_one_line(stream_c
     else:
         (stream_copy / "tokenizer.json").unlink()
     match = "tokenizer" if damage == "no tokenizer" else "config.json"
-    with pytest.raises(FormatError, match=match):
-        mlx_streaming.load(stream_copy, slots_per_layer=4)
+
+    def never(*args):
+        raise AssertionError("the runtime was built before the tokenizer was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr("mlx_streaming.loader._build_runtime", never)  # known before the weights
+        with pytest.raises(FormatError, match=match):
+            mlx_streaming.load(stream_copy, slots_per_layer=4)
     proc = run("mlx_streaming.generate", "--model", str(stream_copy), "--max-tokens", "2",
                check_ok=False)
     assert_one_line_error(proc, match)
@@ -565,6 +574,7 @@ def test_trace_must_be_a_path_outside_the_model(qwen):
     for bad in (True, "", 5):
         with pytest.raises(ConfigError, match="trace must be a file path"):
             StreamConfig(trace=bad)
+    assert StreamConfig(trace="~/t.jsonl").trace == os.path.expanduser("~/t.jsonl")
     blob = qwen[1] / "experts" / read_manifest(qwen[1]).layers[0].file
     before = blob.stat().st_size
     with pytest.raises(ConfigError, match="model's own directory"):
