@@ -125,8 +125,7 @@ class Paged:
         self._sync(indices, predicted, probs)
         ids, experts, probs = self._route(indices, probs)
         if len(experts) <= self.store.pool.slots:
-            if (self.overlap is not None and _tokens(indices) == 1
-                    and indices.shape[-1] < SORTED_GATHER_IDS):
+            if self.overlap is not None and indices.size < SORTED_GATHER_IDS:
                 y = self._overlapped(inner, x, indices, ids, experts, y)
             else:
                 self._stalled(self.store.ensure(experts))
@@ -177,29 +176,29 @@ class Paged:
         self.pending.append(y)
 
     def _overlapped(self, inner, x, indices, ids, experts, y):
-        """One token with some experts resident and some missing: the
-        resident ones compute while the worker reads the misses, then the
-        rest. Each expert's column is computed by the same call as in one
-        ``inner`` call over all of them (expert matmuls are independent per
-        column), and the columns are put back in the router's order, so the
-        output is the same bits. The misses take slots that no resident
-        expert of this call holds (``ensure``), so the compute in flight
-        never reads a slot being written. The device stalled only from the
-        end of that compute to the end of the reads."""
+        """Some experts resident and some missing: the resident ones compute
+        while the worker reads the misses, then the rest. Each (token,
+        expert) pair is computed as in one ``inner`` call over all of them
+        (expert matmuls are independent per row and column, ``_pairs``), and
+        the pairs are put back in the router's order, so the output is the
+        same bits. The misses take slots that no resident expert of this
+        call holds (``ensure``), so the compute in flight never reads a slot
+        being written. The device stalled only from the end of that compute
+        to the end of the reads."""
         missing = int(np.count_nonzero(~self.store.resident(experts)))
         if not 0 < missing < len(experts) or missing * self.read_per_miss < OVERLAP_MIN_READ_S:
             waited = self.store.ensure(experts)
             self._stalled(waited)
             self._measured(waited, missing)
             return y
-        columns = ids.reshape(-1)
-        resident = self.store.resident(columns)
+        flat = ids.reshape(-1)
+        resident = self.store.resident(flat)
         first, rest = np.nonzero(resident)[0], np.nonzero(~resident)[0]
-        slots_first = self._slots(indices, columns[first])
+        slots_first = self._slot_ids(flat[first])
         reading = None
         try:
             reading = self.overlap.submit(self.store.ensure, experts)
-            y_first = inner(x, slots_first)
+            y_first = self._pairs(inner, x, indices, first, slots_first)
             mx.eval(y_first)
             computed = time.perf_counter()
         finally:
@@ -208,9 +207,10 @@ class Paged:
             waited = _finished(reading if reading is not None else self.overlap.submit(int))
         self._stalled(time.perf_counter() - computed)
         self._measured(waited, missing)
-        y_rest = self._columns(inner, x, indices, columns[rest])
+        y_rest = self._pairs(inner, x, indices, rest, self._slot_ids(flat[rest]))
         order = mx.array(np.argsort(np.concatenate([first, rest])))
-        return mx.concatenate([y_first, y_rest], axis=-2)[..., order, :]
+        y = mx.concatenate([y_first, y_rest])[order]
+        return y.reshape(*indices.shape, y.shape[-1])
 
     def _stalled(self, seconds: float) -> None:
         """The device waited ``seconds`` for this call's reads."""
@@ -224,15 +224,21 @@ class Paged:
             per_miss = waited / missing
             self.read_per_miss += OVERLAP_SMOOTHING * (per_miss - self.read_per_miss)
 
-    def _slots(self, indices, experts):
-        """The slots of the call's resident ``experts``, shaped as its
-        ids (a copy: the table is written while they compute)."""
-        slots = self.store.pool.slot_of_expert[experts].astype(np.int32)
-        return mx.array(slots).reshape(*indices.shape[:-1], len(slots))
+    def _slot_ids(self, experts):
+        """The slots of resident ``experts``, a copy taken now: the table is
+        written while the experts compute."""
+        return mx.array(self.store.pool.slot_of_expert[experts].astype(np.int32))
 
-    def _columns(self, inner, x, indices, experts):
-        """``inner`` on the call's token for the resident ``experts``."""
-        return inner(x, self._slots(indices, experts))
+    def _pairs(self, inner, x, indices, pairs, slots):
+        """``inner`` on the call's (token, expert) ``pairs`` (positions in
+        its flat ids) at their ``slots``, shaped (pairs, dims): one token's
+        as the columns of one call, several tokens' as one row per pair (as
+        ``_chunked`` computes them)."""
+        if _tokens(indices) == 1:
+            y = inner(x, slots.reshape(*indices.shape[:-1], len(pairs)))
+            return y.reshape(len(pairs), y.shape[-1])
+        rows = mx.array(pairs // indices.shape[-1])
+        return inner(x.reshape(-1, x.shape[-1])[rows], slots[:, None])[:, 0]
 
     def _chunked(self, inner, x, indices, ids, experts):
         """More distinct experts than slots: run the (token, expert) pairs in

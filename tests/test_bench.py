@@ -239,9 +239,11 @@ def test_bench_verify_with_real_drafts(models, tmp_path):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     _run(["verify", "--model", str(stream_dir), "--mlx-model", str(src), "--drafts",
           f"ngram,model:{src}", "--draft-tokens", "2", "--pools", "0.25", "--tokens", "8",
-          "--repeats", "1"], tmp_path / "v")
+          "--repeats", "1", "--overlap", "on,off"], tmp_path / "v")
     rows = json.loads((tmp_path / "v" / "verify-drafts.json").read_text())["rows"]
     streamed = [r for r in rows if r["case"].startswith("streamed")]
+    assert {r["case"] for r in streamed} == {"streamed 4/16 overlap on",
+                                             "streamed 4/16 overlap off"}
     resident = [r for r in rows if r["case"] == "mlx-lm resident"]
     assert {r["draft"] for r in streamed} == {"none", "ngram", f"model:{src}"}
     assert f"model:{src} (mlx-lm)" in {r["draft"] for r in resident}

@@ -238,13 +238,13 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
         monkeypatch.setattr("mlx_streaming.loader.calls_in_graph", lambda: False)
         options = dict(io="native", prefetch="off")
     split = []
-    columns = Paged._columns
+    pairs = Paged._pairs
 
-    def counted(self, inner, x, indices, experts):
-        split.append(len(experts))
-        return columns(self, inner, x, indices, experts)
+    def counted(self, inner, x, indices, *args):
+        split.append(indices.size)
+        return pairs(self, inner, x, indices, *args)
 
-    monkeypatch.setattr(Paged, "_columns", counted)
+    monkeypatch.setattr(Paged, "_pairs", counted)
     for overlap, bar in [(True, 0.0), (False, 0.0), (True, block.OVERLAP_MIN_READ_S)]:
         monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", bar)
         split.clear()
@@ -254,6 +254,56 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
             assert type(model.streaming.stores[0]).__name__ == "NativeStore"
         assert bool(split) == (overlap and bar == 0)
         assert model.streaming._overlap is None or model.streaming._overlap._shutdown
+
+
+def _calls_of_several_tokens(model, width=2, batch=2, steps=6):
+    """Logits of calls of ``width`` tokens (as a verify call's) after the
+    prompt, then one-token steps of a batch of ``batch`` sequences (as
+    ``batch_generate``'s): every call's tokens need the union of their
+    experts."""
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([PROMPT]), cache=cache)]
+    for step in range(steps):
+        token = mx.argmax(out[-1][:, -1], axis=-1)
+        tokens = mx.concatenate([token, (token + 7 * step + 1) % 256])[None, :width]
+        out.append(model(tokens, cache=cache))
+        mx.eval(out[-1])
+    cache = make_prompt_cache(model)
+    prompts = mx.array([PROMPT, PROMPT[::-1]][:batch])
+    out.append(model(prompts, cache=cache)[:, -1])
+    for _ in range(steps):
+        out.append(model(mx.argmax(out[-1], axis=-1, keepdims=True), cache=cache)[:, -1])
+        mx.eval(out[-1])
+    return out
+
+
+def test_overlap_splits_calls_of_several_tokens_exactly(qwen, monkeypatch):
+    # A verify call's or a batch's tokens: the resident (token, expert)
+    # pairs compute as rows while the misses are read, then the rest, put
+    # back in order: mlx-lm's bits, and only with overlap do calls split.
+    from mlx_streaming import block
+    from mlx_streaming.block import Paged
+
+    src, stream_dir = qwen
+    reference = _calls_of_several_tokens(mlx_lm.load(str(src))[0])
+    monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
+    split = []
+    pairs = Paged._pairs
+
+    def counted(self, inner, x, indices, *args):
+        split.append(indices.size // indices.shape[-1])
+        return pairs(self, inner, x, indices, *args)
+
+    monkeypatch.setattr(Paged, "_pairs", counted)
+    for overlap in (True, False):
+        split.clear()
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=8, io="python",
+                                      prefetch="next-layer", overlap=overlap)
+        streamed = _calls_of_several_tokens(model)
+        for i, (r, s) in enumerate(zip(reference, streamed)):
+            assert mx.array_equal(r, s).item(), f"logits differ at call {i}"
+        assert (2 in split) == overlap, split  # calls of two tokens (or sequences) split
+        model.streaming.close()
 
 
 def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):

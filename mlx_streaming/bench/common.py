@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..config import ON_OFF
 from ..errors import StreamingError
 from ..stats import read_trace
 
@@ -22,6 +23,15 @@ BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 
 class BenchError(StreamingError):
     """A benchmark cannot run as asked (permissions, platform, input)."""
+
+
+def on_off(flag: str, text) -> list:
+    """An on/off flag's values to compare (``[None]``: load()'s default)."""
+    values = text.split(",") if text else [None]
+    bad = [v for v in values if v is not None and v not in ON_OFF]
+    if bad:
+        raise BenchError(f"{flag} takes on, off or on,off, got {bad[0]!r}")
+    return values
 
 
 def save_json(path: Path, obj) -> Path:

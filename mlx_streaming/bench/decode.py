@@ -18,6 +18,7 @@ from ..format import blob_path, read_manifest
 from . import routing
 from .common import (
     BenchError,
+    on_off,
     paired_ratio,
     disk_read_gbps,
     drop_page_cache,
@@ -121,15 +122,6 @@ def _check_choices(args) -> None:
                              f"got {', '.join(map(repr, bad))}")
 
 
-def _on_off(flag: str, text) -> list:
-    """An on/off flag's values to compare (``[None]``: load()'s default)."""
-    values = text.split(",") if text else [None]
-    bad = [v for v in values if v is not None and v not in ON_OFF]
-    if bad:
-        raise BenchError(f"{flag} takes on, off or on,off, got {bad[0]!r}")
-    return values
-
-
 def _pools(text: str) -> list:
     """--pools as fractions of each layer's experts, each in (0, 1] (a pool
     of 0 would run the top-k slots the smallest pool has, under another
@@ -146,8 +138,8 @@ def _pools(text: str) -> list:
 
 def run(args) -> dict:
     _check_choices(args)
-    affinities = _on_off("--prefetch-affinity", args.prefetch_affinity)
-    overlaps = _on_off("--overlap", args.overlap)
+    affinities = on_off("--prefetch-affinity", args.prefetch_affinity)
+    overlaps = on_off("--overlap", args.overlap)
     # A cache size in GB sizes the pools instead of --pools.
     pools = _pools(args.pools) if args.cache_gb is None else [None]
     stream_dir = Path(args.model)

@@ -11,9 +11,10 @@ at K = 1. Draft cost is not counted.
 
 from pathlib import Path
 
+from ..config import DIRECT_IO_CHOICES, ON_OFF
 from ..format import read_manifest
 from . import routing
-from .common import BenchError, figure, finish, pool_slots, run_case
+from .common import BenchError, figure, finish, on_off, pool_slots, run_case
 
 ACCEPTANCE = (0.5, 0.7, 0.9)
 
@@ -36,6 +37,12 @@ def add_arguments(p) -> None:
     p.add_argument("--draft-tokens", default="2,4", help="K values for --drafts")
     p.add_argument("--pools", default="0.25,0.5,1.0", help="pool sizes for --drafts")
     p.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
+    p.add_argument("--overlap", default=None,
+                   help="--drafts: on, off or on,off: synced calls compute their resident "
+                        "experts while their misses are read (default: load()'s)")
+    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
+                   help="--drafts: uncached expert reads (auto: as load() decides; on "
+                        "with --read-mbps)")
     p.add_argument("--read-mbps", type=float, default=None,
                    help="--drafts: throttle the streamed cases' reads to this many MB/s "
                         "(cgroup v1 blkio, uncached reads), e.g. a Mac's read/compute ratio")
@@ -75,6 +82,7 @@ def run_drafts(args) -> dict:
     """Speculative decoding with real drafts: each pool streamed, and the
     model resident (mlx-lm's own speculative decoding for model drafts),
     one process per case, the repeats interleaved."""
+    overlaps = on_off("--overlap", args.overlap)
     stream_dir = Path(args.model)
     spec = read_manifest(stream_dir).layers[0]
     common = dict(op="speculative", tokens=args.tokens, drafts=args.drafts.split(","),
@@ -82,11 +90,17 @@ def run_drafts(args) -> dict:
     cases = []
     for pool in [float(p) for p in args.pools.split(",")]:
         slots = pool_slots(spec, pool)
-        load = dict(slots_per_layer=slots, mtp="mtp" in common["drafts"])
-        if args.read_mbps:
-            load["direct_io"] = True  # the page cache would hide the throttle
-        cases.append((f"streamed {slots}/{spec.num_experts}", dict(
-            common, kind="streaming", model=str(stream_dir), load=load)))
+        for overlap in overlaps:
+            load = dict(slots_per_layer=slots, mtp="mtp" in common["drafts"],
+                        direct_io=DIRECT_IO_CHOICES[args.direct_io])
+            if args.read_mbps:
+                load["direct_io"] = True  # the page cache would hide the throttle
+            label = f"streamed {slots}/{spec.num_experts}"
+            if overlap is not None:
+                load["overlap"] = ON_OFF[overlap]
+                label += f" overlap {overlap}"
+            cases.append((label, dict(common, kind="streaming", model=str(stream_dir),
+                                      load=load)))
     if args.mlx_model:
         cases.append(("mlx-lm resident", dict(common, kind="mlx-lm", model=args.mlx_model)))
     runs = [[] for _ in cases]
