@@ -117,7 +117,9 @@ class Paged:
         # The thread that reads a call's misses while its resident experts
         # compute (an executor of one worker, the runtime's), or None.
         self.overlap = overlap
-        self.read_per_miss = 0.0  # seconds, measured (_measured): whether overlap pays
+        # Seconds, measured (_measured): whether overlap pays.
+        self.read_per_miss = 0.0
+        self.read_per_call = 0.0
         self.pending = []
 
     def __call__(self, inner, x, indices):
@@ -218,8 +220,9 @@ class Paged:
         self.store.control.stalled(self.layer, seconds)
 
     def _measured(self, waited: float, missing: int) -> None:
-        """Keep a decayed mean of the seconds a missing expert took to
-        bring in (read, or taken from prefetch's staging)."""
+        """Keep decayed means of the seconds a call's misses and a missing
+        expert took to bring in (read, or taken from prefetch's staging)."""
+        self.read_per_call += OVERLAP_SMOOTHING * (waited - self.read_per_call)
         if missing:
             per_miss = waited / missing
             self.read_per_miss += OVERLAP_SMOOTHING * (per_miss - self.read_per_miss)
@@ -293,12 +296,30 @@ class NativePaged(Paged):
                  in_graph: bool = False):
         super().__init__(store, events, prefetch, router, overlap)
         self.in_graph = in_graph
+        self.graph_seen = (0, 0.0)  # the store's graph counters, as last read
 
     def __call__(self, inner, x, indices):
         if (self.in_graph and indices.size <= self.store.pool.slots
-                and indices.dtype in (mx.uint32, mx.int32) and calls_in_graph()):
+                and indices.dtype in (mx.uint32, mx.int32) and calls_in_graph()
+                and not self._overlap_pays()):
             return self._in_graph(inner, x, indices)
         return super().__call__(inner, x, indices)
+
+    def _overlap_pays(self) -> bool:
+        """Whether this layer's misses take long enough to read (a decayed
+        mean per call, at least ``_overlapped``'s bar) that its calls should
+        sync: a call in the graph reads its misses on the stream's thread
+        before any of its experts compute, a synced one computes its
+        resident experts meanwhile. Measured on both paths, so a layer goes
+        back into the graph when its reads get fast (the page cache warm)."""
+        if self.overlap is None:
+            return False
+        calls, load_s = self.store.graph_calls, self.store.graph_load_s
+        if calls > self.graph_seen[0]:
+            per_call = (load_s - self.graph_seen[1]) / (calls - self.graph_seen[0])
+            self.read_per_call += OVERLAP_SMOOTHING * (per_call - self.read_per_call)
+            self.graph_seen = (calls, load_s)
+        return self.read_per_call >= OVERLAP_MIN_READ_S
 
     def _in_graph(self, inner, x, indices):
         if self.pending:

@@ -248,6 +248,11 @@ class NativeStore(ExpertStore):
             self.file, self.spec.stride, self.pool.segments,
             getattr(self.policy, "decay", 1.0), _VERIFY_CODES[self.verify], blob)
         self.index.clock = self.policy.clock
+        # The calls made inside the graph so far and the seconds their
+        # misses took (``flush``): whether a layer's calls should sync to
+        # overlap their reads instead (``block.NativePaged``).
+        self.graph_calls = 0
+        self.graph_load_s = 0.0
         self._bind()
 
     def _bind(self) -> None:
@@ -310,6 +315,8 @@ class NativeStore(ExpertStore):
         calls, tokens, hits, misses, distinct, records, read_s, stall_s = \
             self.index.take_counters()
         self.policy.clock = self.index.clock
+        self.graph_calls += calls
+        self.graph_load_s += stall_s
         if calls:
             self.events.on_graph_calls(self.layer, calls, tokens, hits, misses, distinct,
                                        records, records * self.expert_nbytes, read_s, stall_s)

@@ -241,3 +241,35 @@ def test_a_pass_that_raises_leaves_later_calls_exact(qwen, monkeypatch):
             _assert_same_state(native, reference, step)
             tokens = mx.argmax(out[0], axis=-1, keepdims=True)
     assert failed == 2
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_layer_whose_reads_are_slow_syncs_to_overlap_them(qwen, monkeypatch, overlap):
+    # Decode calls start inside the graph. Once a layer's misses are
+    # measured to take at least the overlap's bar per call (forced here to
+    # a nanosecond), its calls sync instead, computing their resident
+    # experts while the misses are read; without overlap they never leave
+    # the graph. Logits are mlx-lm's either way.
+    from mlx_streaming import block
+
+    src, stream_dir = qwen
+    monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 1e-9)
+    split = []
+    pairs = Paged._pairs
+
+    def counted(self, *args):
+        split.append(self.layer)
+        return pairs(self, *args)
+
+    monkeypatch.setattr(Paged, "_pairs", counted)
+    model = check_matches_resident(src, stream_dir, slots_per_layer=4, overlap=overlap)
+    assert all(type(r) is NativePaged for r in _residencies(model))
+    counters = list(model.streaming.stats.counters.values())
+    graph = [c.graph_calls for c in counters]
+    synced = [c.syncs for c in counters]
+    if overlap:
+        # Each layer's first decode call ran in the graph, most later ones synced.
+        assert all(g >= 1 for g in graph) and all(s > 2 * g for s, g in zip(synced, graph))
+        assert split, "no synced call overlapped its reads"
+    else:
+        assert all(s <= 2 for s in synced) and not split  # the two prompts' calls only
