@@ -14,7 +14,7 @@ How ids become slots is a residency strategy chosen at load:
 - ``Paged``: a partial pool. One host sync per call evaluates the router's
   ids; misses are read into the slots the policy values least; the ids are
   remapped to slots on the device with the layer's table. With ``overlap``,
-  a one-token call computes its resident experts while its misses are read.
+  a call computes its resident experts while its misses are read.
 - ``NativePaged``: ``Paged`` with the host's bookkeeping of a call in C++
   (``store.NativeStore``), when the extension and the policy allow it.
 """
@@ -39,6 +39,8 @@ from .store import ExpertStore
 # whose small experts are read from the page cache in microseconds, 18%
 # slower), so a call overlaps only when its misses are expected to take
 # longer than this to read (a decayed mean per layer of what they took).
+# On the CPU backend it is also the bar at which a layer's decode calls
+# leave the graph, where they cannot overlap (``NativePaged``).
 OVERLAP_MIN_READ_S = 1e-3
 OVERLAP_SMOOTHING = 0.2
 # mlx-lm's expert call sorts a call of this many ids or more by expert
@@ -289,19 +291,21 @@ class NativePaged(Paged):
     stream's work in order, so the call's expert compute, queued after it,
     sees the filled slots, and every earlier reader of the pool finished
     before it. Larger calls (prefill) sync as ``Paged`` does, with the
-    native route and ensure. ``Paged`` is the reference; the two agree call
-    for call (tests/test_native_paging.py)."""
+    native route and ensure, and so do the calls of a layer whose reads are
+    slow enough to overlap (``_overlap_pays``). ``Paged`` is the reference;
+    the two agree call for call (tests/test_native_paging.py)."""
 
     def __init__(self, store, events, prefetch=None, router=None, overlap=None,
                  in_graph: bool = False):
         super().__init__(store, events, prefetch, router, overlap)
         self.in_graph = in_graph
-        self.graph_seen = (0, 0.0)  # the store's graph counters, as last read
+        # The store's graph counters (calls, records, seconds), as last read.
+        self.graph_seen = (0, 0, 0.0)
 
     def __call__(self, inner, x, indices):
         if (self.in_graph and indices.size <= self.store.pool.slots
                 and indices.dtype in (mx.uint32, mx.int32) and calls_in_graph()
-                and not self._overlap_pays()):
+                and not (indices.size < SORTED_GATHER_IDS and self._overlap_pays())):
             return self._in_graph(inner, x, indices)
         return super().__call__(inner, x, indices)
 
@@ -314,11 +318,14 @@ class NativePaged(Paged):
         back into the graph when its reads get fast (the page cache warm)."""
         if self.overlap is None:
             return False
-        calls, load_s = self.store.graph_calls, self.store.graph_load_s
-        if calls > self.graph_seen[0]:
-            per_call = (load_s - self.graph_seen[1]) / (calls - self.graph_seen[0])
-            self.read_per_call += OVERLAP_SMOOTHING * (per_call - self.read_per_call)
-            self.graph_seen = (calls, load_s)
+        now = (self.store.graph_calls, self.store.graph_records, self.store.graph_load_s)
+        calls, records, seconds = (a - b for a, b in zip(now, self.graph_seen))
+        if calls:
+            self.graph_seen = now
+            self.read_per_call += OVERLAP_SMOOTHING * (seconds / calls - self.read_per_call)
+            if records:  # so that the first synced call overlaps already
+                self.read_per_miss += OVERLAP_SMOOTHING * (seconds / records
+                                                           - self.read_per_miss)
         return self.read_per_call >= OVERLAP_MIN_READ_S
 
     def _in_graph(self, inner, x, indices):

@@ -109,8 +109,9 @@ class StreamConfig:
         True, "weigh each prediction by how often the expert followed the experts this "
         "layer chose, counted on the routing so far", choices=ON_OFF)
     overlap: bool = _option(
-        True, "a one-token call that syncs computes its resident experts while its misses "
-        "are read, when they are expected to take 1 ms or more",
+        True, "a call that syncs computes its resident experts while its misses are read, "
+        "when they are expected to take 1 ms or more (on the CPU, a layer whose reads take "
+        "that long leaves the graph to sync)",
         choices=ON_OFF)
     prefetch_max_tokens: int = _option(
         DEFAULT_PREFETCH_MAX_TOKENS, "calls with more tokens (prefill) do not prefetch",

@@ -9,6 +9,7 @@ peak memory; ``--stats-json`` writes them (and the per-layer counters).
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -85,12 +86,15 @@ def check_args(args) -> None:
 
 def _check_writable(out: Path) -> None:
     """``--stats-json`` known writable before the model loads, not after
-    the whole generation: opened for appending (which changes nothing in
-    a file there), and removed again if this made it."""
+    the whole generation: a file opened for appending (which changes
+    nothing in it), or made and removed again. A device, a pipe or a
+    link to nothing is left for the end (opening a pipe would block)."""
     if out.is_dir() or not out.resolve().parent.is_dir():
         raise ConfigError(f"cannot write --stats-json {out} (not a file in an existing "
                           "directory)")
-    existed = out.exists()
+    existed = os.path.lexists(out)
+    if existed and not out.is_file():
+        return
     try:
         with open(out, "a"):
             pass

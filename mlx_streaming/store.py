@@ -248,10 +248,11 @@ class NativeStore(ExpertStore):
             self.file, self.spec.stride, self.pool.segments,
             getattr(self.policy, "decay", 1.0), _VERIFY_CODES[self.verify], blob)
         self.index.clock = self.policy.clock
-        # The calls made inside the graph so far and the seconds their
-        # misses took (``flush``): whether a layer's calls should sync to
-        # overlap their reads instead (``block.NativePaged``).
+        # The calls made inside the graph so far, the records they read and
+        # the seconds that took (``flush``): whether a layer's calls should
+        # sync to overlap their reads instead (``block.NativePaged``).
         self.graph_calls = 0
+        self.graph_records = 0
         self.graph_load_s = 0.0
         self._bind()
 
@@ -316,6 +317,7 @@ class NativeStore(ExpertStore):
             self.index.take_counters()
         self.policy.clock = self.index.clock
         self.graph_calls += calls
+        self.graph_records += records
         self.graph_load_s += stall_s
         if calls:
             self.events.on_graph_calls(self.layer, calls, tokens, hits, misses, distinct,

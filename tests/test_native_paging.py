@@ -77,7 +77,9 @@ def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch
     # Four slots of eight: the 48-token prefill has more distinct experts
     # than slots (the chunked path) and every decode step evicts.
     _, stream_dir = models.get("qwen3_moe", quantized=True)
-    kwargs = dict(slots_per_layer=4, policy=policy, verify=verify)
+    # Without overlap: a slow read on a busy machine could move a layer's
+    # calls out of the graph (NativePaged._overlap_pays), which is checked apart.
+    kwargs = dict(slots_per_layer=4, policy=policy, verify=verify, overlap=False)
     native, _ = mlx_streaming.load(stream_dir, **kwargs)
     reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
     assert type(_residencies(reference)[0]) is Paged
@@ -162,7 +164,7 @@ def test_a_damaged_record_fails_alike_on_both_paths(stream_copy, monkeypatch):
     # (The layers after it routed that pass's wrong hidden states: their
     # pools may hold other experts, every one checked.)
     spec = _damage(stream_copy, 1, range(0, 8, 2))
-    native, _ = mlx_streaming.load(stream_copy, slots_per_layer=4)
+    native, _ = mlx_streaming.load(stream_copy, slots_per_layer=4, overlap=False)  # in the graph
     reference, _ = _load_reference(monkeypatch, stream_copy, slots_per_layer=4)
     failed = _decode_until_error(native)
     assert failed is not None and failed[1] == spec.layer and failed[2] % 2 == 0
@@ -273,3 +275,19 @@ def test_a_layer_whose_reads_are_slow_syncs_to_overlap_them(qwen, monkeypatch, o
         assert split, "no synced call overlapped its reads"
     else:
         assert all(s <= 2 for s in synced) and not split  # the two prompts' calls only
+    if overlap:
+        # Reads below the bar again: the layers go back into the graph.
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+        cache = make_prompt_cache(model)
+        token = mx.argmax(model(mx.array([PROMPT]), cache=cache)[:, -1], axis=-1,
+                          keepdims=True)
+        for bar in (1e-9, 1e9):
+            monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", bar)
+            mlx_streaming.reset_stats(model)
+            for _ in range(6):
+                token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+            mx.eval(token)
+            graph_calls = mlx_streaming.stats(model)["total"]["graph_calls"]
+            assert (graph_calls < 6 * len(counters)) if bar < 1 else graph_calls == 6 * len(
+                counters)
+        model.streaming.close()

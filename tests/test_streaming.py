@@ -65,11 +65,12 @@ def test_full_pool_is_resident_without_syncs(qwen):
 @pytest.mark.parametrize("io", ["python", "native"])
 def test_decode_syncs_at_most_once_per_moe_layer(qwen, io):
     # The Python path syncs once per MoE call; the native one (CPU backend)
-    # runs decode calls inside the graph and syncs for none.
+    # runs decode calls inside the graph and syncs for none (without
+    # overlap, which takes a layer whose reads are slow out of the graph).
     if io == "native" and load_extension()[0] is None:
         pytest.skip("the native extension is not built")
     _, stream_dir = qwen
-    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, overlap=False)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([PROMPT]), cache=cache))
     mlx_streaming.reset_stats(model)
@@ -252,7 +253,8 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
                                        **options)
         if io == "native-synced":
             assert type(model.streaming.stores[0]).__name__ == "NativeStore"
-        assert bool(split) == (overlap and bar == 0)
+        if bar == 0:  # at the real bar, a read slowed by a busy machine may split a call
+            assert bool(split) == overlap
         assert model.streaming._overlap is None or model.streaming._overlap._shutdown
 
 
@@ -277,13 +279,21 @@ def _calls_of_several_tokens(model, width=2, batch=2, steps=6):
     return out
 
 
-def test_overlap_splits_calls_of_several_tokens_exactly(qwen, monkeypatch):
+@pytest.mark.parametrize("io", ["python", "native-synced"])
+def test_overlap_splits_calls_of_several_tokens_exactly(qwen, monkeypatch, io):
     # A verify call's or a batch's tokens: the resident (token, expert)
     # pairs compute as rows while the misses are read, then the rest, put
     # back in order: mlx-lm's bits, and only with overlap do calls split.
     from mlx_streaming import block
     from mlx_streaming.block import Paged
 
+    if io != "python" and load_extension()[0] is None:
+        pytest.skip("the native extension is not built")
+    options = dict(io="python", prefetch="next-layer")
+    if io == "native-synced":
+        # The native store's calls synced, as on a GPU: its ensure on the worker.
+        monkeypatch.setattr("mlx_streaming.loader.calls_in_graph", lambda: False)
+        options = dict(io="native")
     src, stream_dir = qwen
     reference = _calls_of_several_tokens(mlx_lm.load(str(src))[0])
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
@@ -297,12 +307,14 @@ def test_overlap_splits_calls_of_several_tokens_exactly(qwen, monkeypatch):
     monkeypatch.setattr(Paged, "_pairs", counted)
     for overlap in (True, False):
         split.clear()
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=8, io="python",
-                                      prefetch="next-layer", overlap=overlap)
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=8, overlap=overlap,
+                                      **options)
         streamed = _calls_of_several_tokens(model)
         for i, (r, s) in enumerate(zip(reference, streamed)):
             assert mx.array_equal(r, s).item(), f"logits differ at call {i}"
         assert (2 in split) == overlap, split  # calls of two tokens (or sequences) split
+        if io == "native-synced":
+            assert type(model.streaming.stores[0]).__name__ == "NativeStore"
         model.streaming.close()
 
 

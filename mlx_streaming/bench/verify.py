@@ -83,6 +83,8 @@ def run_drafts(args) -> dict:
     model resident (mlx-lm's own speculative decoding for model drafts),
     one process per case, the repeats interleaved."""
     overlaps = on_off("--overlap", args.overlap)
+    if args.read_mbps and args.direct_io == "off":
+        raise BenchError("--read-mbps throttles uncached reads: drop --direct-io off")
     stream_dir = Path(args.model)
     spec = read_manifest(stream_dir).layers[0]
     common = dict(op="speculative", tokens=args.tokens, drafts=args.drafts.split(","),
