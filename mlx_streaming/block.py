@@ -299,8 +299,6 @@ class NativePaged(Paged):
                  in_graph: bool = False):
         super().__init__(store, events, prefetch, router, overlap)
         self.in_graph = in_graph
-        # The store's graph counters (calls, records, seconds), as last read.
-        self.graph_seen = (0, 0, 0.0)
 
     def __call__(self, inner, x, indices):
         if (self.in_graph and indices.size <= self.store.pool.slots
@@ -318,10 +316,8 @@ class NativePaged(Paged):
         back into the graph when its reads get fast (the page cache warm)."""
         if self.overlap is None:
             return False
-        now = (self.store.graph_calls, self.store.graph_records, self.store.graph_load_s)
-        calls, records, seconds = (a - b for a, b in zip(now, self.graph_seen))
+        calls, records, seconds = self.store.take_graph_reads()
         if calls:
-            self.graph_seen = now
             self.read_per_call += OVERLAP_SMOOTHING * (seconds / calls - self.read_per_call)
             if records:  # so that the first synced call overlaps already
                 self.read_per_miss += OVERLAP_SMOOTHING * (seconds / records

@@ -248,12 +248,10 @@ class NativeStore(ExpertStore):
             self.file, self.spec.stride, self.pool.segments,
             getattr(self.policy, "decay", 1.0), _VERIFY_CODES[self.verify], blob)
         self.index.clock = self.policy.clock
-        # The calls made inside the graph so far, the records they read and
-        # the seconds that took (``flush``): whether a layer's calls should
-        # sync to overlap their reads instead (``block.NativePaged``).
-        self.graph_calls = 0
-        self.graph_records = 0
-        self.graph_load_s = 0.0
+        # (calls, records read, seconds) of the calls made inside the graph
+        # since ``take_graph_reads``: whether a layer's calls should sync to
+        # overlap their reads instead (``block.NativePaged``).
+        self._graph_reads = (0, 0, 0.0)
         self._bind()
 
     def _bind(self) -> None:
@@ -306,6 +304,11 @@ class NativeStore(ExpertStore):
         after the forward pass."""
         return self.ext.paged_remap(indices, self.pool.table, self.index)
 
+    def take_graph_reads(self):
+        """(calls, records, seconds) of the graph's calls since the last take."""
+        reads, self._graph_reads = self._graph_reads, (0, 0, 0.0)
+        return reads
+
     def drain_counters(self) -> None:
         """Forget the calls made inside the graph not yet reported."""
         self.index.take_counters()
@@ -316,9 +319,8 @@ class NativeStore(ExpertStore):
         calls, tokens, hits, misses, distinct, records, read_s, stall_s = \
             self.index.take_counters()
         self.policy.clock = self.index.clock
-        self.graph_calls += calls
-        self.graph_records += records
-        self.graph_load_s += stall_s
+        done = self._graph_reads
+        self._graph_reads = (done[0] + calls, done[1] + records, done[2] + stall_s)
         if calls:
             self.events.on_graph_calls(self.layer, calls, tokens, hits, misses, distinct,
                                        records, records * self.expert_nbytes, read_s, stall_s)

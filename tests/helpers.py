@@ -152,3 +152,18 @@ def downgrade_to_v1(stream_dir: Path, out: Path) -> Path:
     d["spine"] = [dict(name=s.name, nbytes=s.nbytes, crc32=s.crc32) for s in spine_manifest(out)]
     manifest_path(out).write_text(json.dumps(d))
     return out
+
+
+def count_splits(monkeypatch) -> list:
+    """The token count of each part of a call that overlap split
+    (``Paged._pairs``), appended as the calls run."""
+    from mlx_streaming.block import Paged
+
+    split, pairs = [], Paged._pairs
+
+    def counted(self, inner, x, indices, *args):
+        split.append(indices.size // indices.shape[-1])
+        return pairs(self, inner, x, indices, *args)
+
+    monkeypatch.setattr(Paged, "_pairs", counted)
+    return split

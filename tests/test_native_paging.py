@@ -16,7 +16,7 @@ from mlx_streaming.errors import CorruptExpertError
 from mlx_streaming.format import read_manifest
 from mlx_streaming.store import NativeStore
 
-from helpers import PROMPT, check_matches_resident
+from helpers import PROMPT, check_matches_resident, count_splits
 
 
 def _residencies(model):
@@ -256,14 +256,7 @@ def test_a_layer_whose_reads_are_slow_syncs_to_overlap_them(qwen, monkeypatch, o
 
     src, stream_dir = qwen
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 1e-9)
-    split = []
-    pairs = Paged._pairs
-
-    def counted(self, *args):
-        split.append(self.layer)
-        return pairs(self, *args)
-
-    monkeypatch.setattr(Paged, "_pairs", counted)
+    split = count_splits(monkeypatch)
     model = check_matches_resident(src, stream_dir, slots_per_layer=4, overlap=overlap)
     assert all(type(r) is NativePaged for r in _residencies(model))
     counters = list(model.streaming.stats.counters.values())

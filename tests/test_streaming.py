@@ -14,7 +14,8 @@ from mlx_streaming.format import read_manifest
 from mlx_streaming.loader import spine_bytes
 from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.policy import LRU, make_policy
-from helpers import PROMPT, check_matches_resident, logits_trace, pool_bytes, record_bytes
+from helpers import (PROMPT, check_matches_resident, count_splits, logits_trace, pool_bytes,
+                     record_bytes)
 
 
 @pytest.mark.parametrize("name", POLICY_CHOICES)
@@ -220,6 +221,19 @@ def test_every_policy_is_exact(qwen, policy):
     check_matches_resident(src, stream_dir, slots_per_layer=4, policy=policy)
 
 
+def _synced(io, monkeypatch) -> dict:
+    """Load options for a synced call path: ``python`` and ``native`` run
+    prefetch's path (the Python store, a sync per call); ``native-synced``
+    the native store with its calls synced, as on a GPU (its ensure then
+    runs on the overlap's worker)."""
+    if io != "python" and load_extension()[0] is None:
+        pytest.skip("the native extension is not built")
+    if io == "native-synced":
+        monkeypatch.setattr("mlx_streaming.loader.calls_in_graph", lambda: False)
+        return dict(io="native", prefetch="off")
+    return dict(io=io, prefetch="next-layer")
+
+
 @pytest.mark.parametrize("io", ["python", "native", "native-synced"])
 def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monkeypatch):
     # Decode steps with some experts resident and some missing split in
@@ -228,24 +242,10 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
     # model's reads take microseconds, under the bar where overlap pays:
     # it splits only with the bar at 0.
     from mlx_streaming import block
-    from mlx_streaming.block import Paged
 
-    if io != "python" and load_extension()[0] is None:
-        pytest.skip("the native extension is not built")
     src, stream_dir = qwen
-    options = dict(io=io, prefetch="next-layer")  # prefetch's path: Python store, synced
-    if io == "native-synced":
-        # The native store's calls synced, as on a GPU: its ensure on the worker.
-        monkeypatch.setattr("mlx_streaming.loader.calls_in_graph", lambda: False)
-        options = dict(io="native", prefetch="off")
-    split = []
-    pairs = Paged._pairs
-
-    def counted(self, inner, x, indices, *args):
-        split.append(indices.size)
-        return pairs(self, inner, x, indices, *args)
-
-    monkeypatch.setattr(Paged, "_pairs", counted)
+    options = _synced(io, monkeypatch)
+    split = count_splits(monkeypatch)
     for overlap, bar in [(True, 0.0), (False, 0.0), (True, block.OVERLAP_MIN_READ_S)]:
         monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", bar)
         split.clear()
@@ -285,26 +285,12 @@ def test_overlap_splits_calls_of_several_tokens_exactly(qwen, monkeypatch, io):
     # pairs compute as rows while the misses are read, then the rest, put
     # back in order: mlx-lm's bits, and only with overlap do calls split.
     from mlx_streaming import block
-    from mlx_streaming.block import Paged
 
-    if io != "python" and load_extension()[0] is None:
-        pytest.skip("the native extension is not built")
-    options = dict(io="python", prefetch="next-layer")
-    if io == "native-synced":
-        # The native store's calls synced, as on a GPU: its ensure on the worker.
-        monkeypatch.setattr("mlx_streaming.loader.calls_in_graph", lambda: False)
-        options = dict(io="native")
+    options = _synced(io, monkeypatch)
     src, stream_dir = qwen
     reference = _calls_of_several_tokens(mlx_lm.load(str(src))[0])
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
-    split = []
-    pairs = Paged._pairs
-
-    def counted(self, inner, x, indices, *args):
-        split.append(indices.size // indices.shape[-1])
-        return pairs(self, inner, x, indices, *args)
-
-    monkeypatch.setattr(Paged, "_pairs", counted)
+    split = count_splits(monkeypatch)
     for overlap in (True, False):
         split.clear()
         model, _ = mlx_streaming.load(stream_dir, slots_per_layer=8, overlap=overlap,
