@@ -180,21 +180,26 @@ class Paged:
         self.pending.append(y)
 
     def _overlapped(self, inner, x, indices, ids, experts, y):
-        """Some experts resident and some missing: the resident ones compute
-        while the worker reads the misses, then the rest. Each (token,
-        expert) pair is computed as in one ``inner`` call over all of them
-        (expert matmuls are independent per row and column, ``_pairs``), and
-        the pairs are put back in the router's order, so the output is the
-        same bits. The misses take slots that no resident expert of this
-        call holds (``ensure``), so the compute in flight never reads a slot
-        being written. The device stalled only from the end of that compute
-        to the end of the reads."""
+        """The call ``y`` after its reads, or split (``_split``) when some
+        of its experts are resident, some missing, and the misses are
+        expected to take long enough to read."""
         missing = int(np.count_nonzero(~self.store.resident(experts)))
-        if not 0 < missing < len(experts) or missing * self.read_per_miss < OVERLAP_MIN_READ_S:
-            waited = self.store.ensure(experts)
-            self._stalled(waited)
-            self._measured(waited, missing)
-            return y
+        if 0 < missing < len(experts) and missing * self.read_per_miss >= OVERLAP_MIN_READ_S:
+            return self._split(inner, x, indices, ids, experts, missing)
+        waited = self.store.ensure(experts)
+        self._stalled(waited)
+        self._measured(waited, missing)
+        return y
+
+    def _split(self, inner, x, indices, ids, experts, missing):
+        """The resident experts compute while the worker reads the misses,
+        then the rest. Each (token, expert) pair is computed as in one
+        ``inner`` call over all of them (expert matmuls are independent per
+        row and column, ``_pairs``), and the pairs are put back in the
+        router's order, so the output is the same bits. The misses take
+        slots that no resident expert of this call holds (``ensure``), so
+        the compute in flight never reads a slot being written. The device
+        stalled only from the end of that compute to the end of the reads."""
         flat = ids.reshape(-1)
         resident = self.store.resident(flat)
         first, rest = np.nonzero(resident)[0], np.nonzero(~resident)[0]
@@ -212,9 +217,7 @@ class Paged:
         self._stalled(time.perf_counter() - computed)
         self._measured(waited, missing)
         y_rest = self._pairs(inner, x, indices, rest, self._slot_ids(flat[rest]))
-        order = mx.array(np.argsort(np.concatenate([first, rest])))
-        y = mx.concatenate([y_first, y_rest])[order]
-        return y.reshape(*indices.shape, y.shape[-1])
+        return _in_router_order([y_first, y_rest], [first, rest], indices)
 
     def _stalled(self, seconds: float) -> None:
         """The device waited ``seconds`` for this call's reads."""
@@ -249,29 +252,32 @@ class Paged:
         """More distinct experts than slots: run the (token, expert) pairs in
         groups of experts that fit, each group evaluated before the next one
         overwrites slots. Every pair is computed exactly as in one call
-        because expert matmuls are independent per row."""
+        because expert matmuls are independent per row (``_pairs``)."""
         slots = self.store.pool.slots
-        k = ids.shape[-1]
         flat = ids.reshape(-1)
-        token_of_pair = np.arange(flat.size) // k
-        x_rows = x.reshape(-1, x.shape[-1])
         # Resident experts first: the first group then reads nothing.
         resident = self.store.resident(experts)
         order = np.concatenate([experts[resident], experts[~resident]])
-        outputs, pair_order = [], []
+        outputs, positions = [], []
         groups = math.ceil(len(order) / slots)
         for c in range(groups):
             group = order[c * slots : (c + 1) * slots]
             self._stalled(self.store.ensure(group, last=c == groups - 1))
             pairs = np.nonzero(np.isin(flat, group))[0]
-            slot_ids = self.store.pool.slot_of_expert[flat[pairs]]
-            y = inner(x_rows[mx.array(token_of_pair[pairs])], mx.array(slot_ids)[:, None])
+            y = self._pairs(inner, x, indices, pairs, self._slot_ids(flat[pairs]))
             mx.eval(y)
-            outputs.append(y[:, 0])
-            pair_order.append(pairs)
-        inverse = np.argsort(np.concatenate(pair_order))
-        y = mx.concatenate(outputs)[mx.array(inverse)]
-        return y.reshape(*indices.shape, y.shape[-1])
+            outputs.append(y)
+            positions.append(pairs)
+        return _in_router_order(outputs, positions, indices)
+
+
+def _in_router_order(parts, positions, indices):
+    """A call's ``parts``, each computed for the (token, expert) pairs at
+    ``positions`` in its flat ids, put back in the router's order and
+    shape."""
+    order = mx.array(np.argsort(np.concatenate(positions)))
+    y = mx.concatenate(parts)[order]
+    return y.reshape(*indices.shape, y.shape[-1])
 
 
 def calls_in_graph() -> bool:

@@ -155,15 +155,15 @@ def downgrade_to_v1(stream_dir: Path, out: Path) -> Path:
 
 
 def count_splits(monkeypatch) -> list:
-    """The token count of each part of a call that overlap split
-    (``Paged._pairs``), appended as the calls run."""
+    """The token count of each call that overlap split (``Paged._split``),
+    appended as the calls run."""
     from mlx_streaming.block import Paged
 
-    split, pairs = [], Paged._pairs
+    split, original = [], Paged._split
 
     def counted(self, inner, x, indices, *args):
         split.append(indices.size // indices.shape[-1])
-        return pairs(self, inner, x, indices, *args)
+        return original(self, inner, x, indices, *args)
 
-    monkeypatch.setattr(Paged, "_pairs", counted)
+    monkeypatch.setattr(Paged, "_split", counted)
     return split
