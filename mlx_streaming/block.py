@@ -43,6 +43,10 @@ from .store import ExpertStore
 # leave the graph, where they cannot overlap (``NativePaged``).
 OVERLAP_MIN_READ_S = 1e-3
 OVERLAP_SMOOTHING = 0.2
+# A layer out of the graph goes back in only when its reads fall below this
+# share of the bar: a layer whose reads hover at the bar (a busy machine, a
+# page cache half warm) would otherwise change paths every few calls.
+OVERLAP_RETURN_SHARE = 0.5
 # mlx-lm's expert call sorts a call of this many ids or more by expert
 # (switch_layers: ``indices.size >= 64``), which a GPU may compute with
 # another kernel than fewer ids: such a call is never split.
@@ -305,6 +309,8 @@ class NativePaged(Paged):
                  in_graph: bool = False):
         super().__init__(store, events, prefetch, router, overlap)
         self.in_graph = in_graph
+        # Whether this layer's decode calls sync (``_overlap_pays``).
+        self.synced = False
 
     def __call__(self, inner, x, indices):
         if (self.in_graph and indices.size <= self.store.pool.slots
@@ -319,7 +325,9 @@ class NativePaged(Paged):
         sync: a call in the graph reads its misses on the stream's thread
         before any of its experts compute, a synced one computes its
         resident experts meanwhile. Measured on both paths, so a layer goes
-        back into the graph when its reads get fast (the page cache warm)."""
+        back into the graph when its reads get fast (the page cache warm):
+        below ``OVERLAP_RETURN_SHARE`` of the bar, so that it does not
+        change paths on every slow read."""
         if self.overlap is None:
             return False
         calls, records, seconds = self.store.take_graph_reads()
@@ -328,7 +336,9 @@ class NativePaged(Paged):
             if records:  # so that the first synced call overlaps already
                 self.read_per_miss += OVERLAP_SMOOTHING * (seconds / records
                                                            - self.read_per_miss)
-        return self.read_per_call >= OVERLAP_MIN_READ_S
+        bar = OVERLAP_MIN_READ_S * (OVERLAP_RETURN_SHARE if self.synced else 1.0)
+        self.synced = self.read_per_call >= bar
+        return self.synced
 
     def _in_graph(self, inner, x, indices):
         if self.pending:

@@ -284,3 +284,33 @@ def test_a_layer_whose_reads_are_slow_syncs_to_overlap_them(qwen, monkeypatch, o
             assert (graph_calls < 6 * len(counters)) if bar < 1 else graph_calls == 6 * len(
                 counters)
         model.streaming.close()
+
+
+class _GraphReads:
+    """A store that hands over one graph call's read of ``seconds``."""
+
+    layer = 0
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def take_graph_reads(self):
+        return 1, 1, self.seconds
+
+
+def test_a_layer_changes_paths_only_past_the_bars(monkeypatch):
+    # Out of the graph at the bar; back in only below OVERLAP_RETURN_SHARE
+    # of it, so reads that hover at the bar do not flip the path per call.
+    from mlx_streaming import block
+
+    monkeypatch.setattr(block, "OVERLAP_SMOOTHING", 1.0)  # the mean is the last call
+    store = _GraphReads()
+    layer = NativePaged(store, events=None, overlap=object(), in_graph=True)
+    bar, share = block.OVERLAP_MIN_READ_S, block.OVERLAP_RETURN_SHARE
+    paths = []
+    for seconds in (0.9 * bar, bar, 0.9 * bar, (share + 0.01) * bar, (share - 0.01) * bar,
+                    0.9 * bar, bar):
+        store.seconds = seconds
+        paths.append(layer._overlap_pays())
+    assert paths == [False, True, True, True, False, False, True]
+    assert not NativePaged(store, events=None, overlap=None, in_graph=True)._overlap_pays()
