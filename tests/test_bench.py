@@ -92,11 +92,16 @@ def _run(argv, out):
     assert bench_main(argv + ["--out", str(out)]) == 0
 
 
-def test_bench_decode_cache_verify_prefill(models, tmp_path):
+def test_bench_decode_cache_verify_prefill(models, tmp_path, capsys):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     common = ["--model", str(stream_dir)]
     _run(["decode", *common, "--mlx-model", str(src), "--pools", "0.25,1.0", "--max-tokens",
           "4", "--routing-tokens", "8"], tmp_path / "decode")
+    # A line per case as it finishes, on stderr (the table is on stdout).
+    progress = [l for l in capsys.readouterr().err.splitlines() if l.startswith("bench: decode")]
+    # Four cases, and the run that records the routing statistics' trace.
+    assert len(progress) == 5 and all(": ok in " in l for l in progress)
+    assert "slots_per_layer=" in progress[2]
     d = json.loads((tmp_path / "decode" / "decode.json").read_text())
     cases = [r["case"] for r in d["rows"]]
     assert cases == ["(a) mlx-lm resident", "(b) mlx-lm lazy", "(c) mlx_streaming",

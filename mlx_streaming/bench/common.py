@@ -217,6 +217,7 @@ def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = F
         if throttle is not None:
             throttle.close()
     result = dict(case, wall_s=time.perf_counter() - start, returncode=proc.returncode)
+    _progress(case, proc.returncode, result["wall_s"])
     if limit is not None:
         result["cgroup_max_usage_bytes"] = limit.max_usage()
         oom = limit.oom_kills() > 0
@@ -232,6 +233,15 @@ def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = F
         result["status"] = "error"
         result["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
     return result
+
+
+def _progress(case: dict, returncode: int, seconds: float) -> None:
+    """One line per finished case on stderr: a bench of many rounds runs
+    for many minutes, and its table comes only at the end."""
+    load = " ".join(f"{k}={v}" for k, v in case.get("load", {}).items())
+    status = "ok" if returncode == 0 else f"failed (exit {returncode})"
+    print(f"bench: {case.get('op', '?')} {case.get('kind', '')} {load}: {status} "
+          f"in {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 def disk_read_gbps(path: Path, block: int, limit_bytes: int = 1 << 30,
