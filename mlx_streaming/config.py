@@ -90,6 +90,11 @@ class StreamConfig:
         "cannot stay in the page cache", choices=DIRECT_IO_CHOICES)
     io_threads: int = _option(default_io_threads(), f"reader threads (1-{MAX_IO_THREADS})",
                               type=int, bounds=dict(low=1, high=MAX_IO_THREADS))
+    read_pace_mbps: Optional[float] = _option(
+        None, "benchmarks: emulate a slower disk; every expert read ends no earlier than "
+        "on a disk that reads this many MB/s, one read after another, with no credit for "
+        "its idle time (unlike a cgroup throttle)", type=float,
+        bounds=dict(low=0, high=MAX_GB * 1e3, open_low=True, optional=True))
     prefetch: str = _option("off", "next-layer: read the next layer's predicted experts "
                             "ahead; auto: measure and keep it only if it pays",
                             choices=PREFETCH_CHOICES)

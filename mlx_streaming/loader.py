@@ -511,8 +511,9 @@ def _make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:
                 "slower Python reader, without its paged calls inside the graph. Reinstall "
                 "with a C++ compiler and CMake (`pip install -e .`) to build it.",
                 RuntimeWarning, stacklevel=4)
-        return PythonReader(config.io_threads, direct), reason
-    return NativeReader(ext, config.io_threads, direct), "native extension"
+        return PythonReader(config.io_threads, direct, config.read_pace_mbps), reason
+    return NativeReader(ext, config.io_threads, direct, config.read_pace_mbps), \
+        "native extension"
 
 
 def choose_direct_io(config: StreamConfig, path: Path, manifest: Manifest,

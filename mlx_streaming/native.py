@@ -26,11 +26,11 @@ class NativeReader:
 
     name = "native"
 
-    def __init__(self, ext, threads: int, direct: bool):
+    def __init__(self, ext, threads: int, direct: bool, pace_mbps: Optional[float] = None):
         self.ext = ext
         self.direct = direct
         self.threads = threads
-        self._reader = ext.ExpertReader(threads, direct)
+        self._reader = ext.ExpertReader(threads, direct, (pace_mbps or 0.0) * 1e6)
         self.closed = False
 
     def open(self, path: str) -> int:

@@ -21,6 +21,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
@@ -86,15 +87,36 @@ def direct_io_works(path) -> bool:
         os.close(fd)
 
 
+class ReadPace:
+    """A disk of ``bytes_per_s`` emulated on a faster one, for benchmarks
+    (native/reader.h's ``ReadPace``): each read ends no earlier than a
+    device serving one stream of bytes at that rate would end it, and idle
+    time earns no credit (a cgroup blkio throttle banks it, and lets the
+    next reads through in a burst)."""
+
+    def __init__(self, bytes_per_s: float):
+        self._seconds_per_byte = 1.0 / bytes_per_s
+        self._free = time.monotonic()
+        self._lock = threading.Lock()
+
+    def book(self, nbytes: int) -> float:
+        """Books ``nbytes`` on the device; the read may end at the time
+        returned (``time.monotonic``)."""
+        with self._lock:
+            self._free = max(self._free, time.monotonic()) + nbytes * self._seconds_per_byte
+            return self._free
+
+
 class PythonReader:
     """``os.preadv`` straight into slot memory, records spread over threads."""
 
     name = "python"
 
-    def __init__(self, threads: int, direct: bool = False):
+    def __init__(self, threads: int, direct: bool = False, pace_mbps: Optional[float] = None):
         if direct and not uncached_supported():
             raise ExpertReadError("uncached reads are not supported on this OS")
         self.direct = direct
+        self._pace = ReadPace(pace_mbps * 1e6) if pace_mbps else None
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-read")
         # Prefetch reads get threads of their own: demand reads, which the
@@ -210,11 +232,13 @@ class PythonReader:
             buf = self._bounce.buf = aligned_empty(stride)
         return buf[:stride]
 
-    @staticmethod
-    def _pread(fd: int, path: str, buf, offset: int) -> None:
+    def _pread(self, fd: int, path: str, buf, offset: int) -> None:
         want = memoryview(buf).nbytes
+        done = self._pace.book(want) if self._pace is not None else None
         try:
             got = os.preadv(fd, [buf], offset)
+            if done is not None:
+                time.sleep(max(0.0, done - time.monotonic()))
         except OSError as e:
             raise ExpertReadError(
                 f"read of {path} at offset {offset} failed: {e.strerror}"

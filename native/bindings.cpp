@@ -91,10 +91,12 @@ NB_MODULE(_ext, m) {
   nb::class_<PyReader>(m, "ExpertReader")
       .def(
           "__init__",
-          [](PyReader* self, int threads, bool direct) {
-            new (self) PyReader{std::make_shared<ExpertReader>(threads, direct)};
+          [](PyReader* self, int threads, bool direct, double pace_bytes_per_s) {
+            new (self) PyReader{std::make_shared<ExpertReader>(threads, direct, pace_bytes_per_s)};
           },
-          "threads"_a, "direct"_a)
+          "threads"_a, "direct"_a, "pace_bytes_per_s"_a = 0.0,
+          "pace_bytes_per_s > 0: every read ends no earlier than a disk of that rate "
+          "would end it (benchmarks: ReadPace)")
       .def_prop_ro("threads", [](PyReader& r) { return r.reader->threads(); })
       .def_prop_ro("direct", [](PyReader& r) { return r.reader->direct(); })
       .def("open", [](PyReader& r, const std::string& path) { return r.reader->open(path); })

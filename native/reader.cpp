@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "crc32.h"
 
@@ -59,8 +60,31 @@ void check_segments(const std::vector<Segment>& segments, int64_t stride) {
   }
 }
 
-ExpertReader::ExpertReader(int threads, bool direct)
-    : direct_(direct), pool_(std::make_unique<ThreadPool>(threads)) {}
+ReadPace::ReadPace(double bytes_per_s)
+    : seconds_per_byte_(1.0 / bytes_per_s), free_(Clock::now()) {}
+
+ReadPace::Clock::time_point ReadPace::book(int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_ = std::max(free_, Clock::now()) +
+      std::chrono::duration_cast<Clock::duration>(
+              std::chrono::duration<double>(nbytes * seconds_per_byte_));
+  return free_;
+}
+
+ExpertReader::ExpertReader(int threads, bool direct, double pace_bytes_per_s)
+    : direct_(direct),
+      pace_(pace_bytes_per_s > 0 ? std::make_unique<ReadPace>(pace_bytes_per_s) : nullptr),
+      pool_(std::make_unique<ThreadPool>(threads)) {}
+
+void ExpertReader::pread_paced(const File& f, uint8_t* buf, int64_t n, int64_t offset) {
+  if (!pace_) {
+    pread_full(f, buf, n, offset);
+    return;
+  }
+  auto done = pace_->book(n);
+  pread_full(f, buf, n, offset);
+  std::this_thread::sleep_until(done);
+}
 
 ExpertReader::~ExpertReader() {
   pool_.reset(); // join the threads before the files go
@@ -129,7 +153,7 @@ void ExpertReader::read_piece(
     if (!bounce) {
       bounce = std::make_unique<AlignedBuffer>(kChunkBytes);
     }
-    pread_full(f, bounce->data, end - begin, record + begin);
+    pread_paced(f, bounce->data, end - begin, record + begin);
     for (size_t j = 0; j < segments.size(); ++j) {
       int64_t a = std::max(begin, segments[j].offset);
       int64_t b = std::min(end, segments[j].offset + segments[j].nbytes);
@@ -145,7 +169,7 @@ void ExpertReader::read_piece(
     int64_t b = std::min(end, segments[j].offset + segments[j].nbytes);
     if (a < b) {
       auto* dst = reinterpret_cast<uint8_t*>(dst_row[j]);
-      pread_full(f, dst + (a - segments[j].offset), b - a, record + a);
+      pread_paced(f, dst + (a - segments[j].offset), b - a, record + a);
     }
   }
 }
@@ -211,7 +235,7 @@ std::vector<uint32_t> ExpertReader::read(
 }
 
 void ExpertReader::read_record(int file_handle, int64_t offset, uint8_t* buffer, int64_t stride) {
-  pread_full(file(file_handle), buffer, stride, offset);
+  pread_paced(file(file_handle), buffer, stride, offset);
 }
 
 } // namespace mlx_streaming

@@ -2,9 +2,11 @@
 // slot memory, on a persistent thread pool.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -38,9 +40,29 @@ struct File {
   std::string path;
 };
 
+// A disk of `bytes_per_s` emulated on a faster one, for benchmarks: each
+// read ends no earlier than a device serving one stream of bytes at that
+// rate would end it. Idle time earns no credit. (A cgroup blkio throttle
+// banks its idle time and lets the next reads through in a burst, which
+// hands the disk's idle time to demand reads for free, the time that
+// prefetch exists to use.)
+class ReadPace {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit ReadPace(double bytes_per_s);
+  // Books `nbytes` on the device; the read may end at the time returned.
+  Clock::time_point book(int64_t nbytes);
+
+ private:
+  std::mutex mu_;
+  double seconds_per_byte_;
+  Clock::time_point free_;
+};
+
 class ExpertReader {
  public:
-  ExpertReader(int threads, bool direct);
+  // `pace_bytes_per_s` > 0: every read is paced by a ReadPace of that rate.
+  ExpertReader(int threads, bool direct, double pace_bytes_per_s = 0);
   ~ExpertReader();
 
   // Opens a blob; returns its handle for read() and stage().
@@ -81,8 +103,11 @@ class ExpertReader {
       const std::vector<Segment>& segments,
       const int64_t* dst_row);
   const File& file(int handle) const;
+  // pread_full, paced when the reader is.
+  void pread_paced(const File& f, uint8_t* buf, int64_t n, int64_t offset);
 
   bool direct_;
+  std::unique_ptr<ReadPace> pace_;
   std::deque<File> files_; // deque: references stay valid as files open
   std::unique_ptr<ThreadPool> pool_;
 };

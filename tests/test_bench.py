@@ -180,6 +180,19 @@ def test_bench_decode_compares_policies_and_prefetch_under_a_read_limit(models, 
     assert d["read_mbps"] == 50
     assert all(r["belady_gb_per_token"] >= 0 and r["belady_serial_tps"] > 0 for r in streamed)
 
+    # The reader's own pacing instead: the cases load with it, and the
+    # bounds are taken at its rate.
+    _run(["decode", "--model", str(stream_dir), "--mlx-model", str(src), "--pools", "0.25",
+          "--direct-io", "on", "--pace-mbps", "50", "--max-tokens", "4",
+          "--routing-tokens", "8"], tmp_path / "p")
+    d = json.loads((tmp_path / "p" / "decode.json").read_text())
+    (paced,) = [r for r in d["rows"] if r["case"].startswith("(c)")]
+    assert paced["status"] == "ok" and paced["load"]["read_pace_mbps"] == 50
+    assert d["pace_mbps"] == 50 and d["read_mbps"] is None
+    compute = 1 / d["rows"][0]["decode_tps"]
+    assert paced["bound_overlap_tps"] == pytest.approx(
+        1 / max(compute, paced["gb_per_token"] / 0.05))
+
 
 def test_bench_overhead_and_simulate(models, tmp_path):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
@@ -279,13 +292,20 @@ def test_paired_ratio_cancels_the_machines_drift():
     ("--pools", "1.5", "'1.5'"),
     ("--pools", "quarter", "'quarter'"),
     ("--prefetch-affinity", "on,of", "'of'"),
-    ("--overlap", "yes", "'yes'")])
+    ("--overlap", "yes", "'yes'"),
+    ("--pace-mbps", "0", "above 0, got 0")])
 def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag, value, said):
     # No model at this path: the value is refused before it is looked for.
     assert bench_main(["decode", "--model", str(tmp_path / "none"), flag, value,
                        "--out", str(tmp_path / "d")]) == 1
     err = capsys.readouterr().err
     assert f"{flag} takes" in err and said in err
+
+
+def test_decode_takes_one_way_to_slow_the_disk(tmp_path, capsys):
+    assert bench_main(["decode", "--model", str(tmp_path / "none"), "--pace-mbps", "100",
+                       "--read-mbps", "100", "--out", str(tmp_path / "d")]) == 1
+    assert "give one" in capsys.readouterr().err
 
 
 def test_simulate_says_which_trace_is_missing(tmp_path, capsys):

@@ -378,7 +378,8 @@ def test_config_errors_are_value_errors_and_streaming_errors():
     for bad in (dict(cache_gb=float("nan")), dict(io_threads=10**5), dict(verify="sometimes"),
                 dict(policy="mru"), dict(prefetch_budget=-1),
                 dict(slots_per_layer=2.5), dict(direct_io="yes"), dict(direct_io=1),
-                dict(overlap=1), dict(mtp=0), dict(prefetch_affinity="on")):
+                dict(overlap=1), dict(mtp=0), dict(prefetch_affinity="on"),
+                dict(read_pace_mbps=0), dict(read_pace_mbps=-1.0), dict(read_pace_mbps=1e12)):
         with pytest.raises(ConfigError):
             StreamConfig(**bad)
     assert issubclass(ConfigError, ValueError)

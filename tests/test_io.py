@@ -88,6 +88,46 @@ def test_large_records_are_split_across_threads(tmp_path):
         reader.close()
 
 
+def _paced_readers(mbps):
+    out = [PythonReader(2, False, pace_mbps=mbps)]
+    if EXT is not None:
+        out.append(NativeReader(EXT, 2, False, pace_mbps=mbps))
+    return out
+
+
+def test_a_paced_reader_reads_no_faster_than_its_disk(blob):
+    # read_pace_mbps emulates a slower disk: the same bytes, each read ending
+    # no earlier than at that rate, reads one after another, with no credit
+    # for idle time.
+    path, data = blob
+    mbps = 0.5  # 4 records of 16 KiB: 0.13 s at 0.5 MB/s
+    segments = np.array([[0, STRIDE]], np.int64)
+    for reader in _paced_readers(mbps):
+        f = reader.open(str(path))
+        dst = np.zeros((4, STRIDE), np.uint8)
+        addr = (dst.ctypes.data + np.arange(4) * STRIDE)[:, None].astype(np.int64)
+        start = time.perf_counter()
+        reader.read(f, np.arange(4, dtype=np.int64) * STRIDE, segments, addr,
+                    np.zeros(4, bool), STRIDE)
+        assert time.perf_counter() - start >= 4 * STRIDE / (mbps * 1e6), reader.name
+        time.sleep(0.2)  # idle: no credit for it
+        start = time.perf_counter()
+        reader.read(f, np.array([6 * STRIDE], np.int64), segments, addr[:1],
+                    np.zeros(1, bool), STRIDE)
+        assert time.perf_counter() - start >= STRIDE / (mbps * 1e6), reader.name
+        reader.close()
+        assert dst[1:].tobytes() == data[STRIDE : 4 * STRIDE].tobytes(), reader.name
+        assert dst[0].tobytes() == data[6 * STRIDE : 7 * STRIDE].tobytes(), reader.name
+
+
+@pytest.mark.parametrize("io", ["python", "native"])
+def test_paced_reads_keep_outputs_exact(qwen, io):
+    if io == "native" and EXT is None:
+        pytest.skip(f"native extension {WHY}")
+    src, stream_dir = qwen
+    check_matches_resident(src, stream_dir, slots_per_layer=4, io=io, read_pace_mbps=200.0)
+
+
 def test_short_read_names_file_and_offset(blob):
     path, _ = blob
     for reader in readers():

@@ -79,6 +79,11 @@ def add_arguments(p) -> None:
                    help="throttle the cases' disk reads to this many MB/s (cgroup v1 blkio; "
                         "emulates a slower disk, e.g. a Mac's read/compute ratio; use with "
                         "--direct-io on or --cold)")
+    p.add_argument("--pace-mbps", type=float, default=None,
+                   help="emulate a disk of this many MB/s in the expert reader "
+                        "(read_pace_mbps): reads one after another, with no credit for the "
+                        "disk's idle time, which --read-mbps's cgroup throttle banks and "
+                        "spends on the next reads; use with --direct-io on")
     p.add_argument("--routing-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
@@ -120,6 +125,12 @@ def _check_choices(args) -> None:
         if bad:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")
+    if args.pace_mbps is not None:
+        if not args.pace_mbps > 0:
+            raise BenchError(f"--pace-mbps takes a rate in MB/s above 0, got {args.pace_mbps:g}")
+        if args.read_mbps:
+            raise BenchError("--pace-mbps and --read-mbps are two ways to emulate a slower "
+                             "disk: give one")
 
 
 def _pools(text: str) -> list:
@@ -180,6 +191,8 @@ def run(args) -> dict:
                 load["prefetch_affinity"] = ON_OFF[affinity]
             if overlap is not None:
                 load["overlap"] = ON_OFF[overlap]
+            if args.pace_mbps:
+                load["read_pace_mbps"] = args.pace_mbps
             name = "(c) mlx_streaming" + "".join(
                 f" {label}={value}" for label, value, choices in
                 [("verify", verify, modes), ("policy", policy, policies),
@@ -209,6 +222,8 @@ def run(args) -> dict:
         drop_page_cache()
     blob = blob_path(stream_dir, manifest.layers[0])
     disk_gbps = disk_read_gbps(blob, manifest.layers[0].stride, read_mbps=args.read_mbps)
+    # The bounds' rate: the paced disk's, when the reader emulates one.
+    rate_gbps = min(disk_gbps, args.pace_mbps / 1e3) if args.pace_mbps else disk_gbps
     reference = args.mlx_model or args.cache_gb is not None
     resident_tps = rows[0].get("decode_tps") if reference else None
     belady = _belady_gb_per_token(common, stream_dir, manifest, args) if args.mlx_model else {}
@@ -218,7 +233,7 @@ def run(args) -> dict:
             row["vs_resident_paired"] = paired_ratio(row["runs_tps"], rows[0]["runs_tps"])
         if resident_tps and row.get("gb_per_token") is not None:
             compute = 1 / resident_tps
-            io = row["gb_per_token"] / disk_gbps
+            io = row["gb_per_token"] / rate_gbps
             row["bound_overlap_tps"] = 1 / max(compute, io)
             row["bound_serial_tps"] = 1 / (compute + io)
             row["vs_bound"] = row["decode_tps"] / row["bound_overlap_tps"]
@@ -226,15 +241,16 @@ def run(args) -> dict:
                 # Belady's misses read at this disk's rate, serial with compute:
                 # what the best possible eviction would take without prefetch.
                 row["belady_gb_per_token"] = belady[row["pool"]]
-                row["belady_serial_tps"] = 1 / (compute + belady[row["pool"]] / disk_gbps)
+                row["belady_serial_tps"] = 1 / (compute + belady[row["pool"]] / rate_gbps)
                 row["vs_belady"] = row["decode_tps"] / row["belady_serial_tps"]
 
     stats = routing.measure(stream_dir, args.out, tokens=args.routing_tokens)
     result = dict(rows=rows, disk_direct_read_gbps=disk_gbps, routing=stats,
-                  read_mbps=args.read_mbps,
+                  read_mbps=args.read_mbps, pace_mbps=args.pace_mbps,
                   memory_limit_gb=args.memory_limit_gb, cold=args.cold,
                   model_expert_gb=manifest.expert_nbytes / 1e9, cases=raw)
-    throttled = f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else ""
+    throttled = (f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else
+                 f", reads paced at {args.pace_mbps:g} MB/s" if args.pace_mbps else "")
     title = (f"bench decode: experts {manifest.expert_nbytes / 1e9:.2f} GB, memory limit "
              f"{args.memory_limit_gb or 'none'} GB, {'cold' if args.cold else 'warm'} page cache, "
              f"disk {disk_gbps:.3g} GB/s (dd, direct){throttled}\n{routing.describe(stats)}")
