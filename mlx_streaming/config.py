@@ -35,6 +35,8 @@ DEFAULT_PREFETCH_MAX_TOKENS = 8
 DEFAULT_PREFETCH_PRECISION = 0.7
 # A bound on sizes in GB: beyond it float arithmetic on bytes loses meaning.
 MAX_GB = 1e6
+# read_pace_mbps: slower would pace one record for days.
+MIN_PACE_MBPS = 0.01
 # More reader threads than this only add contention: an NVMe queue is kept
 # full by far fewer, and each thread holds a bounce buffer.
 MAX_IO_THREADS = 64
@@ -91,10 +93,11 @@ class StreamConfig:
     io_threads: int = _option(default_io_threads(), f"reader threads (1-{MAX_IO_THREADS})",
                               type=int, bounds=dict(low=1, high=MAX_IO_THREADS))
     read_pace_mbps: Optional[float] = _option(
-        None, "benchmarks: emulate a slower disk; every expert read ends no earlier than "
-        "on a disk that reads this many MB/s, one read after another, with no credit for "
-        "its idle time (unlike a cgroup throttle)", type=float,
-        bounds=dict(low=0, high=MAX_GB * 1e3, open_low=True, optional=True))
+        None, "benchmarks: emulate a slower disk; every read of the model's reader (experts, "
+        "streamed spine layers, page-cache hits too) ends no earlier than on a disk that "
+        f"reads this many MB/s ({MIN_PACE_MBPS:g} or more), one read after another, with no "
+        "credit for its idle time (unlike a cgroup throttle)", type=float,
+        bounds=dict(low=MIN_PACE_MBPS, high=MAX_GB * 1e3, optional=True))
     prefetch: str = _option("off", "next-layer: read the next layer's predicted experts "
                             "ahead; auto: measure and keep it only if it pays",
                             choices=PREFETCH_CHOICES)

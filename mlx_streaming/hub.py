@@ -152,6 +152,11 @@ def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: S
     """The reader of a stream repo: range requests plus the disk cache."""
     from huggingface_hub.utils import build_hf_headers
 
+    if config.read_pace_mbps is not None:
+        raise ConfigError("read_pace_mbps emulates a slower local disk; a Hub repo's records "
+                          "come from the network: download it (or convert it) and load the "
+                          "directory to pace its reads")
+
     from .remote import RangeFetcher, RemoteBlob, RemoteReader, open_cache
 
     root = cache_root(config)

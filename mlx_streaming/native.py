@@ -30,6 +30,7 @@ class NativeReader:
         self.ext = ext
         self.direct = direct
         self.threads = threads
+        self.pace_mbps = pace_mbps
         self._reader = ext.ExpertReader(threads, direct, (pace_mbps or 0.0) * 1e6)
         self.closed = False
 

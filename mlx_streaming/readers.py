@@ -116,6 +116,7 @@ class PythonReader:
         if direct and not uncached_supported():
             raise ExpertReadError("uncached reads are not supported on this OS")
         self.direct = direct
+        self.pace_mbps = pace_mbps
         self._pace = ReadPace(pace_mbps * 1e6) if pace_mbps else None
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-read")
@@ -237,8 +238,6 @@ class PythonReader:
         done = self._pace.book(want) if self._pace is not None else None
         try:
             got = os.preadv(fd, [buf], offset)
-            if done is not None:
-                time.sleep(max(0.0, done - time.monotonic()))
         except OSError as e:
             raise ExpertReadError(
                 f"read of {path} at offset {offset} failed: {e.strerror}"
@@ -248,6 +247,8 @@ class PythonReader:
                 f"short read of {path} at offset {offset}: {got} of {want} "
                 "bytes; the blob is truncated, re-convert the model"
             )
+        if done is not None:
+            time.sleep(max(0.0, done - time.monotonic()))
 
     def staging(self, capacity: int, stride: int) -> "PythonStaging":
         return PythonStaging(self, capacity, stride)

@@ -99,7 +99,7 @@ def test_bench_decode_cache_verify_prefill(models, tmp_path, capsys):
           "4", "--routing-tokens", "8"], tmp_path / "decode")
     # A line per case as it finishes, on stderr (the table is on stdout).
     progress = [l for l in capsys.readouterr().err.splitlines() if l.startswith("bench: decode")]
-    # Four cases, and the run that records the routing statistics' trace.
+    # Four cases, and the run that records the trace Belady's MIN replays.
     assert len(progress) == 5 and all(": ok in " in l for l in progress)
     assert "slots_per_layer=" in progress[2]
     d = json.loads((tmp_path / "decode" / "decode.json").read_text())
@@ -293,13 +293,24 @@ def test_paired_ratio_cancels_the_machines_drift():
     ("--pools", "quarter", "'quarter'"),
     ("--prefetch-affinity", "on,of", "'of'"),
     ("--overlap", "yes", "'yes'"),
-    ("--pace-mbps", "0", "above 0, got 0")])
+    ("--pace-mbps", "0", "read_pace_mbps must be between 0.01"),
+    ("--pace-mbps", "inf", "read_pace_mbps must be a finite number")])
 def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag, value, said):
     # No model at this path: the value is refused before it is looked for.
     assert bench_main(["decode", "--model", str(tmp_path / "none"), flag, value,
                        "--out", str(tmp_path / "d")]) == 1
     err = capsys.readouterr().err
     assert f"{flag} takes" in err and said in err
+
+
+def test_a_failed_case_says_why_as_it_ends(tmp_path, capsys):
+    from mlx_streaming.bench.common import run_case
+
+    result = run_case(dict(op="decode", kind="streaming", model=str(tmp_path / "none"),
+                           max_tokens=2, prompt_tokens=4, temp=0.0, load=dict(io="python")))
+    assert result["status"] == "error"
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.startswith("bench: ")]
+    assert line.startswith("bench: decode streaming io=python: error (") and "none" in line
 
 
 def test_decode_takes_one_way_to_slow_the_disk(tmp_path, capsys):

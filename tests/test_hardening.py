@@ -379,7 +379,8 @@ def test_config_errors_are_value_errors_and_streaming_errors():
                 dict(policy="mru"), dict(prefetch_budget=-1),
                 dict(slots_per_layer=2.5), dict(direct_io="yes"), dict(direct_io=1),
                 dict(overlap=1), dict(mtp=0), dict(prefetch_affinity="on"),
-                dict(read_pace_mbps=0), dict(read_pace_mbps=-1.0), dict(read_pace_mbps=1e12)):
+                dict(read_pace_mbps=0.001), dict(read_pace_mbps=-1.0),
+                dict(read_pace_mbps=1e12)):
         with pytest.raises(ConfigError):
             StreamConfig(**bad)
     assert issubclass(ConfigError, ValueError)

@@ -120,12 +120,15 @@ def test_a_paced_reader_reads_no_faster_than_its_disk(blob):
         assert dst[0].tobytes() == data[6 * STRIDE : 7 * STRIDE].tobytes(), reader.name
 
 
+@pytest.mark.parametrize("prefetch", ["off", "next-layer"])
 @pytest.mark.parametrize("io", ["python", "native"])
-def test_paced_reads_keep_outputs_exact(qwen, io):
+def test_paced_reads_keep_outputs_exact(qwen, io, prefetch):
     if io == "native" and EXT is None:
         pytest.skip(f"native extension {WHY}")
     src, stream_dir = qwen
-    check_matches_resident(src, stream_dir, slots_per_layer=4, io=io, read_pace_mbps=200.0)
+    model = check_matches_resident(src, stream_dir, slots_per_layer=4, io=io, prefetch=prefetch,
+                                   read_pace_mbps=200.0)
+    assert model.streaming.reader.name == io and model.streaming.reader.pace_mbps == 200.0
 
 
 def test_short_read_names_file_and_offset(blob):

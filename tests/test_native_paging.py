@@ -308,8 +308,8 @@ def test_a_layer_changes_paths_only_past_the_bars(monkeypatch):
     layer = NativePaged(store, events=None, overlap=object(), in_graph=True)
     bar, share = block.OVERLAP_MIN_READ_S, block.OVERLAP_RETURN_SHARE
     paths = []
-    for seconds in (0.9 * bar, bar, 0.9 * bar, (share + 0.01) * bar, (share - 0.01) * bar,
-                    0.9 * bar, bar):
+    for seconds in (0.9 * bar, 1.1 * bar, 0.9 * bar, (share + 0.01) * bar,
+                    (share - 0.01) * bar, 0.9 * bar, 1.1 * bar):
         store.seconds = seconds
         paths.append(layer._overlap_pays())
     assert paths == [False, True, True, True, False, False, True]

@@ -196,6 +196,13 @@ def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = F
     """Run one measurement (``mlx_streaming.bench.case``) in a fresh process,
     optionally in a memory cgroup, with its disk reads throttled to
     ``read_mbps`` MB/s, and after dropping the page cache."""
+    start = time.perf_counter()
+    result = _run_case(case, memory_limit_gb, cold, timeout, read_mbps)
+    _progress(case, result, time.perf_counter() - start)
+    return result
+
+
+def _run_case(case, memory_limit_gb, cold, timeout, read_mbps) -> dict:
     if cold:
         drop_page_cache()
     limit = MemoryLimit(memory_limit_gb) if memory_limit_gb else None
@@ -212,12 +219,13 @@ def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = F
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=enter if cgroups else None)
     except subprocess.TimeoutExpired:
+        if limit is not None:
+            limit.close()
         return dict(case, status="timeout")
     finally:
         if throttle is not None:
             throttle.close()
     result = dict(case, wall_s=time.perf_counter() - start, returncode=proc.returncode)
-    _progress(case, proc.returncode, result["wall_s"])
     if limit is not None:
         result["cgroup_max_usage_bytes"] = limit.max_usage()
         oom = limit.oom_kills() > 0
@@ -235,13 +243,13 @@ def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = F
     return result
 
 
-def _progress(case: dict, returncode: int, seconds: float) -> None:
+def _progress(case: dict, result: dict, seconds: float) -> None:
     """One line per finished case on stderr: a bench of many rounds runs
     for many minutes, and its table comes only at the end."""
-    load = " ".join(f"{k}={v}" for k, v in case.get("load", {}).items())
-    status = "ok" if returncode == 0 else f"failed (exit {returncode})"
-    print(f"bench: {case.get('op', '?')} {case.get('kind', '')} {load}: {status} "
-          f"in {seconds:.0f} s", file=sys.stderr, flush=True)
+    what = " ".join([case.get("op", "?"), case.get("kind", ""),
+                     *(f"{k}={v}" for k, v in case.get("load", {}).items())])
+    status = result["status"] + (f" ({result['error']})" if "error" in result else "")
+    print(f"bench: {what}: {status} in {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 def disk_read_gbps(path: Path, block: int, limit_bytes: int = 1 << 30,

@@ -13,7 +13,9 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 import itertools
 from pathlib import Path
 
-from ..config import DIRECT_IO_CHOICES, ON_OFF, POLICY_CHOICES, PREFETCH_CHOICES
+from ..config import (DIRECT_IO_CHOICES, ON_OFF, POLICY_CHOICES, PREFETCH_CHOICES,
+                      StreamConfig)
+from ..errors import ConfigError
 from ..format import blob_path, read_manifest
 from . import routing
 from .common import (
@@ -80,10 +82,11 @@ def add_arguments(p) -> None:
                         "emulates a slower disk, e.g. a Mac's read/compute ratio; use with "
                         "--direct-io on or --cold)")
     p.add_argument("--pace-mbps", type=float, default=None,
-                   help="emulate a disk of this many MB/s in the expert reader "
+                   help="emulate a disk of this many MB/s in the model's reader "
                         "(read_pace_mbps): reads one after another, with no credit for the "
                         "disk's idle time, which --read-mbps's cgroup throttle banks and "
-                        "spends on the next reads; use with --direct-io on")
+                        "spends on the next reads. Page-cache hits are paced too; the bounds "
+                        "take the slower of this rate and the disk's direct rate")
     p.add_argument("--routing-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
@@ -126,8 +129,10 @@ def _check_choices(args) -> None:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")
     if args.pace_mbps is not None:
-        if not args.pace_mbps > 0:
-            raise BenchError(f"--pace-mbps takes a rate in MB/s above 0, got {args.pace_mbps:g}")
+        try:
+            StreamConfig(read_pace_mbps=args.pace_mbps)
+        except ConfigError as e:
+            raise BenchError(f"--pace-mbps takes a rate in MB/s: {e}") from None
         if args.read_mbps:
             raise BenchError("--pace-mbps and --read-mbps are two ways to emulate a slower "
                              "disk: give one")

@@ -183,6 +183,9 @@ def add_arguments(p) -> None:
                         "load()'s)")
     p.add_argument("--read-mbps", type=float, default=None,
                    help="validate with reads throttled (cgroup blkio), as bench decode")
+    p.add_argument("--pace-mbps", type=float, default=None,
+                   help="validate with the reader emulating a disk of this rate "
+                        "(read_pace_mbps), as bench decode")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)
@@ -218,8 +221,9 @@ def validate(args) -> dict:
         max_tokens=args.max_tokens, prefetch=args.prefetch,
         prefetch_precision=None if args.prefetch_precision is None else str(
             args.prefetch_precision),
-        direct_io="on" if args.read_mbps else "auto", policies=args.policies,
-        read_mbps=args.read_mbps, repeats=args.repeats, out=args.out / "decode")
+        direct_io="on" if args.read_mbps or args.pace_mbps else "auto",
+        policies=args.policies, read_mbps=args.read_mbps, pace_mbps=args.pace_mbps,
+        repeats=args.repeats, out=args.out / "decode")
     measured = decode.run(ns)
     ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=args.max_tokens,
                                          rounds=max(3, args.repeats), policy="lru",
@@ -235,6 +239,9 @@ def validate(args) -> dict:
         # A token-bucket throttle lets short bursts through at the disk's own
         # speed, so single reads overstate it; over a token it holds the rate.
         gbps, latency = args.read_mbps / 1e3, 0.0
+    elif args.pace_mbps:
+        # The paced reader's device: its rate, one read after another.
+        gbps, latency = min(gbps, args.pace_mbps / 1e3), 0.0
     d, layers = ov["decode"], ov["moe_layers"]
     partial = f"paged, pool {OVERHEAD_POOL:.0%}"
 
