@@ -102,6 +102,10 @@ def test_bench_decode_cache_verify_prefill(models, tmp_path, capsys):
     # Four cases, and the run that records the trace Belady's MIN replays.
     assert len(progress) == 5 and all(": ok in " in l for l in progress)
     assert "slots_per_layer=" in progress[2]
+    # The decode trace (Belady's replay, simulate's) holds the predictions
+    # that simulate's prefetch cases replay.
+    records = [json.loads(l) for l in (tmp_path / "decode" / "decode-trace.jsonl").open()]
+    assert any("predicted" in r for r in records)
     d = json.loads((tmp_path / "decode" / "decode.json").read_text())
     cases = [r["case"] for r in d["rows"]]
     assert cases == ["(a) mlx-lm resident", "(b) mlx-lm lazy", "(c) mlx_streaming",
