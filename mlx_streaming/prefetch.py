@@ -286,8 +286,7 @@ class PrefetchSwitch(Learner):
     After ``warmup`` decode tokens (a cold pool stalls on every first read),
     a trial of ``trial`` tokens turns prefetch on and off every ``block``
     tokens, so that slow spells of a shared machine and changes in the text
-    hit both alike; each block's first token is left out (it pays for the
-    block before). Prefetch stays on only if the median token with it was at
+    hit both alike. Prefetch stays on only if the median token with it was at
     least ``margin`` faster than the median token without it, and the tokens
     without it spent at least ``min_stall_share`` of their time stalled on
     reads (else there is nothing for prefetch to win). A clear difference
@@ -301,9 +300,9 @@ class PrefetchSwitch(Learner):
                  early: float = 0.1, clock=time.perf_counter):
         # Each block of the trial must be timed: the first token has no
         # start to time it from, so it is warmup.
-        if block < 2 or trial < 2 * block or warmup < 1:
-            raise ValueError(f"a trial of {trial} tokens needs two blocks of {block} (2 or more) "
-                             f"or more, and a warmup of one token or more (got {warmup})")
+        if trial < 2 * block or warmup < 1:
+            raise ValueError(f"a trial of {trial} tokens needs two blocks of {block} or more, "
+                             f"and a warmup of one token or more (got {warmup})")
         self.first_layer = first_layer
         self.max_tokens = max_tokens
         self.trial = trial
@@ -325,12 +324,8 @@ class PrefetchSwitch(Learner):
         if layer != self.first_layer or tokens > self.max_tokens or self.decision != "measuring":
             return
         now = self.clock()
-        ended = self._seen - self.warmup  # the trial step of the token that just ended
-        if self._last is not None and ended >= 0 and ended % self.block:
+        if self._last is not None and self._seen >= self.warmup:
             # The token that just ended ran with the state set at its start.
-            # A block's first token is not counted: it waits for reads the
-            # block before issued (reads ahead in flight, or a throttle's
-            # debt for them), which would bias the trial to prefetch.
             self._tokens[self.enabled].append(now - self._last)
             if not self.enabled:
                 self._off_stall += self._stall
