@@ -393,3 +393,22 @@ def test_simulator_hides_demand_reads_behind_the_resident_experts_compute():
     # Reads under the bar where Paged overlaps (1 ms) are not hidden.
     short = project_case(**common, expert_bytes=5e5, hit_compute_s=4e-4)
     assert short["stall_s"] == pytest.approx(5e-4)
+
+
+def test_simulator_reads_ahead_no_more_than_prefetchs_budget():
+    from mlx_streaming.bench.cache import Call
+    from mlx_streaming.bench.simulate import project_case
+
+    # Every call misses both its experts (two slots, six experts in turn);
+    # the prediction names them among 8. A layer's compute (2 ms) reads 2
+    # records of 1 ms: prefetch reads 2 of the 8, catching 2/8 of the two
+    # misses; the other 1.5 are read on demand (1.5 ms stalled), instead
+    # of 8 read ahead that outlast the compute by 6 ms.
+    calls = {0: [Call(np.array([2 * i % 6, 2 * i % 6 + 1]),
+                      np.array([[2 * i % 6, 2 * i % 6 + 1]]),
+                      predicted=np.arange(8) % 6) for i in range(20)]}
+    common = dict(calls=calls, fraction=1 / 3, policy="lru", compute_s=0.002, sync_s=0.0,
+                  moe_layers=1, expert_bytes=1e6, top_k=2, ssd_gbps=1.0, ssd_latency_s=0.0,
+                  skip=2)
+    assert project_case(**common, prefetch=False)["stall_s"] == pytest.approx(2e-3)
+    assert project_case(**common, prefetch=True)["stall_s"] == pytest.approx(1.5e-3)

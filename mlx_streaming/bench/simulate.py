@@ -135,6 +135,8 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     much of its call's demand reads (``Paged``'s overlap; 0 for none)."""
     per_call_read, per_call_stall, hits, lookups = [], [], 0, 0
     layer_compute = compute_s / moe_layers
+    # The records the disk reads in one layer's compute: prefetch's budget.
+    budget = layer_compute * ssd_gbps * 1e9 // expert_bytes
     for seq in calls.values():
         experts = 1 + max(int(c.experts.max()) for c in seq)
         slots = max(len(seq[0].experts), round(fraction * experts))
@@ -152,6 +154,11 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
             if prefetch and call.predicted is not None:
                 caught = len(set(missed.tolist()) & set(call.predicted.tolist())) * scale
                 staged = len(call.predicted) * scale * (len(missed) / max(1, len(call.experts)))
+                if staged > budget:
+                    # Prefetch reads no more than its budget (PrefetchBudget);
+                    # what it reads catches misses in proportion.
+                    caught *= budget / staged
+                    staged = budget
                 t_pf = (staged > 0) * ssd_latency_s + staged * expert_bytes / ssd_gbps / 1e9
                 rest = m - caught
                 t_demand = (rest > 0) * ssd_latency_s + rest * expert_bytes / ssd_gbps / 1e9 \
