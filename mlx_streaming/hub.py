@@ -148,14 +148,18 @@ def records_nbytes(manifest: Manifest) -> int:
     return sum(spec.blob_nbytes for spec in manifest.layers)
 
 
-def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: StreamConfig):
-    """The reader of a stream repo: range requests plus the disk cache."""
-    from huggingface_hub.utils import build_hf_headers
-
+def _check_no_pace(config: StreamConfig) -> None:
     if config.read_pace_mbps is not None:
         raise ConfigError("read_pace_mbps emulates a slower local disk; a Hub repo's records "
                           "come from the network: download it (or convert it) and load the "
                           "directory to pace its reads")
+
+
+def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: StreamConfig):
+    """The reader of a stream repo: range requests plus the disk cache."""
+    from huggingface_hub.utils import build_hf_headers
+
+    _check_no_pace(config)
 
     from .remote import RangeFetcher, RemoteBlob, RemoteReader, open_cache
 
@@ -186,6 +190,7 @@ def open_model(name: str, revision: Optional[str], config: StreamConfig):
     except HubUnreachable as e:
         return _offline(name, revision, config, e)
     if repo.is_stream:
+        _check_no_pace(config)  # before the spine's download
         return download_metadata(repo, config), repo
     if "config.json" not in repo.files or not any(
             f.endswith(".safetensors") for f in repo.files):

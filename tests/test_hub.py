@@ -293,6 +293,7 @@ def test_unknown_repo_revision_and_misuse_are_clear_errors(served, tmp_path, qwe
         mlx_streaming.StreamConfig(fetch_threads=0)
     with pytest.raises(ConfigError, match="read_pace_mbps emulates a slower local disk"):
         load_remote(served, tmp_path, read_pace_mbps=100.0)
+    assert not list(tmp_path.rglob("*.safetensors"))  # refused before the spine's download
 
 
 def test_the_disk_cache_is_one_process_at_a_time(tmp_path):
