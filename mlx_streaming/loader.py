@@ -103,7 +103,7 @@ class Runtime:
         if config.prefetch != "off" and self.paged:
             self.prefetch_budget = PrefetchBudget(
                 first, len(manifest.layers), max(l.stride for l in manifest.layers),
-                config.prefetch_max_tokens, fixed=config.prefetch_budget)
+                config.prefetch_max_tokens, self.reader.busy, fixed=config.prefetch_budget)
             if config.prefetch_budget is None:
                 learners.append(self.prefetch_budget)
             if config.prefetch_affinity:

@@ -48,6 +48,10 @@ class NativeReader:
         except self.ext.ReadError as e:
             raise ExpertReadError(str(e)) from None
 
+    def busy(self) -> Tuple[int, float]:
+        """``(bytes read, seconds with a read in flight)`` since load."""
+        return self._reader.busy()
+
     @property
     def native_handle(self):
         """The C++ reader, for native steps that read through it."""

@@ -27,10 +27,7 @@ class Learner:
 
     def on_call(self, layer: int, tokens: int) -> None: ...
     def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray) -> None: ...
-    def on_read(self, layer: int, nbytes: int) -> None: ...
-    # The host's whole wait for a call's reads, and the part of it that the
-    # device waited too (less with ``Paged``'s overlap).
-    def on_wait(self, layer: int, seconds: float) -> None: ...
+    # Seconds the device waited for a call's reads (computed nothing).
     def on_stall(self, layer: int, seconds: float) -> None: ...
 
 
@@ -46,8 +43,7 @@ class PrefetchControl:
                     if getattr(type(l), name) is not getattr(Learner, name)]
 
         self._call, self._route = hooks("on_call"), hooks("on_route")
-        self._read, self._stall = hooks("on_read"), hooks("on_stall")
-        self._wait = hooks("on_wait")
+        self._stall = hooks("on_stall")
 
     def routed(self, layer: int, tokens: int, ids: np.ndarray, experts: np.ndarray) -> None:
         """A paged call of ``tokens`` tokens routed to ``ids``
@@ -57,18 +53,8 @@ class PrefetchControl:
         for hook in self._route:
             hook(layer, ids, experts)
 
-    def read(self, layer: int, nbytes: int) -> None:
-        """A layer's demand reads of ``nbytes``."""
-        for hook in self._read:
-            hook(layer, nbytes)
-
-    def waited(self, layer: int, seconds: float) -> None:
-        """Seconds a layer's call took to bring in its misses."""
-        for hook in self._wait:
-            hook(layer, seconds)
-
     def stalled(self, layer: int, seconds: float) -> None:
-        """Seconds of those that the device waited (computed nothing)."""
+        """Seconds a layer's call made the device wait for its reads."""
         for hook in self._stall:
             hook(layer, seconds)
 
@@ -216,41 +202,41 @@ class PrefetchBudget(Learner):
     that prefetch never queues reads that the next layer's demand reads
     would wait behind.
 
-    Both are measured per decode token: the rate as the bytes of the
-    token's demand reads over the time it waited for them (a throttled or
-    busy disk shows up here, where one fast read would not show it); a
-    layer's compute as the token's time less the part of those waits that
-    the device stalled (an overlapped call computes during the rest), over
-    the layers.
+    Both are measured per decode token: the rate as the bytes the reader
+    read over the seconds in which a read was in flight (``meter``: demand
+    reads and reads ahead alike; a throttled or busy disk shows up here,
+    where one fast read would not show it); a layer's compute as the token's
+    time less the part of its reads' waits that the device stalled (an
+    overlapped call computes during the rest), over the layers.
+    (The rate was once a token's demand bytes over the host's wait for
+    them; but that wait also holds the reads ahead that the demand reads
+    queued behind or took from staging, whose bytes it did not count: on
+    the padded model with reads paced to 700 MB/s it measured 0.46-0.48
+    GB/s and held the budget to 2-3 records of the 4 the disk could read.)
     Decayed means of each set the budget. It starts at zero: prefetch is
     earned by measurement.
     """
 
     def __init__(self, first_layer: int, layers: int, record_bytes: int, max_tokens: int,
-                 clock=time.perf_counter, smoothing: float = 0.2, fixed=None):
+                 meter, clock=time.perf_counter, smoothing: float = 0.2, fixed=None):
         self.first_layer = first_layer
         self.layers = layers
         self.record_bytes = record_bytes
         self.max_tokens = max_tokens
+        self.meter = meter  # () -> (bytes read, seconds busy), running totals
         self.clock = clock
         self.smoothing = smoothing
         # A budget the user fixed (load's prefetch_budget) is never measured.
         self.records = 0 if fixed is None else fixed
         self.rate = None  # bytes per second
-        self._mean_bytes = self._mean_wait = None
+        self._mean_bytes = self._mean_busy = None
         self.layer_compute = None  # seconds
         self._last = None
-        self._stall = self._wait = 0.0
-        self._bytes = 0
+        self._read_at_last = (0, 0.0)
+        self._stall = 0.0
 
     def _mean(self, old, new):
         return new if old is None else old + self.smoothing * (new - old)
-
-    def on_read(self, layer, nbytes):
-        self._bytes += nbytes
-
-    def on_wait(self, layer, seconds):
-        self._wait += seconds
 
     def on_stall(self, layer, seconds):
         self._stall += seconds
@@ -259,20 +245,23 @@ class PrefetchBudget(Learner):
         if layer != self.first_layer:
             return
         now = self.clock()
+        read = self.meter()
         if self._last is not None and tokens <= self.max_tokens:
             compute = max(0.0, now - self._last - self._stall) / self.layers
             self.layer_compute = self._mean(self.layer_compute, compute)
-            if self._bytes and self._wait > 0:
+            nbytes, busy = read[0] - self._read_at_last[0], read[1] - self._read_at_last[1]
+            if nbytes and busy > 0:
                 # A ratio of means, not a mean of ratios: a throttled disk
                 # serves a token's few reads at once from its burst credit
                 # and makes the next token wait, and the fast tokens would
                 # otherwise outweigh the slow ones.
-                self._mean_bytes = self._mean(self._mean_bytes, self._bytes)
-                self._mean_wait = self._mean(self._mean_wait, self._wait)
-                self.rate = self._mean_bytes / self._mean_wait
+                self._mean_bytes = self._mean(self._mean_bytes, nbytes)
+                self._mean_busy = self._mean(self._mean_busy, busy)
+                self.rate = self._mean_bytes / self._mean_busy
         # Only decode-to-decode intervals measure: a prefill call starts none.
         self._last = now if tokens <= self.max_tokens else None
-        self._stall, self._wait, self._bytes = 0.0, 0.0, 0
+        self._read_at_last = read
+        self._stall = 0.0
         if self.rate is not None and self.layer_compute is not None:
             self._set(int(self.rate * self.layer_compute // self.record_bytes))
 

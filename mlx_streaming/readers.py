@@ -107,6 +107,38 @@ class ReadPace:
             return self._free
 
 
+class BusyMeter:
+    """What the disk did (native/reader.h's ``BusyMeter``): bytes read and
+    the seconds in which at least one read was in flight, overlapping reads
+    counted once. Prefetch's budget takes the disk's rate from their ratio."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._busy = 0.0
+        self._bytes = 0
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+
+    def end(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes += nbytes
+            self._active -= 1
+            if self._active == 0:
+                self._busy += time.perf_counter() - self._since
+
+    def totals(self) -> Tuple[int, float]:
+        """``(bytes, busy seconds)`` so far."""
+        with self._lock:
+            running = time.perf_counter() - self._since if self._active else 0.0
+            return self._bytes, self._busy + running
+
+
 class PythonReader:
     """``os.preadv`` straight into slot memory, records spread over threads."""
 
@@ -126,6 +158,7 @@ class PythonReader:
         self._background = ThreadPoolExecutor(1, thread_name_prefix="mlxs-prefetch")
         self._files: List[Tuple[int, str]] = []
         self._bounce = threading.local()
+        self.meter = BusyMeter()
         self.closed = False
 
     def open(self, path: str) -> int:
@@ -154,6 +187,10 @@ class PythonReader:
         for fd, _ in self._files:
             os.close(fd)
         self._files.clear()
+
+    def busy(self) -> Tuple[int, float]:
+        """``(bytes read, seconds with a read in flight)`` since load."""
+        return self.meter.totals()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -235,20 +272,25 @@ class PythonReader:
 
     def _pread(self, fd: int, path: str, buf, offset: int) -> None:
         want = memoryview(buf).nbytes
-        done = self._pace.book(want) if self._pace is not None else None
+        self.meter.begin()
+        got = 0
         try:
-            got = os.preadv(fd, [buf], offset)
-        except OSError as e:
-            raise ExpertReadError(
-                f"read of {path} at offset {offset} failed: {e.strerror}"
-            ) from None
-        if got != want:
-            raise ExpertReadError(
-                f"short read of {path} at offset {offset}: {got} of {want} "
-                "bytes; the blob is truncated, re-convert the model"
-            )
-        if done is not None:
-            time.sleep(max(0.0, done - time.monotonic()))
+            done = self._pace.book(want) if self._pace is not None else None
+            try:
+                got = os.preadv(fd, [buf], offset)
+            except OSError as e:
+                raise ExpertReadError(
+                    f"read of {path} at offset {offset} failed: {e.strerror}"
+                ) from None
+            if got != want:
+                raise ExpertReadError(
+                    f"short read of {path} at offset {offset}: {got} of {want} "
+                    "bytes; the blob is truncated, re-convert the model"
+                )
+            if done is not None:
+                time.sleep(max(0.0, done - time.monotonic()))
+        finally:
+            self.meter.end(got)
 
     def staging(self, capacity: int, stride: int) -> "PythonStaging":
         return PythonStaging(self, capacity, stride)

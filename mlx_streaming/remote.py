@@ -455,8 +455,17 @@ class RemoteReader(PythonReader):
         buf[:] = self.records(file, [offset // stride])[0]
 
     def records(self, file: int, experts: List[int]) -> List[np.ndarray]:
-        """The checked whole records of ``experts`` of blob ``file``."""
-        blob = self._opened[file]
+        """The checked whole records of ``experts`` of blob ``file``, from
+        the disk cache or the network (metered as one read)."""
+        self.meter.begin()
+        out = []
+        try:
+            out = self._records(self._opened[file], experts)
+        finally:
+            self.meter.end(sum(r.nbytes for r in out))
+        return out
+
+    def _records(self, blob: RemoteBlob, experts: List[int]) -> List[np.ndarray]:
         out: List[Optional[np.ndarray]] = [None] * len(experts)
         missing = []
         for i, e in enumerate(experts):

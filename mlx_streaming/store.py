@@ -130,10 +130,7 @@ class ExpertStore:
         self._check(experts, want_crc, crcs)
         self.pool.assign(experts, slots)
         self.policy.filled(experts)
-        waited = time.perf_counter() - start
-        # Prefetch learns the disk's rate from the host's wait for reads.
-        self.control.waited(self.layer, waited)
-        return waited
+        return time.perf_counter() - start
 
     def _want_crc(self, experts: np.ndarray) -> np.ndarray:
         if self.verify == "always":
@@ -175,7 +172,6 @@ class ExpertStore:
         )
         nbytes = len(experts) * self.expert_nbytes
         self.events.on_read(self.layer, len(experts), nbytes, time.perf_counter() - start)
-        self.control.read(self.layer, nbytes)
         return crcs
 
     def stage(self, experts: np.ndarray) -> int:
@@ -286,10 +282,8 @@ class NativeStore(ExpertStore):
         if not read:
             return 0.0
         self.events.on_read(self.layer, read, read * self.expert_nbytes, read_s)
-        self.control.read(self.layer, read * self.expert_nbytes)
         if bad >= 0:
             raise CorruptExpertError(self.layer, bad, "checksum mismatch")
-        self.control.waited(self.layer, load_s)
         return load_s
 
     def _read_error(self, message: str) -> ExpertReadError:

@@ -6,6 +6,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 
 #include "mlx/version.h"
@@ -99,6 +100,9 @@ NB_MODULE(_ext, m) {
           "would end it (benchmarks: ReadPace)")
       .def_prop_ro("threads", [](PyReader& r) { return r.reader->threads(); })
       .def_prop_ro("direct", [](PyReader& r) { return r.reader->direct(); })
+      .def(
+          "busy", [](PyReader& r) { return r.reader->meter().totals(); },
+          "(bytes read, seconds with a read in flight) since the reader was made.")
       .def("open", [](PyReader& r, const std::string& path) { return r.reader->open(path); })
       .def("close", [](PyReader& r) { r.reader->close(); })
       .def(

@@ -76,14 +76,42 @@ ExpertReader::ExpertReader(int threads, bool direct, double pace_bytes_per_s)
       pace_(pace_bytes_per_s > 0 ? std::make_unique<ReadPace>(pace_bytes_per_s) : nullptr),
       pool_(std::make_unique<ThreadPool>(threads)) {}
 
-void ExpertReader::pread_paced(const File& f, uint8_t* buf, int64_t n, int64_t offset) {
-  if (!pace_) {
-    pread_full(f, buf, n, offset);
-    return;
+void BusyMeter::begin() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (active_++ == 0) {
+    since_ = Clock::now();
   }
-  auto done = pace_->book(n);
-  pread_full(f, buf, n, offset);
-  std::this_thread::sleep_until(done);
+}
+
+void BusyMeter::end(int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  bytes_ += nbytes;
+  if (--active_ == 0) {
+    busy_ += Clock::now() - since_;
+  }
+}
+
+std::pair<int64_t, double> BusyMeter::totals() {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto busy = busy_ + (active_ > 0 ? Clock::now() - since_ : Clock::duration{0});
+  return {bytes_, std::chrono::duration<double>(busy).count()};
+}
+
+void ExpertReader::pread_paced(const File& f, uint8_t* buf, int64_t n, int64_t offset) {
+  meter_.begin();
+  try {
+    if (pace_) {
+      auto done = pace_->book(n);
+      pread_full(f, buf, n, offset);
+      std::this_thread::sleep_until(done);
+    } else {
+      pread_full(f, buf, n, offset);
+    }
+  } catch (...) {
+    meter_.end(0);
+    throw;
+  }
+  meter_.end(n);
 }
 
 ExpertReader::~ExpertReader() {

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "thread_pool.h"
@@ -59,6 +60,27 @@ class ReadPace {
   Clock::time_point free_;
 };
 
+// What the disk did: bytes read and the seconds in which at least one read
+// was in flight (reads that overlap count once). Their ratio is the rate the
+// disk gave the reads as they were issued, whoever issued them: prefetch's
+// budget measures it so, since a demand read's wait alone also holds the
+// reads ahead it queued behind, and overstates the disk's time.
+class BusyMeter {
+ public:
+  using Clock = std::chrono::steady_clock;
+  void begin();
+  void end(int64_t nbytes);
+  // (bytes, busy seconds) since the reader was made.
+  std::pair<int64_t, double> totals();
+
+ private:
+  std::mutex mu_;
+  int active_ = 0;
+  Clock::time_point since_;
+  Clock::duration busy_{0};
+  int64_t bytes_ = 0;
+};
+
 class ExpertReader {
  public:
   // `pace_bytes_per_s` > 0: every read is paced by a ReadPace of that rate.
@@ -93,6 +115,9 @@ class ExpertReader {
   int threads() const {
     return pool_->size();
   }
+  BusyMeter& meter() {
+    return meter_;
+  }
 
  private:
   void read_piece(
@@ -103,11 +128,12 @@ class ExpertReader {
       const std::vector<Segment>& segments,
       const int64_t* dst_row);
   const File& file(int handle) const;
-  // pread_full, paced when the reader is.
+  // pread_full, paced when the reader is, and metered.
   void pread_paced(const File& f, uint8_t* buf, int64_t n, int64_t offset);
 
   bool direct_;
   std::unique_ptr<ReadPace> pace_;
+  BusyMeter meter_;
   std::deque<File> files_; // deque: references stay valid as files open
   std::unique_ptr<ThreadPool> pool_;
 };

@@ -103,6 +103,22 @@ def test_fetched_generation_is_exact_with_a_small_disk_cache(qwen, served, tmp_p
     assert remote["bytes_fetched"] == sum(end - start + 1 for start, end in ranges)
 
 
+def test_prefetch_measures_the_network_as_its_disk(qwen, served, tmp_path):
+    """A Hub repo's records come from the network or the disk cache: the
+    reader meters those reads as a local one meters its disk, so that the
+    prefetch budget is measured, not left at zero."""
+    model, tokenizer = load_remote(served, tmp_path, prefetch="next-layer",
+                                   disk_cache_gb=0)
+    try:
+        greedy_text(model, tokenizer)
+        nbytes, busy = model.streaming.reader.busy()
+        read = stats(model)["total"]["bytes_read"]
+        assert read > 0 and nbytes >= read and busy > 0
+        assert model.streaming.prefetch_budget.rate is not None
+    finally:
+        model.streaming.close()
+
+
 def test_a_second_run_reads_from_the_disk_cache(qwen, served, tmp_path):
     reference = local_reference(qwen[1])
     first = assert_exact(served, tmp_path, reference)["remote"]

@@ -216,46 +216,60 @@ def test_python_staging_cancels_reads_not_started(blob):
 IO_PATHS_ALL = ["python"] + (["native"] if EXT is not None else [])
 
 
-def test_prefetch_budget_follows_disk_rate_and_compute():
+class FakeMeter:
+    """A reader's running (bytes read, seconds busy)."""
+
+    def __init__(self):
+        self.bytes, self.busy = 0, 0.0
+
+    def read(self, nbytes, seconds):
+        self.bytes += nbytes
+        self.busy += seconds
+
+    def __call__(self):
+        return self.bytes, self.busy
+
+
+def _budget(layers, clock, meter, smoothing=1.0):
     from mlx_streaming.prefetch import PrefetchBudget
 
-    clock = FakeClock()
-    budget = PrefetchBudget(first_layer=0, layers=4, record_bytes=1_000_000, max_tokens=8,
-                            clock=clock, smoothing=1.0)
+    return PrefetchBudget(first_layer=0, layers=layers, record_bytes=1_000_000, max_tokens=8,
+                          meter=meter, clock=clock, smoothing=smoothing)
+
+
+def test_prefetch_budget_follows_disk_rate_and_compute():
+    clock, meter = FakeClock(), FakeMeter()
+    budget = _budget(4, clock, meter)
     assert budget.records == 0  # earned by measurement
     for _ in range(3):
         budget.on_call(0, 1)
-        budget.on_read(2, 12_000_000)
-        budget.on_wait(2, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
+        meter.read(12_000_000, 0.06)  # the token's reads: 12 MB in 60 ms, 200 MB/s
         budget.on_stall(2, 0.06)  # all of it stalled
         clock.now += 0.1  # 40 ms of compute over 4 layers: 10 ms each
     budget.on_call(0, 1)
     assert budget.records == 2  # 200 MB/s x 10 ms / 1 MB
-    budget.on_read(1, 1_000_000)  # one read...
-    budget.on_wait(1, 0.1)  # ...in a token that waited 100 ms for it: 10 MB/s
+    meter.read(1_000_000, 0.1)  # one read in 100 ms: 10 MB/s
     budget.on_stall(1, 0.1)
     clock.now += 0.14
     budget.on_call(0, 1)
     assert budget.records == 0
     budget.on_call(0, 100)  # a prefill call measures nothing and starts no interval
+    meter.read(50_000_000, 5.0)  # its reads do not count either
     clock.now += 5.0
     budget.on_call(0, 1)
     assert budget.layer_compute == pytest.approx(0.01)
+    assert budget.rate == pytest.approx(10e6)
 
 
 def test_prefetch_budget_counts_overlapped_reads_as_compute_time():
     """With ``Paged``'s overlap the device computes during part of a call's
-    reads: the rate is the bytes over the whole wait, a layer's compute the
-    token's time less only the device's stall."""
-    from mlx_streaming.prefetch import PrefetchBudget
-
-    clock = FakeClock()
-    budget = PrefetchBudget(first_layer=0, layers=4, record_bytes=1_000_000, max_tokens=8,
-                            clock=clock, smoothing=1.0)
+    reads: the rate is the bytes over the disk's busy time, a layer's
+    compute the token's time less only the device's stall."""
+    clock, meter = FakeClock(), FakeMeter()
+    budget = _budget(4, clock, meter)
     for _ in range(3):
         budget.on_call(0, 1)
-        budget.on_read(2, 12_000_000)
-        budget.on_wait(2, 0.06)  # 200 MB/s...
+        meter.read(12_000_000, 0.06)  # 200 MB/s...
         budget.on_stall(2, 0.02)  # ...of which the device waited 20 ms
         clock.now += 0.1
     budget.on_call(0, 1)
@@ -266,21 +280,43 @@ def test_prefetch_budget_counts_overlapped_reads_as_compute_time():
 
 def test_prefetch_budget_rate_is_not_led_by_burst_reads():
     """A throttled disk serves one token's reads at once from its burst
-    credit and makes the next wait: the rate is bytes over stall time
+    credit and makes the next wait: the rate is bytes over busy time
     across tokens, not the mean of each token's rate."""
-    from mlx_streaming.prefetch import PrefetchBudget
-
-    clock = FakeClock()
-    budget = PrefetchBudget(first_layer=0, layers=1, record_bytes=1_000_000, max_tokens=8,
-                            clock=clock, smoothing=0.5)
+    clock, meter = FakeClock(), FakeMeter()
+    budget = _budget(1, clock, meter, smoothing=0.5)
     budget.on_call(0, 1)
-    for stall in (0.001, 0.099, 0.001, 0.099):  # 1 MB each token
-        budget.on_read(0, 1_000_000)
-        budget.on_wait(0, stall)
-        budget.on_stall(0, stall)
+    for busy in (0.001, 0.099, 0.001, 0.099):  # 1 MB each token
+        meter.read(1_000_000, busy)
+        budget.on_stall(0, busy)
         clock.now += 0.2
         budget.on_call(0, 1)
     assert budget.rate < 30e6  # about 20 MB/s; a mean of ratios says ~300 MB/s
+
+
+def test_reader_meter_counts_overlapping_reads_once(tmp_path):
+    """The busy seconds are the union of the reads' spans: two records read
+    at once on a paced disk take one span of both their bytes, not the sum
+    of the two reads' waits (1.5 times it), so the rate is the disk's."""
+    record = 1 << 20  # large enough for both readers to use their threads
+    path = tmp_path / "blob"
+    path.write_bytes(np.random.default_rng(0).bytes(2 * record))
+    mbps = 20.0
+    for reader in _paced_readers(mbps):
+        try:
+            f = reader.open(str(path))
+            assert reader.busy() == (0, 0.0)
+            dst = np.zeros((2, record), np.uint8)
+            start = time.perf_counter()
+            reader.read(f, np.array([0, record]), np.array([[0, record]]),
+                        dst.ctypes.data + np.array([[0], [record]]), np.zeros(2, bool), record)
+            elapsed = time.perf_counter() - start
+            nbytes, busy = reader.busy()
+            assert nbytes == 2 * record
+            assert dst.tobytes() == path.read_bytes()
+            one_span = 2 * record / (mbps * 1e6)
+            assert one_span * 0.95 <= busy <= min(elapsed, one_span * 1.25), reader.name
+        finally:
+            reader.close()
 
 
 def test_prefetch_calibration_reads_the_scores_that_were_used():
