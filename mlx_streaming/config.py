@@ -104,6 +104,10 @@ class StreamConfig:
     prefetch_width: Optional[int] = _option(
         None, "experts predicted per token (default 2 x top-k)", type=int,
         bounds=dict(low=1, high=MAX_COUNT, optional=True))
+    prefetch_depth: int = _option(
+        1, "MoE layers ahead that prefetch reads for (1 or 2); 2 also reads the likeliest "
+        "experts of the layer after next, predicted by its router on this layer's input, "
+        "with the budget the next layer's reads leave", type=int, bounds=dict(low=1, high=2))
     prefetch_budget: Optional[int] = _option(
         None, "most records prefetched per layer (default: measured, what the disk reads "
         "in one layer's compute time)", type=int,

@@ -634,26 +634,34 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
 def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPrefetch]:
     """One prefetcher per layer whose successor's router takes its input."""
     config = runtime.config
+    stores = [s for s in runtime.stores if not _is_mtp(s.spec)]  # MTP runs only to draft
     pairs = []
-    for store, nxt in zip(runtime.stores, runtime.stores[1:]):
-        if _is_mtp(nxt.spec):
-            continue  # MTP layers run only when drafting, after the model
+    for i, (store, nxt) in enumerate(zip(stores, stores[1:])):
         dims = input_dims_of(blocks[store.spec.module])
         scorer = find_router(model, nxt.spec.module, nxt.spec.num_experts, dims)
         if scorer is not None:
-            pairs.append((store, nxt, scorer))
+            after = stores[i + 2] if config.prefetch_depth > 1 and i + 2 < len(stores) else None
+            pairs.append((store, nxt, scorer, after and _ahead(model, runtime, after, dims)))
     affinity = runtime.prefetch_affinity
     if affinity is not None:
         # The last layer predicts the first one's experts for the next token.
-        stores = [s for s in runtime.stores if not _is_mtp(s.spec)]
-        pairs += [(a, b, None) for a, b in _prefetch_pairs(stores)[len(stores) - 1:]]
+        pairs += [(a, b, None, None) for a, b in _prefetch_pairs(stores)[len(stores) - 1:]]
     return {
         store.layer: NextLayerPrefetch(
             store.layer, scorer, nxt, _prefetch_width(config, nxt.spec),
             config.prefetch_max_tokens, runtime.prefetch_budget, affinity, runtime.events,
-            runtime.prefetch_switch, _calibration(runtime, nxt.layer, scorer))
-        for store, nxt, scorer in pairs
+            runtime.prefetch_switch, _calibration(runtime, nxt.layer, scorer), after)
+        for store, nxt, scorer, after in pairs
     }
+
+
+def _ahead(model, runtime: Runtime, store, dims: int):
+    """(scorer, store, calibration) of ``store``'s layer predicted two
+    layers early, or None when its router does not take ``dims`` inputs."""
+    scorer = find_router(model, store.spec.module, store.spec.num_experts, dims)
+    if scorer is None:
+        return None
+    return scorer, store, _calibration(runtime, store.layer, scorer)
 
 
 def _calibration(runtime: Runtime, layer: int, scorer):

@@ -78,10 +78,19 @@ class AlwaysOn:
 class NextLayerPrefetch:
     """Prefetch of one layer's successor. The last MoE layer's successor is
     the first MoE layer of the next token: no router can see that token
-    yet (``scorer`` None), so it is predicted from affinity alone."""
+    yet (``scorer`` None), so it is predicted from affinity alone.
+
+    With ``after`` (``prefetch_depth=2``: the scorer and store of the layer
+    after next), the disk time that the successor's reads leave in this
+    layer's budget reads the likeliest experts of the layer after next,
+    predicted by its router on this layer's input: a read queued a layer
+    earlier has two layers' compute to finish in. The successor's own
+    prediction of that layer, one call later, tops it up to the budget.
+    """
 
     def __init__(self, layer: int, scorer, next_store, width: int, max_tokens: int,
-                 budget: "PrefetchBudget", affinity, events: Events, switch, calibration):
+                 budget: "PrefetchBudget", affinity, events: Events, switch, calibration,
+                 after=None):
         self.layer = layer
         self.scorer = scorer
         self.next_store = next_store
@@ -92,6 +101,7 @@ class NextLayerPrefetch:
         self.events = events
         self.switch = switch
         self.calibration = calibration  # PrefetchCalibration or ReadEveryPrediction
+        self.after = after  # (scorer, store, calibration) of the layer after next, or None
 
     def predict(self, x: mx.array, tokens: int):
         """The arrays to evaluate in this layer's sync, or None: no prefetch
@@ -100,11 +110,15 @@ class NextLayerPrefetch:
             return None
         if self.scorer is None:
             return ()
-        return (self.scorer.probabilities(x),)  # [..., E]
+        near = self.scorer.probabilities(x)  # [..., E]
+        if self.after is None:
+            return (near,)
+        return (near, self.after[0].probabilities(x))
 
     def issue(self, predicted, ids: np.ndarray) -> None:
         """Stage the best predictions of the next layer, given this layer's
-        ``ids`` (called after this layer's demand reads)."""
+        ``ids`` (called after this layer's demand reads), then those of the
+        layer after next with the budget left."""
         if predicted is None:
             return
         rows = ids.reshape(-1, ids.shape[-1])
@@ -118,18 +132,29 @@ class NextLayerPrefetch:
         # weighed, affinity would decide alone. It keeps its own order.
         if self.affinity is not None and (self.scorer is None or self.scorer.softmax):
             probs = probs * self.affinity.weights(self.layer, rows)
+        ranked, order, scores = self._candidates(probs, self.next_store)
+        order = self.calibration.select(self.next_store.layer, order, scores, len(rows))
+        order = order[: self.budget.records]
+        self.events.on_predict(self.next_store.layer, ranked)
+        self.events.on_prefetch(self.next_store.layer, issued=self.next_store.stage(order))
+        room = self.budget.records - len(order)
+        if self.after is not None and len(predicted) > 1 and room > 0:
+            _, store, calibration = self.after
+            probs = np.array(predicted[1]).reshape(len(rows), -1)
+            _, order, scores = self._candidates(probs, store)
+            order = calibration.bar(store.layer, order, scores, len(rows))[:room]
+            self.events.on_prefetch(store.layer, issued=store.stage(order))
+
+    def _candidates(self, probs: np.ndarray, store):
+        """The ``width`` best of each row, and the distinct ones that are
+        not resident in ``store``, best first, with their scores."""
         probs = probs / probs.sum(axis=-1, keepdims=True)
         ranked = np.argsort(-probs, axis=-1, kind="stable")[:, : self.width]
-        store = self.next_store
         order = rank_order(ranked)
         order = order[~store.resident(order)]
         # A score of 1: the prediction cannot tell this expert from another.
         scores = probs.max(axis=0)[order] * probs.shape[-1]
-        order = self.calibration.select(store.layer, order, scores, len(rows))
-        order = order[: self.budget.records]
-        issued = store.stage(order)
-        self.events.on_predict(store.layer, ranked)
-        self.events.on_prefetch(store.layer, issued=issued)
+        return ranked, order, scores
 
 
 def rank_order(ids: np.ndarray) -> np.ndarray:
@@ -361,6 +386,9 @@ class ReadEveryPrediction:
     def select(self, layer, order, scores, rows):
         return order
 
+    def bar(self, layer, order, scores, rows):
+        return order
+
     def forget(self, layer) -> None:
         pass
 
@@ -426,6 +454,13 @@ class PrefetchCalibration(Learner):
         predicted from a call of ``rows`` tokens."""
         bins = np.searchsorted(self.EDGES, scores, side="right")
         self._pending[layer] = (order, bins, rows)
+        return order[bins >= self.lowest[(layer, rows > 1)]]
+
+    def bar(self, layer, order, scores, rows):
+        """``select`` without counting: for the predictions of a layer made
+        two layers early (``prefetch_depth=2``), which are held to the bar
+        of the layer's own (one layer early) predictions."""
+        bins = np.searchsorted(self.EDGES, scores, side="right")
         return order[bins >= self.lowest[(layer, rows > 1)]]
 
     def on_route(self, layer, ids, experts):

@@ -474,6 +474,63 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io):
 
 
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
+def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models, io):
+    """With ``prefetch_depth=2`` a layer stages its successor's predictions,
+    then, in the same issue, the layer after next's with the budget left;
+    the successor tops them up. Depth 1 never stages two layers ahead."""
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    for depth in (1, 2):
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io,
+                                      prefetch="next-layer", prefetch_budget=8,
+                                      prefetch_precision=0, prefetch_depth=depth)
+        runtime = model.streaming
+        layers = [s.layer for s in runtime.stores]
+        issues = []  # per issue, the layers it staged, in order
+
+        def logged(prefetcher):
+            issue = prefetcher.issue
+
+            def logged_issue(predicted, ids):
+                issues.append([])
+                return issue(predicted, ids)
+            prefetcher.issue = logged_issue
+
+        class LoggedStaging:  # the native one's methods are read-only
+            def __init__(self, inner):
+                self.inner = inner
+
+            def stage(self, layer, *args):
+                issues[-1].append(layer)
+                return self.inner.stage(layer, *args)
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        for residency in runtime.residencies:
+            logged(residency.prefetch)
+        for store in runtime.stores:
+            store.staging = LoggedStaging(store.staging)
+        _stats_of_decode(model, 4)
+        staged = {tuple(i) for i in issues if i}
+        if depth == 1:
+            assert all(len(i) == 1 for i in staged)
+        else:
+            # Every layer but the last two reads for the two layers after it.
+            pairs = {(a, b) for a, b in zip(layers[1:], layers[2:])}
+            assert pairs <= {i for i in staged if len(i) == 2}
+        model.streaming.close()
+
+
+@pytest.mark.parametrize("io", IO_PATHS_ALL)
+def test_outputs_identical_with_prefetch_two_layers_ahead(models, io):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
+                                   io=io, prefetch="next-layer", prefetch_budget=8,
+                                   prefetch_precision=0, prefetch_depth=2)
+    assert mlx_streaming.stats(model)["total"]["prefetch_useful"] > 0
+
+
+@pytest.mark.parametrize("io", IO_PATHS_ALL)
 def test_prefetch_calibration_gates_the_reads_of_each_layer(models, io):
     """Either reader stages only the predictions a layer's calibration lets
     it read, and a layer that may read none stages none."""

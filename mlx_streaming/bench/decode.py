@@ -65,6 +65,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefetch-precision", default=None,
                    help="prefetch's least used share per layer, comma-separated to compare "
                         "(e.g. 0,0.75; default: load()'s)")
+    p.add_argument("--prefetch-depth", default=None,
+                   help="MoE layers ahead that prefetch reads for, comma-separated to "
+                        "compare (e.g. 1,2; default: load()'s)")
     p.add_argument("--prefetch-affinity", default=None,
                    help="on, off or on,off to compare (default: load()'s)")
     p.add_argument("--overlap", default=None, help="on, off or on,off: synced calls compute "
@@ -128,6 +131,13 @@ def _check_choices(args) -> None:
         if bad:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")
+    for depth in (args.prefetch_depth or "").split(","):
+        try:
+            if depth:
+                StreamConfig(prefetch_depth=int(depth))
+        except (ValueError, ConfigError):
+            raise BenchError("--prefetch-depth takes 1 or 2 (comma-separated), "
+                             f"got {args.prefetch_depth!r}") from None
     if args.pace_mbps is not None:
         try:
             StreamConfig(read_pace_mbps=args.pace_mbps)
@@ -180,12 +190,14 @@ def run(args) -> dict:
     prefetches = args.prefetch.split(",")
     precisions = ([float(v) for v in args.prefetch_precision.split(",")]
                   if args.prefetch_precision else [None])
+    depths = ([int(v) for v in args.prefetch_depth.split(",")]
+              if args.prefetch_depth else [None])
     for pool, overlap in itertools.product(pools, overlaps):
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
             size = dict(slots_per_layer=pool_slots(manifest.layers[0], pool))
-        for verify, policy, prefetch, precision, affinity in _variants(
-                modes, policies, prefetches, precisions, affinities):
+        for verify, policy, prefetch, precision, affinity, depth in _variants(
+                modes, policies, prefetches, precisions, affinities, depths):
             load = dict(size, io=args.io, prefetch=prefetch,
                         direct_io=DIRECT_IO_CHOICES[args.direct_io], verify=verify)
             if policy:
@@ -194,6 +206,8 @@ def run(args) -> dict:
                 load["prefetch_precision"] = precision
             if affinity is not None:
                 load["prefetch_affinity"] = ON_OFF[affinity]
+            if depth is not None:
+                load["prefetch_depth"] = depth
             if overlap is not None:
                 load["overlap"] = ON_OFF[overlap]
             if args.pace_mbps:
@@ -202,7 +216,8 @@ def run(args) -> dict:
                 f" {label}={value}" for label, value, choices in
                 [("verify", verify, modes), ("policy", policy, policies),
                  ("prefetch", prefetch, prefetches), ("precision", precision, precisions),
-                 ("affinity", affinity, affinities), ("overlap", overlap, overlaps)]
+                 ("affinity", affinity, affinities), ("depth", depth, depths),
+                 ("overlap", overlap, overlaps)]
                 if len(choices) > 1 and value is not None)
             cases.append((name, pool and size["slots_per_layer"] / num_experts,
                           dict(common, kind="streaming", model=str(stream_dir), load=load),
@@ -262,15 +277,15 @@ def run(args) -> dict:
     return finish(args.out, "decode", result, rows, COLUMNS, title, _plot)
 
 
-def _variants(modes, policies, prefetches, precisions, affinities):
+def _variants(modes, policies, prefetches, precisions, affinities, depths):
     """The load options of the streaming cases; prefetch's own options vary
     only where prefetch is on."""
     for verify, policy, prefetch in itertools.product(modes, policies, prefetches):
         if prefetch == "off":
-            yield verify, policy, prefetch, None, None
+            yield verify, policy, prefetch, None, None, None
             continue
-        for precision, affinity in itertools.product(precisions, affinities):
-            yield verify, policy, prefetch, precision, affinity
+        for option in itertools.product(precisions, affinities, depths):
+            yield (verify, policy, prefetch) + option
 
 
 def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
