@@ -64,37 +64,40 @@ def residency(routing: np.ndarray, experts: int, slots: int) -> list:
     return before
 
 
-def norm_ratio(model, i: int):
-    """What turns layer i's MoE input into what layer i+1's norm would make
+def norm_ratio(model, i: int, j: int):
+    """What turns layer i's MoE input into what layer j's norm would make
     of the same residual: the ratio of their RMSNorm weights."""
     layers = model.model.layers
-    return layers[i + 1].post_attention_layernorm.weight / \
+    return layers[j].post_attention_layernorm.weight / \
         layers[i].post_attention_layernorm.weight
 
 
-def candidates(model, xs, k: int, slots: int, width: int, rescale: bool = False):
-    """Per (token, layer): [(score, used)] of the non-resident predictions,
-    best first; and the count of misses."""
+def candidates(model, xs, k: int, slots: int, width: int, rescale: bool = False,
+               distance: int = 1):
+    """Per (token, layer): [(score, used)] of the non-resident predictions
+    of the layer ``distance`` layers on, best first; and the count of
+    misses."""
     gates = [layer.mlp.gate for layer in model.model.layers]
     routed = [np.array(mx.argpartition(-g(x), k - 1, axis=-1)[:, :k]) for g, x in zip(gates, xs)]
     out, misses = [], 0
-    for i in range(len(xs) - 1):
-        x = xs[i] * norm_ratio(model, i) if rescale else xs[i]
-        probs = np.array(mx.softmax(gates[i + 1](x).astype(mx.float32), axis=-1))
-        resident = residency(routed[i + 1], probs.shape[-1], slots)
+    for i in range(len(xs) - distance):
+        j = i + distance
+        x = xs[i] * norm_ratio(model, i, j) if rescale else xs[i]
+        probs = np.array(mx.softmax(gates[j](x).astype(mx.float32), axis=-1))
+        resident = residency(routed[j], probs.shape[-1], slots)
         counts = np.ones((probs.shape[-1], probs.shape[-1]), np.float32)
         for t in range(len(probs)):
             w = counts[routed[i][t]]
             p = probs[t] * (w / w.sum(-1, keepdims=True)).mean(0)
             p /= p.sum()
-            used = set(routed[i + 1][t].tolist())
+            used = set(routed[j][t].tolist())
             ranked = np.argsort(-p, kind="stable")[:width]
             if t >= WARMUP:
                 out.append([(p[e] * len(p), e in used) for e in ranked
                             if e not in resident[t]])
                 misses += len(used - resident[t])
             for a in routed[i][t]:
-                counts[a, routed[i + 1][t]] += 1
+                counts[a, routed[j][t]] += 1
     return out, misses
 
 
@@ -133,6 +136,9 @@ def main(argv=None) -> int:
                    help="scale the MoE input by the ratio of the two layers' norm weights "
                         "before the next router (on T12, whose norm weights are all near 1, "
                         "it changed nothing; untried on a real model)")
+    p.add_argument("--distance", type=int, default=1,
+                   help="predict the layer this many MoE layers on (2: prefetch_depth=2's "
+                        "reads two layers ahead)")
     args = p.parse_args(argv)
     model, tokenizer = load(args.model)
     text = Path(argparse.__file__).read_text()[20000:60000]  # stdlib source, as trained on
@@ -141,7 +147,7 @@ def main(argv=None) -> int:
         p.error(f"--tokens must exceed the {WARMUP} warm-up tokens")
     k = model.model.layers[0].mlp.top_k
     rows, misses = candidates(model, moe_inputs(model, ids), k, args.slots, 2 * k,
-                              args.norm_ratio)
+                              args.norm_ratio, args.distance)
     report(rows, misses, args.budget)
     return 0
 

@@ -422,13 +422,15 @@ def test_affinity_wraps_from_the_last_layer_on_decode_only():
     assert affinity.counts[1].sum() == 4
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
-def test_prefetch_queues_after_the_layers_demand_reads(models, io):
-    """The next layer's reads ahead are staged once this layer's demand
-    reads are done, never before them."""
+def test_prefetch_queues_after_the_layers_demand_reads(models, io, depth):
+    """A layer's reads ahead (for the next layer, and with depth 2 the one
+    after) are staged once its own demand reads are done, never before."""
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
-                                  prefetch_budget=8, prefetch_precision=0)
+                                  prefetch_budget=8, prefetch_precision=0,
+                                  prefetch_depth=depth)
     runtime = model.streaming
     assert runtime.prefetch_calibration.lowest_scores() == {}
     log = []
@@ -440,6 +442,14 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io):
             return read(experts, slots, want_crc)
 
         store._read = logged_read
+    for residency in runtime.residencies:
+        issue = residency.prefetch.issue
+
+        def logged_issue(predicted, ids, issue=issue, layer=residency.layer):
+            log.append(("issue", layer))
+            return issue(predicted, ids)
+
+        residency.prefetch.issue = logged_issue
 
     class LoggedStaging:  # the native one's methods are read-only
         def __init__(self, inner):
@@ -458,17 +468,21 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io):
     mx.eval(model(mx.array([PROMPT]), cache=cache))
     token = mx.array([[3]])
     demand_reads = 0
+    layers = [s.layer for s in runtime.stores]
     for _ in range(6):
         log.clear()
         token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
         mx.eval(token)
-        layers = [s.layer for s in runtime.stores]
-        for i, layer in enumerate(layers[:-1]):
-            # The stage for layer i+1 comes after layer i's read, if any.
-            staged = [k for k, e in enumerate(log) if e == ("stage", layers[i + 1])]
-            reads = [k for k, e in enumerate(log) if e == ("read", layer)]
-            assert staged, "every layer with a successor stages its predictions"
-            assert not reads or max(reads) < min(staged)
+        issues = [k for k, e in enumerate(log) if e[0] == "issue"]
+        for k, end in zip(issues, issues[1:] + [len(log)]):
+            layer = log[k][1]
+            staged = [e[1] for e in log[k:end] if e[0] == "stage"]
+            i = layers.index(layer)
+            if i + 1 < len(layers):
+                assert staged[0] == layers[i + 1], "the next layer's reads come first"
+                assert set(staged) <= set(layers[i + 1 : i + 1 + depth])
+            reads = [j for j, e in enumerate(log) if e == ("read", layer)]
+            assert not reads or max(reads) < k
             demand_reads += len(reads)
     assert demand_reads > 0, "the test saw no demand read to order against"
 
