@@ -140,10 +140,12 @@ class Paged:
             self._launch(y)
         else:
             y = self._chunked(inner, x, indices, ids, experts)
-        # The next layer's reads ahead queue behind this layer's demand reads
-        # (done by now) and run while its experts compute.
-        self.prefetch.issue(predicted, ids)
+        # What this layer's call did not take is dropped first, freeing its
+        # staging buffers for the reads ahead. Those queue behind this
+        # layer's demand reads (done by now) and run while its experts
+        # compute.
         self.store.drop_staged()
+        self.prefetch.issue(predicted, ids)
         return y
 
     # The steps of a call, small methods so that ``bench overhead`` can time

@@ -589,8 +589,9 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
     if runtime.paged and config.prefetch != "off":
         width = _widest_prefetch(config, manifest.layers)
         stride = max(s.stride for s in manifest.layers)
-        # Room for one layer's predictions in flight while the previous
-        # layer's leftovers are still being dropped.
+        # Room for one layer's predictions in flight beside those staged a
+        # layer earlier (prefetch_depth 2) or still being dropped; a layer
+        # stages its successor's before the layer after next's.
         staging = runtime.reader.staging(2 * width, stride)
         runtime.staging = staging
     for spec in manifest.layers:

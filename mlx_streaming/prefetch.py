@@ -135,9 +135,13 @@ class NextLayerPrefetch:
         ranked, order, scores = self._candidates(probs, self.next_store)
         order = self.calibration.select(self.next_store.layer, order, scores, len(rows))
         order = order[: self.budget.records]
+        issued = self.next_store.stage(order)
         self.events.on_predict(self.next_store.layer, ranked)
-        self.events.on_prefetch(self.next_store.layer, issued=self.next_store.stage(order))
-        room = self.budget.records - len(order)
+        self.events.on_prefetch(self.next_store.layer, issued=issued)
+        # The budget is reads in this layer's compute time: those of the
+        # next layer's records that the layer before staged two layers
+        # early (skipped now) were read in its time.
+        room = self.budget.records - issued
         if self.after is not None and len(predicted) > 1 and room > 0:
             _, store, calibration = self.after
             probs = np.array(predicted[1]).reshape(len(rows), -1)
@@ -275,7 +279,11 @@ class PrefetchBudget(Learner):
             compute = max(0.0, now - self._last - self._stall) / self.layers
             self.layer_compute = self._mean(self.layer_compute, compute)
             nbytes, busy = read[0] - self._read_at_last[0], read[1] - self._read_at_last[1]
-            if nbytes and busy > 0:
+            if busy > 0 and not nbytes:
+                # A read in flight through the whole token: its bytes count
+                # when it ends, so its seconds wait for them.
+                read = self._read_at_last
+            elif nbytes and busy > 0:
                 # A ratio of means, not a mean of ratios: a throttled disk
                 # serves a token's few reads at once from its burst credit
                 # and makes the next token wait, and the fast tokens would

@@ -6,7 +6,8 @@ use, offline, on a trained model's real routing (teacher-forced text).
 For every MoE layer but the first, the prediction is made as prefetch
 makes it: the layer's router applied to the previous layer's MoE input,
 weighed by affinity (which experts followed the previous layer's choice so
-far), normalised per token. Residency comes from replaying the layer's
+far), normalised per token; with ``--distance 2``, to the input two layers
+before and unweighed, as ``prefetch_depth=2`` reads ahead. Residency comes from replaying the layer's
 routing through decayed LFU with --slots slots; only predictions of experts
 not resident count, as only those are read. Prints, per call, the records a
 rule reads ahead, how many of them the layer used, and the share of its
@@ -88,7 +89,8 @@ def candidates(model, xs, k: int, slots: int, width: int, rescale: bool = False,
         counts = np.ones((probs.shape[-1], probs.shape[-1]), np.float32)
         for t in range(len(probs)):
             w = counts[routed[i][t]]
-            p = probs[t] * (w / w.sum(-1, keepdims=True)).mean(0)
+            # Two layers ahead the loader keeps no affinity: the router alone.
+            p = probs[t] * (w / w.sum(-1, keepdims=True)).mean(0) if distance == 1 else probs[t]
             p /= p.sum()
             used = set(routed[j][t].tolist())
             ranked = np.argsort(-p, kind="stable")[:width]

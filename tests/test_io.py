@@ -278,6 +278,22 @@ def test_prefetch_budget_counts_overlapped_reads_as_compute_time():
     assert budget.records == 4
 
 
+def test_prefetch_budget_carries_a_read_in_flight_to_the_token_it_ends_in():
+    """A read in flight through a whole token has busy seconds and no bytes
+    yet: its seconds count with its bytes, in the token where it ends."""
+    clock, meter = FakeClock(), FakeMeter()
+    budget = _budget(1, clock, meter)
+    budget.on_call(0, 1)
+    meter.read(0, 0.1)  # 100 ms of a read still in flight
+    clock.now += 0.2
+    budget.on_call(0, 1)
+    assert budget.rate is None
+    meter.read(10_000_000, 0.1)  # it ends: 10 MB in 200 ms in all
+    clock.now += 0.2
+    budget.on_call(0, 1)
+    assert budget.rate == pytest.approx(50e6)
+
+
 def test_prefetch_budget_rate_is_not_led_by_burst_reads():
     """A throttled disk serves one token's reads at once from its burst
     credit and makes the next wait: the rate is bytes over busy time
@@ -490,16 +506,20 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io, depth):
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
 def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models, io):
     """With ``prefetch_depth=2`` a layer stages its successor's predictions,
-    then, in the same issue, the layer after next's with the budget left;
-    the successor tops them up. Depth 1 never stages two layers ahead."""
+    then, in the same issue, the layer after next's with the budget left,
+    never more new reads than the budget; the layer after next takes some of
+    them. Depth 1 never stages two layers ahead."""
     _, stream_dir = models.get("qwen3_moe", quantized=True)
+    budget = 5  # more than the 4 experts predicted per token: room is left
     for depth in (1, 2):
         model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io,
-                                      prefetch="next-layer", prefetch_budget=8,
+                                      prefetch="next-layer", prefetch_budget=budget,
                                       prefetch_precision=0, prefetch_depth=depth)
         runtime = model.streaming
         layers = [s.layer for s in runtime.stores]
-        issues = []  # per issue, the layers it staged, in order
+        issues = []  # per issue, (layer staged, reads issued) in order
+        ahead = set()  # (layer, expert) staged two layers early
+        taken_ahead = []
 
         def logged(prefetcher):
             issue = prefetcher.issue
@@ -513,9 +533,18 @@ def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models
             def __init__(self, inner):
                 self.inner = inner
 
-            def stage(self, layer, *args):
-                issues[-1].append(layer)
-                return self.inner.stage(layer, *args)
+            def stage(self, layer, file, experts, offsets):
+                issued = self.inner.stage(layer, file, experts, offsets)
+                if issues[-1]:  # the second stage of an issue: two layers ahead
+                    ahead.update((layer, int(e)) for e in experts)
+                issues[-1].append((layer, issued))
+                return issued
+
+            def take(self, layer, expert, *args):
+                crc = self.inner.take(layer, expert, *args)
+                if crc is not None and (layer, expert) in ahead:
+                    taken_ahead.append((layer, expert))
+                return crc
 
             def __getattr__(self, name):
                 return getattr(self.inner, name)
@@ -524,14 +553,16 @@ def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models
             logged(residency.prefetch)
         for store in runtime.stores:
             store.staging = LoggedStaging(store.staging)
-        _stats_of_decode(model, 4)
-        staged = {tuple(i) for i in issues if i}
+        _stats_of_decode(model, 8)
+        staged = [i for i in issues if i]
+        assert all(sum(n for _, n in i) <= budget for i in staged)
+        two = {tuple(layer for layer, _ in i) for i in staged if len(i) == 2}
         if depth == 1:
-            assert all(len(i) == 1 for i in staged)
+            assert not two and not ahead
         else:
             # Every layer but the last two reads for the two layers after it.
-            pairs = {(a, b) for a, b in zip(layers[1:], layers[2:])}
-            assert pairs <= {i for i in staged if len(i) == 2}
+            assert {(a, b) for a, b in zip(layers[1:], layers[2:])} <= two
+            assert taken_ahead, "no record read two layers early was used"
         model.streaming.close()
 
 
