@@ -7,13 +7,13 @@ For every MoE layer but the first, the prediction is made as prefetch
 makes it: the layer's router applied to the previous layer's MoE input,
 weighed by affinity (which experts followed the previous layer's choice so
 far), normalised per token; with ``--distance 2``, to the input two layers
-before and unweighed, as ``prefetch_depth=2`` reads ahead. Residency comes from replaying the layer's
-routing through decayed LFU with --slots slots; only predictions of experts
-not resident count, as only those are read. Prints, per call, the records a
-rule reads ahead, how many of them the layer used, and the share of its
-misses they caught, for the first N ranks and for bars on the score (a
-prediction's share of the probability times the number of experts), then
-how often predictions of each score were used.
+before and unweighed, as ``prefetch_depth=2`` reads ahead. Residency comes
+from replaying the layer's routing through decayed LFU with --slots slots;
+only predictions of experts not resident count, as only those are read.
+Prints, per call, the records a rule reads ahead, how many of them the
+layer used, and the share of its misses they caught, for the first N ranks
+and for bars on the score (a prediction's share of the probability times
+the number of experts), then how often predictions of each score were used.
 """
 
 import argparse
