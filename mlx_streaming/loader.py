@@ -641,8 +641,10 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
         dims = input_dims_of(blocks[store.spec.module])
         scorer = find_router(model, nxt.spec.module, nxt.spec.num_experts, dims)
         if scorer is not None:
-            after = stores[i + 2] if config.prefetch_depth > 1 and i + 2 < len(stores) else None
-            pairs.append((store, nxt, scorer, after and _ahead(model, runtime, after, dims)))
+            after = None
+            if config.prefetch_depth > 1 and i + 2 < len(stores):
+                after = _ahead(model, runtime, stores[i + 2], dims)
+            pairs.append((store, nxt, scorer, after))
     affinity = runtime.prefetch_affinity
     if affinity is not None:
         # The last layer predicts the first one's experts for the next token.

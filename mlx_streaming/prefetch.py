@@ -459,16 +459,20 @@ class PrefetchCalibration(Learner):
 
     def select(self, layer, order, scores, rows):
         """The experts of ``order`` worth reading ahead into ``layer``,
-        predicted from a call of ``rows`` tokens."""
+        predicted from a call of ``rows`` tokens; counted when ``layer``
+        routes."""
         bins = np.searchsorted(self.EDGES, scores, side="right")
         self._pending[layer] = (order, bins, rows)
-        return order[bins >= self.lowest[(layer, rows > 1)]]
+        return self._above_bar(layer, order, bins, rows)
 
     def bar(self, layer, order, scores, rows):
         """``select`` without counting: for the predictions of a layer made
         two layers early (``prefetch_depth=2``), which are held to the bar
         of the layer's own (one layer early) predictions."""
         bins = np.searchsorted(self.EDGES, scores, side="right")
+        return self._above_bar(layer, order, bins, rows)
+
+    def _above_bar(self, layer, order, bins, rows):
         return order[bins >= self.lowest[(layer, rows > 1)]]
 
     def on_route(self, layer, ids, experts):

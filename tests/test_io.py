@@ -438,6 +438,42 @@ def test_affinity_wraps_from_the_last_layer_on_decode_only():
     assert affinity.counts[1].sum() == 4
 
 
+class StagingSpy:
+    """A staging area that reports each ``stage`` (layer, experts, reads
+    issued) and ``take`` (layer, expert, CRC or None); the native one's
+    methods are read-only, so it is wrapped, not patched."""
+
+    def __init__(self, inner, on_stage, on_take=None):
+        self.inner, self.on_stage, self.on_take = inner, on_stage, on_take
+
+    def stage(self, layer, file, experts, offsets):
+        issued = self.inner.stage(layer, file, experts, offsets)
+        self.on_stage(layer, experts, issued)
+        return issued
+
+    def take(self, layer, expert, *args):
+        crc = self.inner.take(layer, expert, *args)
+        if self.on_take is not None:
+            self.on_take(layer, expert, crc)
+        return crc
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def spy_on_prefetch(runtime, on_issue, on_stage, on_take=None):
+    """Report each prefetcher's ``issue`` (its layer) before it runs, and
+    every stage and take of the stores' staging."""
+    for residency in runtime.residencies:
+        def issue(predicted, ids, inner=residency.prefetch.issue, layer=residency.layer):
+            on_issue(layer)
+            return inner(predicted, ids)
+
+        residency.prefetch.issue = issue
+    for store in runtime.stores:
+        store.staging = StagingSpy(store.staging, on_stage, on_take)
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
 def test_prefetch_queues_after_the_layers_demand_reads(models, io, depth):
@@ -458,28 +494,8 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io, depth):
             return read(experts, slots, want_crc)
 
         store._read = logged_read
-    for residency in runtime.residencies:
-        issue = residency.prefetch.issue
-
-        def logged_issue(predicted, ids, issue=issue, layer=residency.layer):
-            log.append(("issue", layer))
-            return issue(predicted, ids)
-
-        residency.prefetch.issue = logged_issue
-
-    class LoggedStaging:  # the native one's methods are read-only
-        def __init__(self, inner):
-            self.inner = inner
-
-        def stage(self, layer, *args):
-            log.append(("stage", layer))
-            return self.inner.stage(layer, *args)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    for store in runtime.stores:
-        store.staging = LoggedStaging(store.staging)
+    spy_on_prefetch(runtime, on_issue=lambda layer: log.append(("issue", layer)),
+                    on_stage=lambda layer, experts, issued: log.append(("stage", layer)))
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([PROMPT]), cache=cache))
     token = mx.array([[3]])
@@ -521,38 +537,16 @@ def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models
         ahead = set()  # (layer, expert) staged two layers early
         taken_ahead = []
 
-        def logged(prefetcher):
-            issue = prefetcher.issue
+        def on_stage(layer, experts, issued):
+            if issues[-1]:  # the second stage of an issue: two layers ahead
+                ahead.update((layer, int(e)) for e in experts)
+            issues[-1].append((layer, issued))
 
-            def logged_issue(predicted, ids):
-                issues.append([])
-                return issue(predicted, ids)
-            prefetcher.issue = logged_issue
+        def on_take(layer, expert, crc):
+            if crc is not None and (layer, expert) in ahead:
+                taken_ahead.append((layer, expert))
 
-        class LoggedStaging:  # the native one's methods are read-only
-            def __init__(self, inner):
-                self.inner = inner
-
-            def stage(self, layer, file, experts, offsets):
-                issued = self.inner.stage(layer, file, experts, offsets)
-                if issues[-1]:  # the second stage of an issue: two layers ahead
-                    ahead.update((layer, int(e)) for e in experts)
-                issues[-1].append((layer, issued))
-                return issued
-
-            def take(self, layer, expert, *args):
-                crc = self.inner.take(layer, expert, *args)
-                if crc is not None and (layer, expert) in ahead:
-                    taken_ahead.append((layer, expert))
-                return crc
-
-            def __getattr__(self, name):
-                return getattr(self.inner, name)
-
-        for residency in runtime.residencies:
-            logged(residency.prefetch)
-        for store in runtime.stores:
-            store.staging = LoggedStaging(store.staging)
+        spy_on_prefetch(runtime, lambda layer: issues.append([]), on_stage, on_take)
         _stats_of_decode(model, 8)
         staged = [i for i in issues if i]
         assert all(sum(n for _, n in i) <= budget for i in staged)
