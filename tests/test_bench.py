@@ -298,6 +298,9 @@ def test_paired_ratio_cancels_the_machines_drift():
     ("--prefetch-affinity", "on,of", "'of'"),
     ("--overlap", "yes", "'yes'"),
     ("--prefetch-depth", "1,3", "'1,3'"),
+    ("--prefetch-depth", "1,2,", "'1,2,'"),
+    ("--prefetch-precision", "0.5,", "'0.5,'"),
+    ("--prefetch-precision", "0,1.5", "prefetch_precision must be"),
     ("--pace-mbps", "0", "read_pace_mbps must be between 0.01"),
     ("--pace-mbps", "inf", "read_pace_mbps must be a finite number")])
 def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag, value, said):

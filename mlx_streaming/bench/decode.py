@@ -131,13 +131,8 @@ def _check_choices(args) -> None:
         if bad:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")
-    for depth in (args.prefetch_depth or "").split(","):
-        try:
-            if depth:
-                StreamConfig(prefetch_depth=int(depth))
-        except (ValueError, ConfigError):
-            raise BenchError("--prefetch-depth takes 1 or 2 (comma-separated), "
-                             f"got {args.prefetch_depth!r}") from None
+    _config_values("--prefetch-precision", args.prefetch_precision, "prefetch_precision", float)
+    _config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
     if args.pace_mbps is not None:
         try:
             StreamConfig(read_pace_mbps=args.pace_mbps)
@@ -146,6 +141,22 @@ def _check_choices(args) -> None:
         if args.read_mbps:
             raise BenchError("--pace-mbps and --read-mbps are two ways to emulate a slower "
                              "disk: give one")
+
+
+def _config_values(flag: str, text, field: str, parse) -> list:
+    """A comma-separated list of values of a ``StreamConfig`` field to
+    compare, each checked as load() would check it; [None] when not given
+    (load()'s default)."""
+    if text is None:
+        return [None]
+    try:
+        values = [parse(v) for v in text.split(",")]
+        for v in values:
+            StreamConfig(**{field: v})
+    except (ValueError, ConfigError) as e:
+        raise BenchError(f"{flag} takes values of {field} (comma-separated), got {text!r}: "
+                         f"{e}") from None
+    return values
 
 
 def _pools(text: str) -> list:
@@ -188,10 +199,9 @@ def run(args) -> dict:
     modes = args.verify.split(",")
     policies = args.policies.split(",") if args.policies else [None]
     prefetches = args.prefetch.split(",")
-    precisions = ([float(v) for v in args.prefetch_precision.split(",")]
-                  if args.prefetch_precision else [None])
-    depths = ([int(v) for v in args.prefetch_depth.split(",")]
-              if args.prefetch_depth else [None])
+    precisions = _config_values("--prefetch-precision", args.prefetch_precision,
+                                "prefetch_precision", float)
+    depths = _config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
     for pool, overlap in itertools.product(pools, overlaps):
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
