@@ -113,6 +113,29 @@ def max_slots(manifest: Manifest) -> int:
     return max(l.num_experts for l in manifest.layers)
 
 
+def prefetch_width(cfg: StreamConfig, spec) -> int:
+    """Experts prefetch predicts per token for layer ``spec``."""
+    return min(cfg.prefetch_width or 2 * spec.top_k, spec.num_experts)
+
+
+def staging_shape(manifest: Manifest, cfg: StreamConfig) -> Tuple[int, int]:
+    """(records, bytes per record) of prefetch's staging area: room for one
+    layer's predictions in flight beside those staged a layer earlier
+    (``prefetch_depth`` 2) or still being dropped, each the size of the
+    largest record; a layer stages its successor's before the layer after
+    next's."""
+    width = max(prefetch_width(cfg, s) for s in manifest.layers)
+    return 2 * width, max(s.stride for s in manifest.layers)
+
+
+def staging_bytes(manifest: Manifest, cfg: StreamConfig) -> int:
+    """Bytes of the staging area; 0 without prefetch."""
+    if cfg.prefetch == "off":
+        return 0
+    records, stride = staging_shape(manifest, cfg)
+    return records * stride
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """How one memory budget is split (``stats(model)["memory"]``).
@@ -136,10 +159,11 @@ class MemoryPlan:
     ring_buffers: int
     ring: int  # bytes of the ring
     pinned_bytes: int
+    staging: int = 0  # bytes of prefetch's staging area (paged pools only)
 
     @property
     def total(self) -> int:
-        return self.base + self.pinned_bytes + self.ring + self.pool
+        return self.base + self.pinned_bytes + self.ring + self.pool + self.staging
 
     def report(self) -> dict:
         return {
@@ -148,7 +172,7 @@ class MemoryPlan:
             "pinned_gb": self.pinned_bytes / GB, "streamed_layers": list(self.streamed),
             "ring_buffers": self.ring_buffers, "ring_gb": self.ring / GB,
             "pool_gb": self.pool / GB, "slots_per_layer": self.slots,
-            "total_gb": self.total / GB,
+            "staging_gb": self.staging / GB, "total_gb": self.total / GB,
         }
 
 
@@ -219,7 +243,12 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     # What advice leaves free for the KV cache, activations and the rest of
     # the process: the reserve, or a quarter of what is available if less.
     headroom = min(int(cfg.reserve_gb * GB), avail // 4)
-    least = least_spine + need * per_slot
+    # Prefetch stages its reads outside the pools, when there are pools to
+    # miss in (a trace keeps every pool paged).
+    everything = max_slots(manifest)
+    staging_of = lambda slots: (  # noqa: E731
+        staging_bytes(manifest, cfg) if slots < everything or cfg.trace is not None else 0)
+    least = least_spine + need * per_slot + staging_of(need)
 
     if cfg.slots_per_layer is not None:
         slots = cfg.slots_per_layer
@@ -227,16 +256,18 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
             raise BudgetError(
                 f"slots_per_layer={slots} is below the minimum of {need} "
                 "(the experts one token routes to); use at least that")
-        slots = min(slots, max_slots(manifest))
+        slots = min(slots, everything)
+        asked = least_spine + slots * per_slot + staging_of(slots)
         # What the spine may pin keeps the headroom free; the pools are as asked.
-        budget = max(avail - headroom, least_spine + slots * per_slot)
+        budget = max(avail - headroom, asked)
         source = f"available memory ({_gb(avail)} GB, less {_gb(headroom)} GB headroom)"
-        if least_spine + slots * per_slot > avail:
+        if asked > avail:
             # The advice keeps the spine resident when it can be: streaming
             # it costs more reads than the slots it would make room for save.
             whole = base_bytes + sum(d.nbytes for d in dense)
             spine = whole if whole + need * per_slot <= avail - headroom else least_spine
-            most = min(int((avail - headroom - spine) // per_slot), max_slots(manifest))
+            most = min(int((avail - headroom - spine - staging_of(need)) // per_slot),
+                       everything)
             if most >= need:
                 advice = (f"use --slots-per-layer {most} or less (with "
                           f"{_gb(spine, up=True)} GB of spine resident)")
@@ -247,7 +278,7 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
                 advice = _no_room(least, avail)
             raise BudgetError(
                 f"slots_per_layer={cfg.slots_per_layer} needs at least "
-                f"{_gb(least_spine + slots * per_slot, up=True)} GB, but only {_gb(avail)} GB "
+                f"{_gb(asked, up=True)} GB, but only {_gb(avail)} GB "
                 f"of memory is available: {advice}")
     else:
         if cfg.cache_gb is not None:
@@ -264,26 +295,36 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
             raise BudgetError(
                 f"{source} holds less than one token's experts (the minimum of {need} per "
                 f"layer, {_gb(need * per_slot)} GB) and the {_gb(least_spine)} GB the spine "
-                f"needs at least: {advice}"
+                f"needs at least{_staging_note(staging_of(need))}: {advice}"
                 + ("" if dense else "; this directory keeps its whole spine in safetensors, "
                    "while one converted by `mlx_streaming convert` (format version 2) "
                    "streams its spine layers too"))
         slots = need
 
-    spine_room = budget - base_bytes - slots * per_slot
+    spine_room = budget - base_bytes - slots * per_slot - staging_of(slots)
     pinned, streamed, ring_buffers, ring, pinned_bytes = _split_spine(
         dense, spine_room, buffers, cfg.pinned_layers)
     if cfg.slots_per_layer is None:
         left = budget - base_bytes - pinned_bytes - ring
-        slots = max(need, min(int(left // per_slot), max_slots(manifest)))
-        total = base_bytes + pinned_bytes + ring + slots * per_slot
+        if left // per_slot < everything or cfg.trace is not None:
+            # Short of every expert resident, the staging comes out of the pools.
+            left -= staging_of(need)
+        slots = max(need, min(int(left // per_slot), everything))
+        total = base_bytes + pinned_bytes + ring + slots * per_slot + staging_of(slots)
         if cfg.cache_gb is not None and total > avail:
             raise BudgetError(
                 f"cache_gb={cfg.cache_gb:g} needs {_gb(total, up=True)} GB, but only "
                 f"{_gb(avail)} GB of memory is available: "
                 + _cache_advice(least, avail, headroom))
     return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
-                      ring_buffers, ring, pinned_bytes)
+                      ring_buffers, ring, pinned_bytes, staging_of(slots))
+
+
+def _staging_note(staging: int) -> str:
+    if not staging:
+        return ""
+    return (f" and prefetch's {_gb(staging, up=True)} GB staging area (less with "
+            "--prefetch off or a smaller --prefetch-width)")
 
 
 def _no_room(least: int, avail: int) -> str:

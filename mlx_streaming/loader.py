@@ -577,22 +577,13 @@ def _install_spine(model: nn.Module, path: Path, manifest: Manifest, runtime: Ru
         spine.stream_layer(get_module(model, spec.prefix), ring, spec.layer)
 
 
-def _prefetch_width(config: StreamConfig, spec: LayerSpec) -> int:
-    width = config.prefetch_width or 2 * spec.top_k
-    return min(width, spec.num_experts)
-
-
 def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: Runtime):
     config = runtime.config
     blocks = dict(find_expert_blocks(model))
     staging = None
     if runtime.paged and config.prefetch != "off":
-        width = _widest_prefetch(config, manifest.layers)
-        stride = max(s.stride for s in manifest.layers)
-        # Room for one layer's predictions in flight beside those staged a
-        # layer earlier (prefetch_depth 2) or still being dropped; a layer
-        # stages its successor's before the layer after next's.
-        staging = runtime.reader.staging(2 * width, stride)
+        # The memory plan (budget.plan_memory) counted these bytes.
+        staging = runtime.reader.staging(*budget.staging_shape(manifest, config))
         runtime.staging = staging
     for spec in manifest.layers:
         pool = SlotPool(spec, min(runtime.slots, spec.num_experts))
@@ -651,7 +642,7 @@ def _make_prefetchers(model, runtime: Runtime, blocks) -> Dict[int, NextLayerPre
         pairs += [(a, b, None, None) for a, b in _prefetch_pairs(stores)[len(stores) - 1:]]
     return {
         store.layer: NextLayerPrefetch(
-            store.layer, scorer, nxt, _prefetch_width(config, nxt.spec),
+            store.layer, scorer, nxt, budget.prefetch_width(config, nxt.spec),
             config.prefetch_max_tokens, runtime.prefetch_budget, affinity, runtime.events,
             runtime.prefetch_switch, _calibration(runtime, nxt.layer, scorer), after)
         for store, nxt, scorer, after in pairs
@@ -680,10 +671,6 @@ def _calibration(runtime: Runtime, layer: int, scorer):
 def _is_mtp(spec: LayerSpec) -> bool:
     """An MTP layer: it runs only when drafting, after the model."""
     return spec.module.startswith("mtp.")
-
-
-def _widest_prefetch(config: StreamConfig, layers) -> int:
-    return max(_prefetch_width(config, s) for s in layers)
 
 
 def _prefetch_pairs(layers: list) -> list:

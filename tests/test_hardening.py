@@ -3,6 +3,7 @@ exact output or one line that says what to do (issue 8)."""
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -476,6 +477,43 @@ def test_explicit_pool_beyond_available_memory_is_refused(qwen):
     advised = float(str(e.value).split("--cache-gb ")[1].split()[0])
     assert available() * 0.74 < advised * 1e9 <= available() * 3 / 4
     assert plan(StreamConfig(cache_gb=advised)).total <= available() * 3 / 4
+
+
+def test_prefetchs_staging_area_is_in_the_memory_plan(qwen):
+    """The staging area comes out of the budget: a cache_gb that holds n
+    slots per layer without prefetch holds fewer with it, the plan's total
+    stays within the budget, and the loaded model's staging is the size the
+    plan counted. With every expert resident there is nothing to stage."""
+    manifest = read_manifest(qwen[1])
+    per_slot = budget.bytes_per_slot(manifest)
+    spine = 10_000
+    dense = sum(d.nbytes for d in manifest.dense)
+    plan = lambda **kw: budget.plan_memory(  # noqa: E731
+        manifest, StreamConfig(**kw), spine, lambda: 1 << 40)
+    records, stride = budget.staging_shape(manifest, StreamConfig(prefetch="next-layer"))
+    staged_slots = math.ceil(records * stride / per_slot)  # slots the staging costs
+    n = budget.min_slots(manifest) + staged_slots + 1
+    assert n < budget.max_slots(manifest)
+    off = plan(cache_gb=(spine + dense + n * per_slot) / 1e9)
+    on = plan(cache_gb=(spine + dense + n * per_slot) / 1e9, prefetch="next-layer")
+    assert off.slots == n and off.staging == 0
+    assert on.staging == records * stride > 0
+    assert on.slots == n - staged_slots
+    assert on.total <= on.budget
+    everything = budget.max_slots(manifest)
+    assert plan(cache_gb=1e3, prefetch="next-layer").slots == everything
+    assert plan(cache_gb=1e3, prefetch="next-layer").staging == 0
+    # An explicit pool is as asked; the staging is added to what it needs.
+    asked = plan(slots_per_layer=4, prefetch="next-layer")
+    assert asked.staging == on.staging and asked.total == plan(slots_per_layer=4).total + on.staging
+
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="next-layer")
+    runtime = model.streaming
+    try:
+        assert runtime.plan.staging == on.staging
+        assert mlx_streaming.stats(model)["memory"]["staging_gb"] == on.staging / 1e9
+    finally:
+        runtime.close()
 
 
 def test_explicit_pool_beyond_the_cgroup_is_refused_not_killed(tmp_path, tokenizer_dir):
