@@ -132,11 +132,11 @@ class NextLayerPrefetch:
         # weighed, affinity would decide alone. It keeps its own order.
         if self.affinity is not None and (self.scorer is None or self.scorer.softmax):
             probs = probs * self.affinity.weights(self.layer, rows)
-        ranked, order, scores = self._candidates(probs, self.next_store)
+        ranked, ranked_scores, order, scores = self._candidates(probs, self.next_store)
         order = self.calibration.select(self.next_store.layer, order, scores, len(rows))
         order = order[: self.budget.records]
         issued = self.next_store.stage(order)
-        self.events.on_predict(self.next_store.layer, ranked)
+        self.events.on_predict(self.next_store.layer, ranked, ranked_scores)
         self.events.on_prefetch(self.next_store.layer, issued=issued)
         # The budget is reads in this layer's compute time: those of the
         # next layer's records that the layer before staged two layers
@@ -145,20 +145,22 @@ class NextLayerPrefetch:
         if self.after is not None and len(predicted) > 1 and room > 0:
             _, store, calibration = self.after
             probs = np.array(predicted[1]).reshape(len(rows), -1)
-            _, order, scores = self._candidates(probs, store)
+            ranked, ranked_scores, order, scores = self._candidates(probs, store)
             order = calibration.bar(store.layer, order, scores, len(rows))[:room]
             self.events.on_prefetch(store.layer, issued=store.stage(order))
+            self.events.on_predict(store.layer, ranked, ranked_scores, 2)
 
     def _candidates(self, probs: np.ndarray, store):
-        """The ``width`` best of each row, and the distinct ones that are
-        not resident in ``store``, best first, with their scores."""
+        """The ``width`` best of each row and their scores, and the distinct
+        ones that are not resident in ``store``, best first, with theirs."""
         probs = probs / probs.sum(axis=-1, keepdims=True)
         ranked = np.argsort(-probs, axis=-1, kind="stable")[:, : self.width]
         order = rank_order(ranked)
         order = order[~store.resident(order)]
         # A score of 1: the prediction cannot tell this expert from another.
-        scores = probs.max(axis=0)[order] * probs.shape[-1]
-        return ranked, order, scores
+        scale = probs.shape[-1]
+        scores = probs.max(axis=0)[order] * scale
+        return ranked, np.take_along_axis(probs, ranked, -1) * scale, order, scores
 
 
 def rank_order(ids: np.ndarray) -> np.ndarray:
@@ -387,7 +389,7 @@ class PrefetchSwitch(Learner):
         self.decision = decision
 
 
-class ReadEveryPrediction:
+class ReadEveryPrediction(Learner):
     """``prefetch_precision=0``: every prediction is worth a read (within
     the bandwidth budget)."""
 

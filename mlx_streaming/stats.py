@@ -28,7 +28,12 @@ class Observer:
     def on_sync(self, layer: int) -> None: ...
     def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray,
                  probs: Optional[np.ndarray] = None) -> None: ...
-    def on_predict(self, layer: int, ids: np.ndarray) -> None: ...
+    def on_predict(self, layer: int, ids: np.ndarray, scores: Optional[np.ndarray] = None,
+                   distance: int = 1) -> None:
+        """Prefetch's prediction of ``layer``'s routing, made ``distance``
+        MoE layers before it: ``ids`` ``[tokens, width]`` best first, and
+        their ``scores`` (share of the row's probability times the number of
+        experts), as the calibration bins them."""
     def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
     def on_graph_calls(self, layer: int, calls: int, tokens: int, hits: int, misses: int,
                        distinct: int, records: int, nbytes: int, read_seconds: float,
@@ -167,7 +172,9 @@ class Stats(Observer):
         c.read_seconds += read_seconds
         c.stall_seconds += stall_seconds
 
-    def on_predict(self, layer, ids):
+    def on_predict(self, layer, ids, scores=None, distance=1):
+        if distance != 1:  # the recall counted is the next layer's prediction's
+            return
         # Sets, not np.isin: on a few ids np.isin costs ~150 us a call.
         self._predicted[layer] = set(ids.ravel().tolist())
 
@@ -201,9 +208,11 @@ class Stats(Observer):
 
 class TraceWriter(Observer):
     """Writes one JSON line per MoE call: the layer, the expert ids each
-    token was routed to, the previous layer's prediction of them when
-    prefetch made one, and the router's probabilities when the policy asks
-    for them (``mlx_streaming bench cache`` replays them)."""
+    token was routed to, prefetch's predictions of them when it made them
+    (``predicted`` and ``predicted_scores`` from the layer before,
+    ``predicted2`` and ``predicted2_scores`` from the layer before that),
+    and the router's probabilities when the policy asks for them
+    (``mlx_streaming bench cache`` and ``bench simulate`` replay them)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -213,14 +222,18 @@ class TraceWriter(Observer):
         except OSError as e:
             raise ConfigError(f"cannot write the trace to {path} ({e.strerror})") from None
 
-    def on_predict(self, layer, ids):
-        self._predicted[layer] = ids
+    def on_predict(self, layer, ids, scores=None, distance=1):
+        self._predicted[layer, distance] = (ids, scores)
 
     def on_route(self, layer, ids, experts, probs=None):
         record = {"layer": layer, "ids": ids.reshape(-1, ids.shape[-1]).tolist()}
-        predicted = self._predicted.pop(layer, None)
-        if predicted is not None:
-            record["predicted"] = predicted.reshape(-1, predicted.shape[-1]).tolist()
+        for distance, key in ((1, "predicted"), (2, "predicted2")):
+            predicted, scores = self._predicted.pop((layer, distance), (None, None))
+            if predicted is not None:
+                record[key] = predicted.reshape(-1, predicted.shape[-1]).tolist()
+            if scores is not None:
+                record[key + "_scores"] = [[round(x, 4) for x in row]
+                                           for row in scores.reshape(len(record[key]), -1).tolist()]
         if probs is not None:
             record["probs"] = [[round(p, 5) for p in row] for row in probs.tolist()]
         self._file.write(json.dumps(record) + "\n")
@@ -237,15 +250,19 @@ def read_trace(path: str):
 
 def read_trace_records(path: str):
     """Yield each call of a trace file as a dict: ``layer``, ``ids``
-    ``[tokens, k]``, and where recorded ``predicted`` and ``probs``."""
+    ``[tokens, k]``, and where recorded ``predicted``, ``predicted2``, their
+    ``_scores`` and ``probs``."""
     import numpy as np
 
     with open(path) as f:
         for line in f:
             d = json.loads(line)
             d["ids"] = np.array(d["ids"], dtype=np.int64)
-            if "predicted" in d:
-                d["predicted"] = np.array(d["predicted"], dtype=np.int64)
+            for key in ("predicted", "predicted2"):
+                if key in d:
+                    d[key] = np.array(d[key], dtype=np.int64)
+                if key + "_scores" in d:
+                    d[key + "_scores"] = np.array(d[key + "_scores"], dtype=np.float64)
             if "probs" in d:
                 d["probs"] = np.array(d["probs"], dtype=np.float64)
             yield d

@@ -106,6 +106,13 @@ def test_bench_decode_cache_verify_prefill(models, tmp_path, capsys):
     # that simulate's prefetch cases replay.
     records = [json.loads(l) for l in (tmp_path / "decode" / "decode-trace.jsonl").open()]
     assert any("predicted" in r for r in records)
+    # Two layers ahead too (the third MoE layer, from the first's input),
+    # with the scores the calibration bins.
+    assert any("predicted2" in r for r in records)
+    for r in records:
+        for key in ("predicted", "predicted2"):
+            if key in r:
+                assert np.shape(r[key + "_scores"]) == np.shape(r[key])
     d = json.loads((tmp_path / "decode" / "decode.json").read_text())
     cases = [r["case"] for r in d["rows"]]
     assert cases == ["(a) mlx-lm resident", "(b) mlx-lm lazy", "(c) mlx_streaming",
@@ -232,11 +239,14 @@ def test_bench_overhead_and_simulate(models, tmp_path):
     # syncs on the host every call, calls without it run in the graph.
     assert [r["path"] for r in s["rows"]] == ["calls in the graph", "a host sync per call"] * 2
     trace = tmp_path / "s" / "decode" / "decode-trace.jsonl"
-    _run(["simulate", "--project", "--trace", str(trace), "--policies", "lru,lfu-decay"],
-         tmp_path / "p")
+    _run(["simulate", "--project", "--trace", str(trace), "--policies", "lru,lfu-decay",
+          "--prefetch", "off,next-layer"], tmp_path / "p")
     p = json.loads((tmp_path / "p" / "projection.json").read_text())
     fitted = [r for r in p["rows"] if r.get("projected_tps")]
     assert {r["policy"] for r in fitted} == {"lru", "lfu-decay"}
+    assert {r["prefetch"] for r in fitted} == {"off", "next-layer, depth 2"}
+    # Prefetch is projected only where pools page (resident: mlx-lm's decode).
+    assert all(r["pool"] < 1 for r in fitted if r["prefetch"] != "off")
     # More memory never projects a smaller pool for the same model.
     by = {(r["machine"], r["model"]): r["pool"] for r in p["rows"]}
     assert by[("MacBook Pro M4 Max 128 GB", "Qwen3-235B-A22B")] >= \
@@ -327,6 +337,15 @@ def test_decode_takes_one_way_to_slow_the_disk(tmp_path, capsys):
     assert "give one" in capsys.readouterr().err
 
 
+def test_simulate_projects_prefetch_only_from_a_trace_with_predictions(tmp_path, capsys):
+    trace = tmp_path / "routing.jsonl"
+    trace.write_text("".join(json.dumps({"layer": l, "ids": [[t % 8, (t + 3) % 8]]}) + "\n"
+                             for t in range(40) for l in (0, 1)))
+    assert bench_main(["simulate", "--project", "--trace", str(trace), "--prefetch",
+                       "next-layer", "--out", str(tmp_path / "p")]) == 1
+    assert "holds no predictions" in capsys.readouterr().err
+
+
 def test_simulate_says_which_trace_is_missing(tmp_path, capsys):
     missing = tmp_path / "nowhere.jsonl"
     assert bench_main(["simulate", "--project", "--trace", str(missing),
@@ -370,7 +389,7 @@ def test_simulator_charges_the_host_work_of_each_missed_record():
     for _ in range(40):
         ids = rng.choice(16, size=2, replace=False)[None]
         calls[0].append(Call(np.unique(ids), ids))
-    common = dict(calls=calls, fraction=0.25, policy="lru", prefetch=False, compute_s=0.01,
+    common = dict(calls=calls, fraction=0.25, policy="lru", prefetch=0, compute_s=0.01,
                   sync_s=0.0, moe_layers=1, expert_bytes=1e6, top_k=2, ssd_gbps=1.0,
                   ssd_latency_s=0.0)
     base = project_case(**common)
@@ -387,7 +406,7 @@ def test_simulator_hides_demand_reads_behind_the_resident_experts_compute():
     # expert and two alternating): each call reads one 2 ms record.
     calls = {0: [Call(np.array([0, 1 + i % 2]), np.array([[0, 1 + i % 2]]))
                  for i in range(20)]}
-    common = dict(calls=calls, fraction=2 / 3, policy="lru", prefetch=False, compute_s=0.01,
+    common = dict(calls=calls, fraction=2 / 3, policy="lru", prefetch=0, compute_s=0.01,
                   sync_s=0.0, moe_layers=1, top_k=2, ssd_gbps=1.0, ssd_latency_s=0.0, skip=2)
     assert project_case(**common, expert_bytes=2e6)["stall_s"] == pytest.approx(2e-3)
     # The one resident expert's compute hides that much of the read, no more.
@@ -399,20 +418,75 @@ def test_simulator_hides_demand_reads_behind_the_resident_experts_compute():
     assert short["stall_s"] == pytest.approx(5e-4)
 
 
-def test_simulator_reads_ahead_no_more_than_prefetchs_budget():
+def _cycling_calls(layers=(0,), tokens=20, ranked=None, ranked2=None, scores=1.0):
+    """Calls that miss both their experts in a pool of two (six experts in
+    turn), with the predictions ``ranked(i)`` / ``ranked2(i)`` of call i."""
     from mlx_streaming.bench.cache import Call
+
+    def call(i):
+        ids = np.array([[2 * i % 6, 2 * i % 6 + 1]])
+        r = None if ranked is None else np.array([ranked(i)])
+        r2 = None if ranked2 is None else np.array([ranked2(i)])
+        return Call(np.unique(ids), ids, None, None if r is None else np.unique(r),
+                    r, None if r is None else np.full(r.shape, scores),
+                    r2, None if r2 is None else np.full(r2.shape, scores))
+
+    return {layer: [call(i) for i in range(tokens)] for layer in layers}
+
+
+_ONE_MS = dict(policy="lru", sync_s=0.0, expert_bytes=1e6, top_k=2, ssd_gbps=1.0,
+               ssd_latency_s=0.0, skip=2)  # a record reads in 1 ms
+
+
+def test_simulator_reads_ahead_no_more_than_prefetchs_budget():
     from mlx_streaming.bench.simulate import project_case
 
-    # Every call misses both its experts (two slots, six experts in turn);
-    # the prediction names them among 8. A layer's compute (2 ms) reads 2
-    # records of 1 ms: prefetch reads 2 of the 8, catching 2/8 of the two
-    # misses; the other 1.5 are read on demand (1.5 ms stalled), instead
-    # of 8 read ahead that outlast the compute by 6 ms.
-    calls = {0: [Call(np.array([2 * i % 6, 2 * i % 6 + 1]),
-                      np.array([[2 * i % 6, 2 * i % 6 + 1]]),
-                      predicted=np.arange(8) % 6) for i in range(20)]}
-    common = dict(calls=calls, fraction=1 / 3, policy="lru", compute_s=0.002, sync_s=0.0,
-                  moe_layers=1, expert_bytes=1e6, top_k=2, ssd_gbps=1.0, ssd_latency_s=0.0,
-                  skip=2)
-    assert project_case(**common, prefetch=False)["stall_s"] == pytest.approx(2e-3)
-    assert project_case(**common, prefetch=True)["stall_s"] == pytest.approx(1.5e-3)
+    # Every call misses both its experts; the prediction names them at
+    # ranks 1 and 5 of 8. A layer's compute (2 ms) reads 2 records of 1 ms:
+    # prefetch reads ranks 1-2, catching one miss; the other is read on
+    # demand (1 ms stalled). Reading all 8 would outlast the compute and
+    # make the demand read wait behind them.
+    def ranked(i):
+        a, b = 2 * i % 6, 2 * i % 6 + 1
+        return [a, 6, 7, 8, b, 9, 10, 11]
+
+    calls = _cycling_calls(ranked=ranked)
+    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.002, moe_layers=1,
+                  width=8)
+    assert project_case(**common, prefetch=0)["stall_s"] == pytest.approx(2e-3)
+    on = project_case(**common, prefetch=1)
+    assert on["stall_s"] == pytest.approx(1e-3)
+    assert on["wasted"] == pytest.approx(0.5)
+
+
+def test_simulator_reads_two_layers_ahead_with_the_room_left():
+    from mlx_streaming.bench.simulate import project_case
+
+    # Two layers; each call's own prediction names two experts never
+    # routed, the prediction made two calls early names the right two. A
+    # layer's compute (4 ms) reads 4 records: depth 1 reads the two wrong
+    # ones and stalls 2 ms a call on its misses; depth 2 also reads the
+    # right ones with the room left, two calls early, and never stalls.
+    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7],
+                           ranked2=lambda i: [2 * i % 6, 2 * i % 6 + 1])
+    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
+                  width=4)
+    assert project_case(**common, prefetch=1)["stall_s"] == pytest.approx(4e-3)
+    assert project_case(**common, prefetch=2)["stall_s"] == pytest.approx(0.0)
+
+
+def test_simulator_replays_prefetchs_calibration():
+    from mlx_streaming.bench.simulate import project_case
+
+    # Predictions that are never used: read every one (precision 0), they
+    # are all wasted; held to a precision of 0.5, after the first counts
+    # nothing is read ahead.
+    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7], scores=3.0)
+    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
+                  width=4, prefetch=1)
+    every = project_case(**common, precision=0.0)
+    assert every["read_ahead"] > 0 and every["wasted"] == 1.0
+    held = project_case(**common, precision=0.5)
+    assert held["read_ahead"] == 0 and held["wasted"] is None
+    off = project_case(**dict(common, prefetch=0))
+    assert held["stall_s"] == pytest.approx(off["stall_s"])

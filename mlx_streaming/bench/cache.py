@@ -42,7 +42,13 @@ class Call:
     experts: np.ndarray  # sorted distinct expert ids
     ids: np.ndarray  # [tokens, k]
     probs: Optional[np.ndarray] = None  # [tokens, num_experts]
-    predicted: Optional[np.ndarray] = None  # the previous layer's prediction
+    predicted: Optional[np.ndarray] = None  # the previous layer's prediction (distinct ids)
+    # Prefetch's predictions as made: [tokens, width] ids best first and
+    # their scores, from the layer before (1) and the one before that (2).
+    ranked: Optional[np.ndarray] = None
+    scores: Optional[np.ndarray] = None
+    ranked2: Optional[np.ndarray] = None
+    scores2: Optional[np.ndarray] = None
 
 
 def decode_records(trace: Path) -> Dict[int, List[Call]]:
@@ -54,7 +60,9 @@ def decode_records(trace: Path) -> Dict[int, List[Call]]:
         predicted = r.get("predicted")
         calls.setdefault(r["layer"], []).append(Call(
             np.unique(r["ids"]), r["ids"], r.get("probs"),
-            None if predicted is None else np.unique(predicted)))
+            None if predicted is None else np.unique(predicted),
+            predicted, r.get("predicted_scores"), r.get("predicted2"),
+            r.get("predicted2_scores")))
     return calls
 
 

@@ -308,12 +308,14 @@ def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     trace = Path(args.out) / "decode-trace.jsonl"
     spec = manifest.layers[0]
-    # With prefetch on, the trace also holds each layer's prediction of the
-    # next (nothing is read ahead: every expert is resident), which bench
-    # simulate replays for its prefetch cases.
+    # With prefetch on, the trace also holds each layer's predictions of the
+    # next two (nothing is read ahead: every expert is resident), which bench
+    # simulate replays for its prefetch cases; the fixed budget leaves room
+    # for the second.
     case = dict(common, kind="streaming", model=str(stream_dir),
                 load=dict(slots_per_layer=spec.num_experts, trace=str(trace),
-                          prefetch="next-layer"))
+                          prefetch="next-layer", prefetch_depth=2,
+                          prefetch_budget=spec.num_experts))
     r = run_case(case)
     if r["status"] != "ok":
         raise BenchError(f"recording the decode routing failed: {r.get('error', r['status'])}")

@@ -16,11 +16,15 @@ The model of one decode token (one token per MoE call):
                             path (``overlap``) less the compute of the call's
                             resident experts, which runs meanwhile
 
-With prefetch, the previous layer's prediction (recorded in the trace) is
-read while that layer computes: the part of its read time that fits in one
-layer's compute is hidden, the rest and the misses it did not predict stall.
 Misses come from replaying the trace through the eviction policy at the
-pool size.
+pool size. The calls run one after another on one clock, with the disk as
+the native reader drives it (``Disk``), so that with prefetch the
+predictions the trace recorded (one and two layers ahead, with their
+scores) are read as the live prefetch reads them: the calibration's bar
+replayed, at most the bandwidth budget, one at a time behind demand reads,
+cancelled when not started by the time their layer arrives, while the
+layers before compute. A read ahead in flight when its layer arrives is
+waited for; a demand read waits for the read ahead in flight.
 
 Two modes:
 
@@ -37,6 +41,8 @@ Two modes:
 """
 
 import argparse
+import itertools
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List
@@ -44,9 +50,10 @@ from typing import Dict, List
 import numpy as np
 
 from ..block import OVERLAP_MIN_READ_S
-from ..config import DEFAULT_POLICY
+from ..config import DEFAULT_POLICY, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_PRECISION
 from ..format import read_manifest
 from ..policy import make_policy
+from ..prefetch import PrefetchCalibration, ReadEveryPrediction, rank_order
 from .cache import Call, decode_records, replay_misses
 from .case import WARMUP_TOKENS
 from .common import BenchError, figure, finish, paired_ratio, run_case
@@ -123,54 +130,187 @@ SHAPES = {
 }
 
 
-def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, prefetch: bool,
+class Disk:
+    """The reader's disk as the native reader drives it: demand reads run
+    before every read ahead not yet started; reads ahead run one at a time
+    in the order queued; a read ahead not started when its layer's call
+    arrives is cancelled (``Staging``). Times are seconds on one clock."""
+
+    def __init__(self, record_s: float, latency_s: float, capacity: int):
+        self.record_s = record_s  # one (traced) record's transfer
+        self.latency_s = latency_s  # added once per batch of demand reads, per read ahead
+        self.capacity = capacity  # staging's records (queued or read, not yet taken)
+        self.free_at = 0.0  # when the read in flight ends
+        self.queue = deque()  # reads ahead not started: (layer, expert, issued at)
+        self.staged = {}  # (layer, expert) -> when its read ahead ends
+        self.read_ahead = 0  # reads ahead started (their bytes were read)
+
+    def advance(self, until: float) -> None:
+        """Start the queued reads ahead whose turn comes before ``until``."""
+        while self.queue:
+            layer, expert, issued = self.queue[0]
+            start = max(self.free_at, issued)
+            if start >= until:
+                return
+            self.queue.popleft()
+            self.free_at = start + self.latency_s + self.record_s
+            self.staged[layer, expert] = self.free_at
+            self.read_ahead += 1
+
+    def arrive(self, layer: int) -> dict:
+        """``layer``'s call: its reads ahead not started are cancelled; those
+        started (expert -> when each ends) are handed over and leave."""
+        self.queue = deque(q for q in self.queue if q[0] != layer)
+        mine = {e: t for (l, e), t in self.staged.items() if l == layer}
+        for e in mine:
+            del self.staged[layer, e]
+        return mine
+
+    def demand(self, at: float, records: float) -> float:
+        """When ``records`` demand reads issued at ``at`` end (after the read
+        in flight)."""
+        if records <= 0:
+            return at
+        self.free_at = max(at, self.free_at) + self.latency_s + records * self.record_s
+        return self.free_at
+
+    def stage(self, layer: int, experts, at: float) -> int:
+        """Queue reads ahead of ``experts`` (skipping those staged or queued,
+        and all once staging is full); how many were queued."""
+        queued = {(l, e) for l, e, _ in self.queue}
+        issued = 0
+        for e in experts.tolist():
+            key = (layer, e)
+            if key in self.staged or key in queued:
+                continue
+            if len(self.staged) + len(self.queue) >= self.capacity:
+                break
+            self.queue.append((layer, e, at))
+            queued.add(key)
+            issued += 1
+        return issued
+
+
+def _candidates(ranked, scores, resident: set):
+    """Prefetch's candidates from a recorded prediction: the distinct ids
+    best first that are not resident, each with its best row's score
+    (``NextLayerPrefetch._candidates``)."""
+    order = rank_order(ranked)
+    best = {}
+    for e, x in zip(ranked.ravel().tolist(), scores.ravel().tolist()):
+        best[e] = max(best.get(e, 0.0), x)
+    keep = np.array([e not in resident for e in order.tolist()], bool)
+    order = order[keep] if len(order) else order
+    return order, np.array([best[e] for e in order.tolist()], np.float64)
+
+
+def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, prefetch: int,
                  compute_s: float, sync_s: float, moe_layers: int, expert_bytes: float,
                  top_k: int, ssd_gbps: float, ssd_latency_s: float, skip: int = 0,
-                 miss_s: float = 0.0, hit_compute_s: float = 0.0) -> dict:
-    """Projected seconds per token and its parts, replaying each traced
-    layer at ``fraction`` of its experts; the traced layers stand for all
-    ``moe_layers`` (their mean per call). The first ``skip`` calls warm the
-    pool and are not counted (as decode's warm-up tokens are not).
-    ``hit_compute_s``: the compute of one resident expert, which hides as
-    much of its call's demand reads (``Paged``'s overlap; 0 for none)."""
-    per_call_read, per_call_stall, hits, lookups = [], [], 0, 0
+                 miss_s: float = 0.0, hit_compute_s: float = 0.0, precision: float = 0.0,
+                 width: int = 0) -> dict:
+    """Projected seconds per token and its parts: the trace's decode tokens
+    replayed layer after layer on one clock, each layer's pool at
+    ``fraction`` of its experts under ``policy``; the traced layers stand
+    for all ``moe_layers`` (their stall per call, scaled). The first
+    ``skip`` tokens warm the pools and are not counted (as decode's warm-up
+    tokens are not). ``hit_compute_s``: the compute of one resident
+    expert, which hides as much of its call's demand reads (``Paged``'s
+    overlap; 0 for none).
+
+    ``prefetch``: MoE layers ahead read (0: off, 1 or 2: prefetch_depth).
+    With it, each call, after its demand reads, queues reads ahead as the
+    live ``NextLayerPrefetch`` does, from the predictions the trace holds:
+    the next call's non-resident candidates held to the calibration's bar
+    (``precision``, the live ``PrefetchCalibration`` replayed; 0 reads every
+    one), at most the budget (the records the disk reads in a layer's
+    compute, as ``PrefetchBudget`` measures it), then with depth 2 the call
+    after next's with the room left. Reads ahead run while the layer
+    computes; a call takes what its layer's reads ahead read and waits for
+    those in flight. Staging holds 2 x ``width`` records."""
+    layers = sorted(calls)
+    tokens = min(len(calls[l]) for l in layers)
+    k = calls[layers[0]][0].ids.shape[-1]
+    scale = top_k / k  # the model's records per traced record
     layer_compute = compute_s / moe_layers
-    # The records the disk reads in one layer's compute: prefetch's budget.
-    budget = layer_compute * ssd_gbps * 1e9 // expert_bytes
-    for seq in calls.values():
+    span = layer_compute + sync_s  # a call's time beside its stall
+    record_s = scale * expert_bytes / ssd_gbps / 1e9
+    budget = int(layer_compute * ssd_gbps * 1e9 // expert_bytes / scale)
+    misses, resident = {}, {}
+    for layer in layers:
+        seq = calls[layer][:tokens]
         experts = 1 + max(int(c.experts.max()) for c in seq)
         slots = max(len(seq[0].experts), round(fraction * experts))
-        misses = replay_misses(seq, slots, make_policy(policy, experts))
-        scale = top_k / seq[0].ids.shape[-1]  # the model's k against the trace's
-        for call, missed in list(zip(seq, misses))[skip:]:
+        resident[layer] = []
+        misses[layer] = replay_misses(seq, slots, make_policy(policy, experts),
+                                      resident=resident[layer])
+    if prefetch and precision > 0 and any(
+            c.ranked is not None and c.scores is None for l in layers for c in calls[l]):
+        raise BenchError("this trace has predictions without scores, which the calibration "
+                         "bins: record it again (bench decode records one), or use "
+                         "--prefetch-precision 0")
+    calibration = (PrefetchCalibration(layers, precision) if precision > 0
+                   else ReadEveryPrediction())
+    order = [(t, l) for t in range(tokens) for l in layers]  # the calls, as they run
+    disk = Disk(record_s, ssd_latency_s, 2 * (width or 2 * k))
+    clock = 0.0
+    stalls, reads, hits, lookups, taken, read_ahead_at_skip = [], [], 0, 0, 0, 0
+    for i, (t, layer) in enumerate(order):
+        call, missed = calls[layer][t], misses[layer][t]
+        if t == skip and layer == layers[0]:
+            read_ahead_at_skip = disk.read_ahead
+        disk.advance(clock)
+        staged = disk.arrive(layer)
+        calibration.on_route(layer, call.ids, call.experts)
+        from_stage = [staged[e] for e in missed.tolist() if e in staged]
+        end = max([disk.demand(clock, (len(missed) - len(from_stage)) * scale)] + from_stage)
+        read = end - clock + len(missed) * scale * miss_s
+        # Paged overlaps only calls whose reads take OVERLAP_MIN_READ_S or more.
+        hidden = ((call.ids.size - len(missed)) * scale * hit_compute_s
+                  if read >= OVERLAP_MIN_READ_S else 0.0)
+        stall = max(0.0, read - hidden)
+        if t >= skip:
+            stalls.append(stall)
+            reads.append(read)
             hits += call.ids.size - len(missed)
             lookups += call.ids.size
-            m = len(missed) * scale
-            read = (m > 0) * ssd_latency_s + m * (expert_bytes / ssd_gbps / 1e9 + miss_s)
-            per_call_read.append(read)
-            # Paged overlaps only calls whose reads take OVERLAP_MIN_READ_S or more.
-            hidden = ((call.ids.size - len(missed)) * scale * hit_compute_s
-                      if read >= OVERLAP_MIN_READ_S else 0.0)
-            if prefetch and call.predicted is not None:
-                caught = len(set(missed.tolist()) & set(call.predicted.tolist())) * scale
-                staged = len(call.predicted) * scale * (len(missed) / max(1, len(call.experts)))
-                if staged > budget:
-                    # Prefetch reads no more than its budget (PrefetchBudget);
-                    # what it reads catches misses in proportion.
-                    caught *= budget / staged
-                    staged = budget
-                t_pf = (staged > 0) * ssd_latency_s + staged * expert_bytes / ssd_gbps / 1e9
-                rest = m - caught
-                t_demand = (rest > 0) * ssd_latency_s + rest * expert_bytes / ssd_gbps / 1e9 \
-                    + m * miss_s
-                per_call_stall.append(max(0.0, t_pf - layer_compute)
-                                      + max(0.0, t_demand - hidden))
-            else:
-                per_call_stall.append(max(0.0, read - hidden))
-    reads = float(np.mean(per_call_stall)) * moe_layers
-    seconds = compute_s + moe_layers * sync_s + reads
-    return dict(seconds=seconds, tps=1 / seconds, stall_s=reads, hit_rate=hits / lookups,
-                read_s=float(np.mean(per_call_read)) * moe_layers)
+            taken += len(from_stage)
+        clock += stall
+        if prefetch:
+            _issue(disk, calibration, calls, resident, order[i + 1:i + 1 + prefetch], budget,
+                   clock)
+        clock += span
+    per_call = moe_layers / len(layers)  # the traced layers stand for all
+    counted = max(1, tokens - skip)
+    stall_s = float(np.sum(stalls)) * per_call / counted
+    seconds = compute_s + moe_layers * sync_s + stall_s
+    ahead = disk.read_ahead - read_ahead_at_skip
+    return dict(seconds=seconds, tps=1 / seconds, stall_s=stall_s, hit_rate=hits / lookups,
+                read_s=float(np.sum(reads)) * per_call / counted,
+                read_ahead=ahead, wasted=(ahead - taken) / ahead if ahead else None,
+                read_ahead_per_token=ahead * scale * per_call / counted)
+
+
+def _issue(disk: Disk, calibration, calls, resident, ahead, budget: int, now: float) -> None:
+    """A call's reads ahead: the next call's predictions within the budget,
+    then (depth 2) the one after's with the room left, as
+    ``NextLayerPrefetch.issue``."""
+    room = budget
+    for distance, (t, layer) in enumerate(ahead, 1):
+        call = calls[layer][t]
+        ranked, scores = ((call.ranked, call.scores) if distance == 1
+                          else (call.ranked2, call.scores2))
+        if ranked is None or room <= 0:
+            return
+        if scores is None:
+            scores = np.ones(ranked.shape)
+        order, order_scores = _candidates(ranked, scores, resident[layer][t])
+        rows = len(call.ids)
+        if distance == 1:
+            order = calibration.select(layer, order, order_scores, rows)[:budget]
+        else:
+            order = calibration.bar(layer, order, order_scores, rows)[:room]
+        room -= disk.stage(layer, order, now)
 
 
 def add_arguments(p) -> None:
@@ -188,6 +328,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefetch-precision", type=float, default=None,
                    help="validate: the decode and overhead cases' prefetch_precision (default: "
                         "load()'s)")
+    p.add_argument("--prefetch-depth", default=None,
+                   help="validate: the decode cases' prefetch_depth, comma-separated to compare "
+                        "(e.g. 1,2; default: load()'s)")
     p.add_argument("--read-mbps", type=float, default=None,
                    help="validate with reads throttled (cgroup blkio), as bench decode")
     p.add_argument("--pace-mbps", type=float, default=None,
@@ -227,7 +370,7 @@ def validate(args) -> dict:
         mlx_model=args.mlx_model, pools=args.pools, temp=args.temp,
         max_tokens=args.max_tokens, prefetch=args.prefetch,
         prefetch_precision=None if args.prefetch_precision is None else str(
-            args.prefetch_precision),
+            args.prefetch_precision), prefetch_depth=args.prefetch_depth,
         direct_io="on" if args.read_mbps or args.pace_mbps else "auto",
         policies=args.policies, read_mbps=args.read_mbps, pace_mbps=args.pace_mbps,
         repeats=args.repeats, out=args.out / "decode")
@@ -276,10 +419,12 @@ def validate(args) -> dict:
         here = synced if path == SYNCED else in_graph
         overlap = path == SYNCED and load.get("overlap", True)
         p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
-                         load.get("prefetch", "off") != "off", 1 / resident_tps, here.sync_s,
+                         _depth(load), 1 / resident_tps, here.sync_s,
                          len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
                          here.ssd_latency_s, skip=WARMUP_TOKENS, miss_s=here.miss_s,
-                         hit_compute_s=hit_compute if overlap else 0.0)
+                         hit_compute_s=hit_compute if overlap else 0.0,
+                         precision=load.get("prefetch_precision", DEFAULT_PREFETCH_PRECISION),
+                         width=load.get("prefetch_width") or 0)
         # Judged as ratios to mlx-lm resident, paired round by round: the
         # machine's speed drifts between rounds by more than the error allowed.
         measured_ratio = paired_ratio(row["runs_tps"], resident["runs_tps"])
@@ -305,6 +450,14 @@ def validate(args) -> dict:
             ("projected_ratio", "projected x resident", ".3f"), ("error", "error", "+.0%"),
             ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%")]
     return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
+
+
+def _depth(load: dict) -> int:
+    """MoE layers ahead a case read (0: prefetch off). ``auto`` is replayed
+    as on: its trial is not modelled."""
+    if load.get("prefetch", "off") == "off":
+        return 0
+    return load.get("prefetch_depth") or DEFAULT_PREFETCH_DEPTH
 
 
 def _call_cost(case: dict, resident: dict, layers: int) -> float:
@@ -350,6 +503,8 @@ def project(args) -> dict:
         raise BenchError(f"no routing trace at {trace}: bench cache --model STREAM records one "
                          "(routing-trace-w*.jsonl in its --out)")
     calls = decode_records(trace)
+    policies = args.policies.split(",")
+    settings = _project_prefetch(args, calls)
     rows = []
     for key, prof in PROFILES.items():
         for shape in SHAPES.values():
@@ -371,25 +526,49 @@ def project(args) -> dict:
             # Every call syncs on a GPU; its resident experts compute while
             # its misses are read (Paged's overlap).
             hit_compute = shape.expert_bytes() / (prof.weight_gbps * 1e9)
-            for policy in args.policies.split(","):
+            for policy, (prefetch, depth) in itertools.product(policies, settings):
+                case = dict(row, policy=policy, prefetch=prefetch)
                 if fraction >= 1:  # every expert resident: mlx-lm's own decode
-                    rows.append(dict(row, policy=policy, pool=1.0, hit_rate=1.0,
-                                     projected_tps=1 / compute, read_share=0.0))
+                    if prefetch == "off":
+                        rows.append(dict(case, pool=1.0, hit_rate=1.0,
+                                         projected_tps=1 / compute, read_share=0.0))
                     continue
-                p = project_case(calls, fraction, policy, False, compute, prof.sync_s,
+                p = project_case(calls, fraction, policy, depth, compute, prof.sync_s,
                                  shape.moe_layers, shape.expert_bytes(), shape.top_k,
                                  prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_TOKENS,
-                                 miss_s=prof.miss_s, hit_compute_s=hit_compute)
-                rows.append(dict(row, policy=policy, pool=fraction, hit_rate=p["hit_rate"],
-                                 projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"]))
+                                 miss_s=prof.miss_s, hit_compute_s=hit_compute,
+                                 precision=DEFAULT_PREFETCH_PRECISION)
+                rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
+                                 projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
+                                 read_ahead=p["read_ahead_per_token"]))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
                   shapes={k: asdict(v) for k, v in SHAPES.items()}, trace=str(trace))
     cols = [("machine", "machine", "s"), ("model", "model", "s"), ("policy", "policy", "s"),
             ("spine_gb", "spine GB", ".1f"), ("experts_gb", "experts GB", ".0f"),
             ("pool", "pool", ".0%"), ("hit_rate", "hit", ".0%"),
-            ("projected_tps", "projected tok/s", ".3g"), ("read_share", "reads", ".0%")]
+            ("prefetch", "prefetch", "s"), ("projected_tps", "projected tok/s", ".3g"),
+            ("read_share", "reads", ".0%"), ("read_ahead", "read ahead / token", ".1f")]
     title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
+
+
+def _project_prefetch(args, calls) -> list:
+    """(prefetch, depth) of each projected setting; prefetch needs the
+    predictions of a decode trace."""
+    settings = []
+    for prefetch in args.prefetch.split(","):
+        if prefetch == "off":
+            settings.append(("off", 0))
+        elif prefetch == "next-layer":
+            depth = int(args.prefetch_depth or DEFAULT_PREFETCH_DEPTH)
+            settings.append((f"next-layer, depth {depth}", depth))
+        else:
+            raise BenchError(f"--prefetch {prefetch!r}: project takes off or next-layer")
+    predicted = any(c.ranked is not None for seq in calls.values() for c in seq)
+    if any(depth for _, depth in settings) and not predicted:
+        raise BenchError("this trace holds no predictions to read ahead: project prefetch "
+                         "from the decode trace bench decode records (decode-trace.jsonl)")
+    return settings
 
 
 def _plot_validate(rows, path, title):
