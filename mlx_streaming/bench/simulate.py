@@ -434,6 +434,8 @@ def validate(args) -> dict:
                          projected_tps=p["tps"], measured_ratio=measured_ratio,
                          projected_ratio=projected_ratio, projected_hit=p["hit_rate"],
                          measured_hit=row.get("hit_rate"),
+                         measured_wasted=row.get("prefetch_wasted_share"),
+                         projected_wasted=p["wasted"],
                          error=projected_ratio / measured_ratio - 1 if measured_ratio else None))
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if not errors:
@@ -448,7 +450,9 @@ def validate(args) -> dict:
             ("projected_tps", "projected", ".3g"),
             ("measured_ratio", "measured x resident (paired)", ".3f"),
             ("projected_ratio", "projected x resident", ".3f"), ("error", "error", "+.0%"),
-            ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%")]
+            ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%"),
+            ("measured_wasted", "read ahead wasted", ".0%"),
+            ("projected_wasted", "proj. wasted", ".0%")]
     return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
 
 
