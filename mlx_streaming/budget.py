@@ -219,11 +219,15 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     ``base_bytes`` is the always-resident spine. The budget is ``cache_gb``,
     or what the OS says is available less ``reserve_gb``; with an explicit
     ``slots_per_layer`` the pools are that size and the spine gets what is
-    available besides.
+    available besides. With prefetch on, its staging area comes out of the
+    budget (with an explicit ``slots_per_layer``, it is added to what the
+    pools need), unless every expert is resident and no trace is asked
+    for (a trace keeps the pools paged).
 
     Raises:
         BudgetError: the budget holds less than the resident spine, one
-            token's experts and the ring (the message names the minimum),
+            token's experts, the ring and the staging area (the message
+            names the minimum),
             or an explicit size needs more memory than is available (it
             names the most that fits): refused here rather than killed by
             the OS later.
@@ -246,8 +250,11 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     # Prefetch stages its reads outside the pools, when there are pools to
     # miss in (a trace keeps every pool paged).
     everything = max_slots(manifest)
-    staging_of = lambda slots: (  # noqa: E731
-        staging_bytes(manifest, cfg) if slots < everything or cfg.trace is not None else 0)
+
+    def staging_of(slots: int) -> int:
+        return (staging_bytes(manifest, cfg)
+                if slots < everything or cfg.trace is not None else 0)
+
     least = least_spine + need * per_slot + staging_of(need)
 
     if cfg.slots_per_layer is not None:
@@ -265,7 +272,8 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
             # The advice keeps the spine resident when it can be: streaming
             # it costs more reads than the slots it would make room for save.
             whole = base_bytes + sum(d.nbytes for d in dense)
-            spine = whole if whole + need * per_slot <= avail - headroom else least_spine
+            spine = (whole if whole + need * per_slot + staging_of(need) <= avail - headroom
+                     else least_spine)
             most = min(int((avail - headroom - spine - staging_of(need)) // per_slot),
                        everything)
             if most >= need:

@@ -420,16 +420,23 @@ def test_simulator_hides_demand_reads_behind_the_resident_experts_compute():
 
 def _cycling_calls(layers=(0,), tokens=20, ranked=None, ranked2=None, scores=1.0):
     """Calls that miss both their experts in a pool of two (six experts in
-    turn), with the predictions ``ranked(i)`` / ``ranked2(i)`` of call i."""
+    turn), with the predictions ``ranked(i)`` / ``ranked2(i)`` of call i,
+    scored ``scores`` (a number, a list by rank, or a function of the
+    prediction)."""
     from mlx_streaming.bench.cache import Call
+
+    def scored(r):
+        if r is None:
+            return None
+        x = scores(r[0].tolist()) if callable(scores) else scores
+        return np.broadcast_to(np.asarray(x, np.float64), r.shape)
 
     def call(i):
         ids = np.array([[2 * i % 6, 2 * i % 6 + 1]])
         r = None if ranked is None else np.array([ranked(i)])
         r2 = None if ranked2 is None else np.array([ranked2(i)])
         return Call(np.unique(ids), ids, None, None if r is None else np.unique(r),
-                    r, None if r is None else np.full(r.shape, scores),
-                    r2, None if r2 is None else np.full(r2.shape, scores))
+                    r, scored(r), r2, scored(r2))
 
     return {layer: [call(i) for i in range(tokens)] for layer in layers}
 
@@ -478,15 +485,50 @@ def test_simulator_reads_two_layers_ahead_with_the_room_left():
 def test_simulator_replays_prefetchs_calibration():
     from mlx_streaming.bench.simulate import project_case
 
-    # Predictions that are never used: read every one (precision 0), they
-    # are all wasted; held to a precision of 0.5, after the first counts
-    # nothing is read ahead.
-    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7], scores=3.0)
+    # Each call's prediction names its two experts at a score of 8 and two
+    # never routed at 1.5. Read every prediction (precision 0), half the
+    # reads are wasted; held to 0.6, once counted the bar keeps the 8s only
+    # (a calibration that never counts would read nothing, and stall as
+    # much as prefetch off). A layer's compute reads 4 records, the right
+    # ones first: no stall either way.
+    def ranked(i):
+        return [2 * i % 6, 2 * i % 6 + 1, 6, 7]
+
+    calls = _cycling_calls(layers=(0, 1), ranked=ranked, scores=[8.0, 8.0, 1.5, 1.5])
     common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
                   width=4, prefetch=1)
     every = project_case(**common, precision=0.0)
-    assert every["read_ahead"] > 0 and every["wasted"] == 1.0
-    held = project_case(**common, precision=0.5)
-    assert held["read_ahead"] == 0 and held["wasted"] is None
-    off = project_case(**dict(common, prefetch=0))
-    assert held["stall_s"] == pytest.approx(off["stall_s"])
+    assert every["wasted"] == pytest.approx(0.5) and every["stall_s"] == 0
+    held = project_case(**common, precision=0.6)
+    assert held["wasted"] == 0 and held["stall_s"] == 0
+    assert project_case(**dict(common, prefetch=0))["stall_s"] == pytest.approx(4e-3)
+
+
+def test_simulator_holds_reads_two_layers_ahead_to_the_bar():
+    from mlx_streaming.bench.simulate import project_case
+
+    # The next layer's prediction names one of the call's experts (score 8,
+    # which the calibration learns is used); the prediction two layers
+    # early names the other (8) and one never routed (1.5, below the bar).
+    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [2 * i % 6],
+                           ranked2=lambda i: [2 * i % 6 + 1, 6],
+                           scores=lambda r: [8.0, 1.5][:len(r)])
+    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
+                  width=4, prefetch=2)
+    held = project_case(**common, precision=0.6)
+    assert held["stall_s"] == 0 and held["wasted"] == 0
+    every = project_case(**common, precision=0.0)
+    assert every["stall_s"] == 0 and every["wasted"] == pytest.approx(1 / 3)
+
+
+def test_simulator_scales_the_traced_records_to_the_models_top_k():
+    from mlx_streaming.bench.simulate import project_case
+
+    # A model routing twice the trace's experts reads twice the records per
+    # miss, and its budget counts model records.
+    calls = _cycling_calls()
+    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.004, moe_layers=1,
+                  prefetch=0)
+    base = project_case(**common)
+    assert base["stall_s"] == pytest.approx(2e-3)
+    assert project_case(**dict(common, top_k=4))["stall_s"] == pytest.approx(4e-3)

@@ -42,7 +42,7 @@ COLUMNS = [
     ("prefetch_wasted_share", "pf wasted", ".0%"),
     ("vs_belady", "x MIN", ".2f"), ("peak_gb", "peak RSS GB", ".2f"),
     ("mlx_peak_gb", "MLX peak GB", ".3f"), ("cgroup_peak_gb", "cgroup peak GB", ".3f"),
-    ("spine_pool_gb", "spine+pool GB", ".3f"),
+    ("spine_pool_gb", "planned GB", ".3f"),  # spine, pools and staging
 ]
 
 

@@ -42,7 +42,7 @@ Two modes:
 
 import argparse
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List
@@ -134,28 +134,30 @@ class Disk:
     """The reader's disk as the native reader drives it: demand reads run
     before every read ahead not yet started; reads ahead run one at a time
     in the order queued; a read ahead not started when its layer's call
-    arrives is cancelled (``Staging``). Times are seconds on one clock."""
+    arrives is cancelled (``Staging``). Times are seconds on one clock;
+    counts are traced records."""
 
-    def __init__(self, record_s: float, latency_s: float, capacity: int):
-        self.record_s = record_s  # one (traced) record's transfer
-        self.latency_s = latency_s  # added once per batch of demand reads, per read ahead
+    def __init__(self, record_s: float, ahead_s: float, latency_s: float, capacity: int):
+        self.record_s = record_s  # one traced record within a batch of demand reads
+        self.ahead_s = ahead_s  # one traced record read ahead, latency included
+        self.latency_s = latency_s  # once per batch of demand reads
         self.capacity = capacity  # staging's records (queued or read, not yet taken)
         self.free_at = 0.0  # when the read in flight ends
-        self.queue = deque()  # reads ahead not started: (layer, expert, issued at)
+        self.queue = deque()  # reads ahead not started: (layer, expert, issued at, token)
         self.staged = {}  # (layer, expert) -> when its read ahead ends
-        self.read_ahead = 0  # reads ahead started (their bytes were read)
+        self.started = Counter()  # reads ahead started (bytes read), by the token they serve
 
     def advance(self, until: float) -> None:
         """Start the queued reads ahead whose turn comes before ``until``."""
         while self.queue:
-            layer, expert, issued = self.queue[0]
+            layer, expert, issued, token = self.queue[0]
             start = max(self.free_at, issued)
             if start >= until:
                 return
             self.queue.popleft()
-            self.free_at = start + self.latency_s + self.record_s
+            self.free_at = start + self.ahead_s
             self.staged[layer, expert] = self.free_at
-            self.read_ahead += 1
+            self.started[token] += 1
 
     def arrive(self, layer: int) -> dict:
         """``layer``'s call: its reads ahead not started are cancelled; those
@@ -166,7 +168,7 @@ class Disk:
             del self.staged[layer, e]
         return mine
 
-    def demand(self, at: float, records: float) -> float:
+    def demand(self, at: float, records: int) -> float:
         """When ``records`` demand reads issued at ``at`` end (after the read
         in flight)."""
         if records <= 0:
@@ -174,10 +176,11 @@ class Disk:
         self.free_at = max(at, self.free_at) + self.latency_s + records * self.record_s
         return self.free_at
 
-    def stage(self, layer: int, experts, at: float) -> int:
-        """Queue reads ahead of ``experts`` (skipping those staged or queued,
-        and all once staging is full); how many were queued."""
-        queued = {(l, e) for l, e, _ in self.queue}
+    def stage(self, layer: int, experts, at: float, token: int) -> int:
+        """Queue reads ahead of ``experts`` for ``layer``'s call of ``token``
+        (skipping those staged or queued, and all once staging is full); how
+        many were queued."""
+        queued = {(l, e) for l, e, _, _ in self.queue}
         issued = 0
         for e in experts.tolist():
             key = (layer, e)
@@ -185,7 +188,7 @@ class Disk:
                 continue
             if len(self.staged) + len(self.queue) >= self.capacity:
                 break
-            self.queue.append((layer, e, at))
+            self.queue.append((layer, e, at, token))
             queued.add(key)
             issued += 1
         return issued
@@ -194,7 +197,7 @@ class Disk:
 def _candidates(ranked, scores, resident: set):
     """Prefetch's candidates from a recorded prediction: the distinct ids
     best first that are not resident, each with its best row's score
-    (``NextLayerPrefetch._candidates``)."""
+    (what ``NextLayerPrefetch._candidates`` computes from the probabilities)."""
     order = rank_order(ranked)
     best = {}
     for e, x in zip(ranked.ravel().tolist(), scores.ravel().tolist()):
@@ -212,11 +215,12 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     """Projected seconds per token and its parts: the trace's decode tokens
     replayed layer after layer on one clock, each layer's pool at
     ``fraction`` of its experts under ``policy``; the traced layers stand
-    for all ``moe_layers`` (their stall per call, scaled). The first
-    ``skip`` tokens warm the pools and are not counted (as decode's warm-up
-    tokens are not). ``hit_compute_s``: the compute of one resident
-    expert, which hides as much of its call's demand reads (``Paged``'s
-    overlap; 0 for none).
+    for all ``moe_layers`` (their stall per call, scaled), and each traced
+    record for ``top_k`` / the trace's k of the model's. The first ``skip``
+    tokens warm the pools and are not counted (as decode's warm-up tokens
+    are not). ``hit_compute_s``: the compute of one resident expert, which
+    hides as much of its call's demand reads (``Paged``'s overlap; 0 for
+    none).
 
     ``prefetch``: MoE layers ahead read (0: off, 1 or 2: prefetch_depth).
     With it, each call, after its demand reads, queues reads ahead as the
@@ -224,10 +228,11 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     the next call's non-resident candidates held to the calibration's bar
     (``precision``, the live ``PrefetchCalibration`` replayed; 0 reads every
     one), at most the budget (the records the disk reads in a layer's
-    compute, as ``PrefetchBudget`` measures it), then with depth 2 the call
-    after next's with the room left. Reads ahead run while the layer
-    computes; a call takes what its layer's reads ahead read and waits for
-    those in flight. Staging holds 2 x ``width`` records."""
+    compute, latency included, as ``PrefetchBudget`` measures it), then
+    with depth 2 the call after next's with the room left. Reads ahead run
+    while the layer computes; a call takes what its layer's reads ahead
+    read and waits for those in flight. Staging holds 2 x ``width``
+    records."""
     layers = sorted(calls)
     tokens = min(len(calls[l]) for l in layers)
     k = calls[layers[0]][0].ids.shape[-1]
@@ -235,15 +240,10 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     layer_compute = compute_s / moe_layers
     span = layer_compute + sync_s  # a call's time beside its stall
     record_s = scale * expert_bytes / ssd_gbps / 1e9
-    budget = int(layer_compute * ssd_gbps * 1e9 // expert_bytes / scale)
-    misses, resident = {}, {}
-    for layer in layers:
-        seq = calls[layer][:tokens]
-        experts = 1 + max(int(c.experts.max()) for c in seq)
-        slots = max(len(seq[0].experts), round(fraction * experts))
-        resident[layer] = []
-        misses[layer] = replay_misses(seq, slots, make_policy(policy, experts),
-                                      resident=resident[layer])
+    # A read ahead is a read of its own: its latency each time.
+    ahead_s = scale * ssd_latency_s + record_s
+    budget = int(layer_compute // ahead_s)
+    misses, resident = _replay_pools(calls, layers, tokens, fraction, policy)
     if prefetch and precision > 0 and any(
             c.ranked is not None and c.scores is None for l in layers for c in calls[l]):
         raise BenchError("this trace has predictions without scores, which the calibration "
@@ -252,43 +252,59 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     calibration = (PrefetchCalibration(layers, precision) if precision > 0
                    else ReadEveryPrediction())
     order = [(t, l) for t in range(tokens) for l in layers]  # the calls, as they run
-    disk = Disk(record_s, ssd_latency_s, 2 * (width or 2 * k))
-    clock = 0.0
-    stalls, reads, hits, lookups, taken, read_ahead_at_skip = [], [], 0, 0, 0, 0
+    disk = Disk(record_s, ahead_s, ssd_latency_s, 2 * (width or 2 * k))
+    clock, stall_sum, read_sum, hits, lookups, taken = 0.0, 0.0, 0.0, 0, 0, 0
     for i, (t, layer) in enumerate(order):
-        call, missed = calls[layer][t], misses[layer][t]
-        if t == skip and layer == layers[0]:
-            read_ahead_at_skip = disk.read_ahead
-        disk.advance(clock)
-        staged = disk.arrive(layer)
+        call = calls[layer][t]
         calibration.on_route(layer, call.ids, call.experts)
-        from_stage = [staged[e] for e in missed.tolist() if e in staged]
-        end = max([disk.demand(clock, (len(missed) - len(from_stage)) * scale)] + from_stage)
-        read = end - clock + len(missed) * scale * miss_s
-        # Paged overlaps only calls whose reads take OVERLAP_MIN_READ_S or more.
-        hidden = ((call.ids.size - len(missed)) * scale * hit_compute_s
-                  if read >= OVERLAP_MIN_READ_S else 0.0)
-        stall = max(0.0, read - hidden)
+        stall, read, from_stage = _call(disk, clock, layer, call, misses[layer][t], scale,
+                                        miss_s, hit_compute_s)
         if t >= skip:
-            stalls.append(stall)
-            reads.append(read)
-            hits += call.ids.size - len(missed)
+            stall_sum, read_sum, taken = stall_sum + stall, read_sum + read, taken + from_stage
+            hits += call.ids.size - len(misses[layer][t])
             lookups += call.ids.size
-            taken += len(from_stage)
         clock += stall
         if prefetch:
             _issue(disk, calibration, calls, resident, order[i + 1:i + 1 + prefetch], budget,
                    clock)
         clock += span
-    per_call = moe_layers / len(layers)  # the traced layers stand for all
-    counted = max(1, tokens - skip)
-    stall_s = float(np.sum(stalls)) * per_call / counted
+    per_token = moe_layers / len(layers) / max(1, tokens - skip)  # traced calls -> a token's
+    stall_s = stall_sum * per_token
     seconds = compute_s + moe_layers * sync_s + stall_s
-    ahead = disk.read_ahead - read_ahead_at_skip
+    ahead = sum(n for t, n in disk.started.items() if t >= skip)
     return dict(seconds=seconds, tps=1 / seconds, stall_s=stall_s, hit_rate=hits / lookups,
-                read_s=float(np.sum(reads)) * per_call / counted,
-                read_ahead=ahead, wasted=(ahead - taken) / ahead if ahead else None,
-                read_ahead_per_token=ahead * scale * per_call / counted)
+                read_s=read_sum * per_token, read_ahead=ahead,
+                wasted=(ahead - taken) / ahead if ahead else None,
+                read_ahead_per_token=ahead * scale * per_token)
+
+
+def _replay_pools(calls, layers, tokens: int, fraction: float, policy: str):
+    """Each layer's misses per call, and its resident experts before each."""
+    misses, resident = {}, {}
+    for layer in layers:
+        seq = calls[layer][:tokens]
+        experts = 1 + max(int(c.experts.max()) for c in seq)
+        slots = max(len(seq[0].experts), round(fraction * experts))
+        resident[layer] = []
+        misses[layer] = replay_misses(seq, slots, make_policy(policy, experts),
+                                      resident=resident[layer])
+    return misses, resident
+
+
+def _call(disk: Disk, clock: float, layer: int, call: Call, missed, scale: float,
+          miss_s: float, hit_compute_s: float):
+    """One call at ``clock``: (its stall, its reads' wait, misses taken from
+    reads ahead). It takes its layer's reads ahead, reads the rest of its
+    misses on demand; its resident experts' compute hides part of the wait."""
+    disk.advance(clock)
+    staged = disk.arrive(layer)
+    from_stage = [staged[e] for e in missed.tolist() if e in staged]
+    end = max([disk.demand(clock, len(missed) - len(from_stage))] + from_stage)
+    read = end - clock + len(missed) * scale * miss_s
+    # Paged overlaps only calls whose reads take OVERLAP_MIN_READ_S or more.
+    hidden = ((call.ids.size - len(missed)) * scale * hit_compute_s
+              if read >= OVERLAP_MIN_READ_S else 0.0)
+    return max(0.0, read - hidden), read, len(from_stage)
 
 
 def _issue(disk: Disk, calibration, calls, resident, ahead, budget: int, now: float) -> None:
@@ -310,7 +326,7 @@ def _issue(disk: Disk, calibration, calls, resident, ahead, budget: int, now: fl
             order = calibration.select(layer, order, order_scores, rows)[:budget]
         else:
             order = calibration.bar(layer, order, order_scores, rows)[:room]
-        room -= disk.stage(layer, order, now)
+        room -= disk.stage(layer, order, now, t)
 
 
 def add_arguments(p) -> None:
@@ -326,11 +342,11 @@ def add_arguments(p) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICY)
     p.add_argument("--prefetch", default="off", help="off, next-layer, or both comma-separated")
     p.add_argument("--prefetch-precision", type=float, default=None,
-                   help="validate: the decode and overhead cases' prefetch_precision (default: "
-                        "load()'s)")
+                   help="prefetch_precision of the decode and overhead cases (validate) or "
+                        "of the projection (default: load()'s)")
     p.add_argument("--prefetch-depth", default=None,
-                   help="validate: the decode cases' prefetch_depth, comma-separated to compare "
-                        "(e.g. 1,2; default: load()'s)")
+                   help="prefetch_depth, comma-separated to compare (e.g. 1,2; default: "
+                        "load()'s)")
     p.add_argument("--read-mbps", type=float, default=None,
                    help="validate with reads throttled (cgroup blkio), as bench decode")
     p.add_argument("--pace-mbps", type=float, default=None,
@@ -530,7 +546,7 @@ def project(args) -> dict:
             # Every call syncs on a GPU; its resident experts compute while
             # its misses are read (Paged's overlap).
             hit_compute = shape.expert_bytes() / (prof.weight_gbps * 1e9)
-            for policy, (prefetch, depth) in itertools.product(policies, settings):
+            for policy, (prefetch, depth, precision) in itertools.product(policies, settings):
                 case = dict(row, policy=policy, prefetch=prefetch)
                 if fraction >= 1:  # every expert resident: mlx-lm's own decode
                     if prefetch == "off":
@@ -541,7 +557,7 @@ def project(args) -> dict:
                                  shape.moe_layers, shape.expert_bytes(), shape.top_k,
                                  prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_TOKENS,
                                  miss_s=prof.miss_s, hit_compute_s=hit_compute,
-                                 precision=DEFAULT_PREFETCH_PRECISION)
+                                 precision=precision)
                 rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
                                  read_ahead=p["read_ahead_per_token"]))
@@ -557,19 +573,28 @@ def project(args) -> dict:
 
 
 def _project_prefetch(args, calls) -> list:
-    """(prefetch, depth) of each projected setting; prefetch needs the
-    predictions of a decode trace."""
+    """(label, depth, precision) of each projected setting, checked as
+    bench decode checks them; prefetch needs the predictions of a decode
+    trace."""
+    from .decode import _config_values
+
+    depths = _config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
+    precision = args.prefetch_precision
+    if precision is None:
+        precision = DEFAULT_PREFETCH_PRECISION
     settings = []
     for prefetch in args.prefetch.split(","):
         if prefetch == "off":
-            settings.append(("off", 0))
+            settings.append(("off", 0, 0.0))
         elif prefetch == "next-layer":
-            depth = int(args.prefetch_depth or DEFAULT_PREFETCH_DEPTH)
-            settings.append((f"next-layer, depth {depth}", depth))
+            for depth in depths:
+                depth = depth or DEFAULT_PREFETCH_DEPTH
+                settings.append((f"next-layer, depth {depth}", depth, precision))
         else:
-            raise BenchError(f"--prefetch {prefetch!r}: project takes off or next-layer")
+            raise BenchError(f"--prefetch {prefetch!r}: project takes off, next-layer or both "
+                             "comma-separated")
     predicted = any(c.ranked is not None for seq in calls.values() for c in seq)
-    if any(depth for _, depth in settings) and not predicted:
+    if any(depth for _, depth, _ in settings) and not predicted:
         raise BenchError("this trace holds no predictions to read ahead: project prefetch "
                          "from the decode trace bench decode records (decode-trace.jsonl)")
     return settings

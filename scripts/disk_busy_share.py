@@ -1,0 +1,67 @@
+"""How a slow disk's reads spread over decode: the share of the time with a
+read in flight, and the rate while one is, against the rate over the run.
+
+On a disk that serves reads one after another at its rate (a real SSD, or
+``read_pace_mbps``) the two rates agree. A cgroup blkio throttle banks its
+idle time instead: reads run at the device's speed on credit earned while
+the model computed, and only the rate over the whole run is held to the
+limit. That credit is the idle disk time prefetch exists to use, so
+through a throttle prefetch off already overlaps its reads with compute.
+
+    python scripts/disk_busy_share.py --model TW12/stream --pace-mbps 550
+    python scripts/disk_busy_share.py --model TW12/stream --read-mbps 400   # root, cgroup v1
+
+Prefetch off, direct I/O, a 25% pool by default.
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+import mlx_streaming
+from mlx_streaming.bench.common import ReadLimit
+
+WARMUP = 8  # tokens that fill the pools, not counted
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="stream directory")
+    rate = p.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--pace-mbps", type=float, help="the reader emulates a disk of this rate")
+    rate.add_argument("--read-mbps", type=float, help="a cgroup v1 blkio throttle of this rate")
+    p.add_argument("--slots-per-layer", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--temp", type=float, default=0.8)
+    args = p.parse_args()
+
+    limit = None
+    if args.read_mbps:
+        limit = ReadLimit(args.read_mbps, Path(args.model))
+        limit.enter()
+    model, tokenizer = mlx_streaming.load(args.model, slots_per_layer=args.slots_per_layer,
+                                          direct_io=True, read_pace_mbps=args.pace_mbps)
+    meter = model.streaming.reader.busy
+    mx.random.seed(0)
+    start = None
+    for n, _ in enumerate(stream_generate(model, tokenizer, "def fibonacci(n):\n    ",
+                                          max_tokens=WARMUP + args.tokens,
+                                          sampler=make_sampler(temp=args.temp)), 1):
+        if n == WARMUP:
+            start = time.perf_counter(), meter()
+    elapsed = time.perf_counter() - start[0]
+    read, busy = (now - then for now, then in zip(meter(), start[1]))
+    model.streaming.close()
+    if limit is not None:
+        limit.close()
+    print(f"{n - WARMUP} tokens in {elapsed:.2f} s: a read in flight {busy:.2f} s "
+          f"({busy / elapsed:.0%}); {read / 1e9:.3f} GB read, {read / busy / 1e9:.3f} GB/s "
+          f"while reading, {read / elapsed / 1e9:.3f} GB/s over the run")
+
+
+if __name__ == "__main__":
+    main()
