@@ -232,8 +232,8 @@ class TraceWriter(Observer):
             if predicted is not None:
                 record[key] = predicted.reshape(-1, predicted.shape[-1]).tolist()
             if scores is not None:
-                record[key + "_scores"] = [[round(x, 4) for x in row]
-                                           for row in scores.reshape(len(record[key]), -1).tolist()]
+                rows = scores.reshape(len(record[key]), -1).tolist()
+                record[key + "_scores"] = [[round(x, 4) for x in row] for row in rows]
         if probs is not None:
             record["probs"] = [[round(p, 5) for p in row] for row in probs.tolist()]
         self._file.write(json.dumps(record) + "\n")

@@ -505,7 +505,8 @@ def test_prefetchs_staging_area_is_in_the_memory_plan(qwen):
     assert plan(cache_gb=1e3, prefetch="next-layer").staging == 0
     # An explicit pool is as asked; the staging is added to what it needs.
     asked = plan(slots_per_layer=4, prefetch="next-layer")
-    assert asked.staging == on.staging and asked.total == plan(slots_per_layer=4).total + on.staging
+    assert asked.staging == on.staging
+    assert asked.total == plan(slots_per_layer=4).total + on.staging
 
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="next-layer")
     runtime = model.streaming
