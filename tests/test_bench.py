@@ -337,13 +337,56 @@ def test_decode_takes_one_way_to_slow_the_disk(tmp_path, capsys):
     assert "give one" in capsys.readouterr().err
 
 
-def test_simulate_projects_prefetch_only_from_a_trace_with_predictions(tmp_path, capsys):
-    trace = tmp_path / "routing.jsonl"
-    trace.write_text("".join(json.dumps({"layer": l, "ids": [[t % 8, (t + 3) % 8]]}) + "\n"
-                             for t in range(40) for l in (0, 1)))
-    assert bench_main(["simulate", "--project", "--trace", str(trace), "--prefetch",
-                       "next-layer", "--out", str(tmp_path / "p")]) == 1
-    assert "holds no predictions" in capsys.readouterr().err
+def _trace(path, tokens=40, predicted=False, predicted2=False, probs=False):
+    """A routing trace of two MoE layers of 8 experts, top-2, that routes to
+    the first 6 only."""
+    lines = []
+    for t in range(tokens):
+        for layer in (0, 1):
+            r = {"layer": layer, "ids": [[t % 6, (t + 3) % 6]]}
+            if predicted:
+                r.update(predicted=[[t % 6, 7]], predicted_scores=[[4.0, 1.0]])
+            if predicted2:
+                r.update(predicted2=[[(t + 3) % 6]], predicted2_scores=[[4.0]])
+            if probs:
+                r["probs"] = [[1 / 8] * 8]
+            lines.append(json.dumps(r) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.mark.parametrize("trace, flags, says", [
+    (dict(), ["--prefetch", "next-layer"], "holds no predictions"),
+    (dict(predicted=True), ["--prefetch", "next-layer", "--prefetch-depth", "2"],
+     "no predictions two layers ahead"),
+    (dict(predicted=True), ["--prefetch", "next-layer", "--prefetch-precision", "2"],
+     "--prefetch-precision takes values of prefetch_precision"),
+    (dict(), ["--policies", "lru,bogus"], "--policies takes values of policy"),
+    (dict(tokens=3), [], "holds 3 decode tokens"),
+    (dict(tokens=0), [], "holds 0 decode tokens"),
+])
+def test_simulate_project_refuses_what_it_cannot_project(tmp_path, capsys, trace, flags, says):
+    path = _trace(tmp_path / "routing.jsonl", **trace)
+    assert bench_main(["simulate", "--project", "--trace", str(path), *flags,
+                       "--out", str(tmp_path / "p")]) == 1
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_simulate_project_refuses_a_cut_trace_and_takes_router_policies(tmp_path, capsys):
+    path = _trace(tmp_path / "routing.jsonl", probs=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(path.read_text()[:-20])  # an interrupted recording
+    assert bench_main(["simulate", "--project", "--trace", str(cut),
+                       "--out", str(tmp_path / "p")]) == 1
+    assert "not a routing trace" in capsys.readouterr().err
+    # A policy that weighs the router's probabilities sizes itself from
+    # them, not from the experts the trace happens to route to.
+    assert bench_main(["simulate", "--project", "--trace", str(path), "--policies",
+                       "router-ema", "--out", str(tmp_path / "p")]) == 0
+    assert bench_main(["simulate", "--project", "--trace", str(_trace(
+        tmp_path / "two.jsonl", predicted=True, predicted2=True)), "--prefetch",
+        "off,next-layer", "--prefetch-depth", "1,2", "--out", str(tmp_path / "q")]) == 0
 
 
 def test_simulate_says_which_trace_is_missing(tmp_path, capsys):

@@ -283,7 +283,10 @@ def _replay_pools(calls, layers, tokens: int, fraction: float, policy: str):
     misses, resident = {}, {}
     for layer in layers:
         seq = calls[layer][:tokens]
-        experts = 1 + max(int(c.experts.max()) for c in seq)
+        # The experts seen, or the router's width where the trace has it
+        # (policies that weigh the router's probabilities need all of them).
+        experts = max([1 + max(int(c.experts.max()) for c in seq)]
+                      + [c.probs.shape[-1] for c in seq[:1] if c.probs is not None])
         slots = max(len(seq[0].experts), round(fraction * experts))
         resident[layer] = []
         misses[layer] = replay_misses(seq, slots, make_policy(policy, experts),
@@ -519,11 +522,13 @@ def project(args) -> dict:
     trace = args.trace or (Path(args.model) / "routing-trace.jsonl" if args.model else None)
     if trace is None:
         raise BenchError("--project needs --trace (a routing trace of a learned-routing model)")
-    if not Path(trace).exists():
+    if not Path(trace).is_file():
         raise BenchError(f"no routing trace at {trace}: bench cache --model STREAM records one "
                          "(routing-trace-w*.jsonl in its --out)")
-    calls = decode_records(trace)
-    policies = args.policies.split(",")
+    calls = _read_trace(Path(trace))
+    from .decode import _config_values
+
+    policies = _config_values("--policies", args.policies, "policy", str)
     settings = _project_prefetch(args, calls)
     rows = []
     for key, prof in PROFILES.items():
@@ -572,6 +577,21 @@ def project(args) -> dict:
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
 
 
+def _read_trace(trace: Path) -> Dict[int, List[Call]]:
+    """A trace's decode calls, with enough tokens to replay past the
+    warm-up; a trace cut short or not a trace is refused in one line."""
+    try:
+        calls = decode_records(trace)
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise BenchError(f"{trace} is not a routing trace that bench simulate can read "
+                         f"({type(e).__name__}: {e}); record it again") from None
+    tokens = min((len(seq) for seq in calls.values()), default=0)
+    if tokens <= WARMUP_TOKENS:
+        raise BenchError(f"{trace} holds {tokens} decode tokens; the projection needs more "
+                         f"than the {WARMUP_TOKENS} that warm the pools (record a longer one)")
+    return calls
+
+
 def _project_prefetch(args, calls) -> list:
     """(label, depth, precision) of each projected setting, checked as
     bench decode checks them; prefetch needs the predictions of a decode
@@ -579,7 +599,8 @@ def _project_prefetch(args, calls) -> list:
     from .decode import _config_values
 
     depths = _config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
-    precision = args.prefetch_precision
+    precision = _config_values("--prefetch-precision", None if args.prefetch_precision is None
+                               else str(args.prefetch_precision), "prefetch_precision", float)[0]
     if precision is None:
         precision = DEFAULT_PREFETCH_PRECISION
     settings = []
@@ -597,6 +618,11 @@ def _project_prefetch(args, calls) -> list:
     if any(depth for _, depth, _ in settings) and not predicted:
         raise BenchError("this trace holds no predictions to read ahead: project prefetch "
                          "from the decode trace bench decode records (decode-trace.jsonl)")
+    two_ahead = any(c.ranked2 is not None for seq in calls.values() for c in seq)
+    if any(depth == 2 for _, depth, _ in settings) and not two_ahead:
+        raise BenchError("this trace holds no predictions two layers ahead (recorded at "
+                         "prefetch_depth 1, or a model of fewer than 3 MoE layers): project "
+                         "--prefetch-depth 1, or record the trace again with bench decode")
     return settings
 
 
