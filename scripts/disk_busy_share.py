@@ -45,6 +45,8 @@ def main() -> None:
     args = p.parse_args()
     if args.tokens < 1:
         p.error("--tokens must be 1 or more")
+    if args.read_mbps is not None and args.read_mbps <= 0:
+        p.error("--read-mbps must be above 0")
     try:
         measure(args)
     except StreamingError as e:  # a bad option or budget: its message says what to do
@@ -56,6 +58,14 @@ def measure(args) -> None:
     if args.read_mbps:
         limit = ReadLimit(args.read_mbps, Path(args.model))
         limit.enter()
+    try:
+        decode(args)
+    finally:
+        if limit is not None:
+            limit.close()
+
+
+def decode(args) -> None:
     model, tokenizer = mlx_streaming.load(args.model, slots_per_layer=args.slots_per_layer,
                                           direct_io=True, read_pace_mbps=args.pace_mbps)
     meter = model.streaming.reader.busy
@@ -66,11 +76,13 @@ def measure(args) -> None:
                                           sampler=make_sampler(temp=args.temp)), 1):
         if n == WARMUP:
             start = time.perf_counter(), meter()
-    elapsed = time.perf_counter() - start[0]
-    read, busy = (now - then for now, then in zip(meter(), start[1]))
+    end = time.perf_counter(), meter()
     model.streaming.close()
-    if limit is not None:
-        limit.close()
+    if start is None:
+        sys.exit(f"disk_busy_share: the text ended within the {WARMUP} warm-up tokens; "
+                 "nothing was measured")
+    elapsed = end[0] - start[0]
+    read, busy = (now - then for now, then in zip(end[1], start[1]))
     if not read:
         print(f"{n - WARMUP} tokens in {elapsed:.2f} s read nothing: every expert they "
               "routed to was resident (use fewer --slots-per-layer)")

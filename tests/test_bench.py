@@ -380,6 +380,11 @@ def test_simulate_project_refuses_a_cut_trace_and_takes_router_policies(tmp_path
     assert bench_main(["simulate", "--project", "--trace", str(cut),
                        "--out", str(tmp_path / "p")]) == 1
     assert "not a routing trace" in capsys.readouterr().err
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"layer": 0, "ids": 5}\n')
+    assert bench_main(["simulate", "--project", "--trace", str(odd),
+                       "--out", str(tmp_path / "p")]) == 1
+    assert "not a routing trace" in capsys.readouterr().err
     # A policy that weighs the router's probabilities sizes itself from
     # them, not from the experts the trace happens to route to.
     assert bench_main(["simulate", "--project", "--trace", str(path), "--policies",

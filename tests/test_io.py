@@ -774,26 +774,32 @@ def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
     from mlx_streaming.prefetch import PrefetchSwitch
 
     # A disk that lends (the blkio throttle): a token with prefetch takes
-    # 0.08 s but leaves 0.04 s of reads that the token two later pays, so
-    # prefetch runs at 0.12 s a token against 0.1 without it. Blocks of 2
-    # timed whole bill its debt to the blocks without it and keep it;
-    # blocks of 16 timed after 4 settling tokens see each side's own cost.
+    # 0.08 s but leaves 0.04 s of reads that the token four later pays, so
+    # prefetch runs at 0.12 s a token against 0.1 without it. Timed whole,
+    # blocks of 4 (the old trial) or 8 bill its debt to the blocks without
+    # it and keep it; untimed first tokens as long as the lag leave each
+    # side its own cost.
     def trial(block, settle):
         clock = FakeClock()
         switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=64, block=block,
                                 settle=settle, warmup=2, clock=clock)
-        lent = [0.0, 0.0]
+        lent = [0.0] * 4
         for _ in range(80):
             switch.on_call(0, 1)
             on = switch.enabled
             switch.on_stall(5, 0.05)
             clock.now += (0.08 if on else 0.1) + lent.pop(0)
             lent.append(0.04 if on else 0.0)
-        return switch
+        assert switch.decision != "measuring"
+        # The seconds of the tokens it timed with prefetch.
+        return switch.enabled, {round(t, 6) for t in switch._tokens[True]}
 
-    assert trial(block=2, settle=0).enabled
-    assert not trial(block=16, settle=4).enabled
-    assert PrefetchSwitch(first_layer=0, max_tokens=8).block == 16  # the default
+    assert trial(block=4, settle=0) == (True, {0.08})  # the old trial: every token lent
+    assert trial(block=16, settle=0)[1] == {0.08, 0.12}
+    assert trial(block=8, settle=4) == (False, {0.12})
+    assert trial(block=16, settle=4) == (False, {0.12})
+    default = PrefetchSwitch(first_layer=0, max_tokens=8)
+    assert (default.block, default.settle) == (16, 4)
 
 
 def test_auto_prefetch_keeps_what_measures_faster():

@@ -182,13 +182,31 @@ class ReadLimit:
         self.mbps = mbps
 
     def enter(self) -> None:
+        self._was = _blkio_cgroup()
         (self.path / "cgroup.procs").write_text(f"{os.getpid()}\n")
 
     def close(self) -> None:
+        """Remove the cgroup; a process that entered it itself (not a case's
+        child, which has exited) goes back to its own first, else the
+        cgroup would be busy."""
         try:
+            if getattr(self, "_was", None) is not None:
+                (self._was / "cgroup.procs").write_text(f"{os.getpid()}\n")
             self.path.rmdir()
         except OSError:
             pass
+
+
+def _blkio_cgroup() -> Optional[Path]:
+    """This process's blkio cgroup directory (cgroup v1), or None."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "blkio" in controllers.split(","):
+                return BLKIO_ROOT / path.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def run_case(case: dict, memory_limit_gb: Optional[float] = None, cold: bool = False,

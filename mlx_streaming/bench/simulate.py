@@ -582,7 +582,8 @@ def _read_trace(trace: Path) -> Dict[int, List[Call]]:
     warm-up; a trace cut short or not a trace is refused in one line."""
     try:
         calls = decode_records(trace)
-    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as e:  # JSONDecodeError
+        # is a ValueError
         raise BenchError(f"{trace} is not a routing trace that bench simulate can read "
                          f"({type(e).__name__}: {e}); record it again") from None
     tokens = min((len(seq) for seq in calls.values()), default=0)
