@@ -351,7 +351,12 @@ class PrefetchSwitch(Learner):
         self._off_stall = 0.0  # stalled seconds of the tokens without it
 
     def on_call(self, layer, tokens):
-        if layer != self.first_layer or tokens > self.max_tokens or self.decision != "measuring":
+        if layer != self.first_layer or self.decision != "measuring":
+            return
+        if tokens > self.max_tokens:
+            # A prefill (a new request) between decode tokens: the next
+            # token is timed from its own start, not across the prefill.
+            self._last = None
             return
         now = self.clock()
         step = self._seen - self.warmup  # the trial step of the token that just ended
@@ -382,6 +387,9 @@ class PrefetchSwitch(Learner):
         return float(np.median(self._tokens[False]) / np.median(self._tokens[True]))
 
     def _decide(self):
+        if not all(self._tokens.values()):  # prefills cut every timed token of a side
+            self._finish(False, "off: the trial timed no decode token on one side")
+            return
         share = self._off_stall / sum(self._tokens[False])
         if share < self.min_stall_share:
             self._finish(False, f"off: stall share {share:.1%} too small to pay")

@@ -802,6 +802,37 @@ def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
     assert (default.block, default.settle) == (16, 4)
 
 
+def test_auto_prefetch_does_not_time_a_prefill_as_a_token():
+    from mlx_streaming.prefetch import PrefetchSwitch
+
+    # Prefetch is faster (0.06 against 0.1 s); a 5 s prefill of a new
+    # request after every fourth token, with it or not, must not count as
+    # a token's time.
+    clock = FakeClock()
+    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=32, block=4, settle=0, warmup=2,
+                            clock=clock)
+    for token in range(50):
+        switch.on_call(0, 1)
+        on = switch.enabled
+        switch.on_stall(5, 0.0 if on else 0.05)
+        clock.now += 0.06 if on else 0.1
+        if token % 4 == 3:
+            switch.on_call(0, 100)  # the prefill
+            clock.now += 5.0
+    assert all(t < 1 for side in switch._tokens.values() for t in side)
+    assert switch.enabled and switch.decision.startswith("on")
+    # Prefills after every token of one side leave it untimed: off, said so.
+    clock = FakeClock()
+    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=16, block=2, settle=0, warmup=2,
+                            clock=clock)
+    for token in range(30):
+        switch.on_call(0, 1)
+        clock.now += 0.1
+        if switch.enabled:
+            switch.on_call(0, 100)
+    assert not switch.enabled and "timed no decode token" in switch.decision
+
+
 def test_auto_prefetch_keeps_what_measures_faster():
     from mlx_streaming.prefetch import PrefetchSwitch
 
