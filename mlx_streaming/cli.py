@@ -10,8 +10,9 @@
 
 import importlib
 import os
+import signal
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, List, NoReturn, Optional
 
 from .errors import StreamingError
 
@@ -67,5 +68,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run_main(lambda: importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]))
 
 
+def leave(status: int) -> NoReturn:
+    """Exit a command's process with ``status``, ignoring interrupts from
+    here on: the work is done, and a Ctrl-C that lands in the interpreter's
+    teardown (joining threads) would print a traceback instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
+
+
+def console() -> NoReturn:
+    """The ``mlx_streaming`` console script."""
+    leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

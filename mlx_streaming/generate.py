@@ -258,4 +258,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import leave
+
+    leave(main())

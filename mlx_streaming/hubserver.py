@@ -390,4 +390,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from .cli import leave
+
+    leave(main())

@@ -16,7 +16,6 @@ PNG plot into --out.
 
 import argparse
 import importlib
-import sys
 
 from ..cli import run_main
 
@@ -44,4 +43,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli import leave
+
+    leave(main())
