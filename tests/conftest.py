@@ -2,11 +2,19 @@
 each family saved in mlx-lm format and converted to stream directories."""
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from helpers import ModelFactory
+
+# A shell that starts the tests in the background (`.ci/run &`) ignores
+# SIGINT for them, and the process and every child would inherit that: the
+# tests of Ctrl-C would see nothing. Take interrupts as Python does by
+# default; children then start with the default too.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
