@@ -118,14 +118,18 @@ def prefetch_width(cfg: StreamConfig, spec) -> int:
     return min(cfg.prefetch_width or 2 * spec.top_k, spec.num_experts)
 
 
+def staging_records(cfg: StreamConfig, specs) -> int:
+    """Records of prefetch's staging area for layers ``specs``: room for
+    one layer's predictions in flight beside those staged a layer earlier
+    (``prefetch_depth`` 2) or still being dropped; a layer stages its
+    successor's before the layer after next's."""
+    return 2 * max(prefetch_width(cfg, s) for s in specs)
+
+
 def staging_shape(manifest: Manifest, cfg: StreamConfig) -> Tuple[int, int]:
-    """(records, bytes per record) of prefetch's staging area: room for one
-    layer's predictions in flight beside those staged a layer earlier
-    (``prefetch_depth`` 2) or still being dropped, each the size of the
-    largest record; a layer stages its successor's before the layer after
-    next's."""
-    width = max(prefetch_width(cfg, s) for s in manifest.layers)
-    return 2 * width, max(s.stride for s in manifest.layers)
+    """(records, bytes per record) of prefetch's staging area, each record
+    the size of the largest."""
+    return staging_records(cfg, manifest.layers), max(s.stride for s in manifest.layers)
 
 
 def staging_bytes(manifest: Manifest, cfg: StreamConfig) -> int:

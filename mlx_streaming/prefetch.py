@@ -136,19 +136,20 @@ class NextLayerPrefetch:
         order = self.calibration.select(self.next_store.layer, order, scores, len(rows))
         order = order[: self.budget.records]
         issued = self.next_store.stage(order)
-        self.events.on_predict(self.next_store.layer, ranked, ranked_scores)
+        softmax = self.scorer is None or self.scorer.softmax  # as _calibration chose
+        self.events.on_predict(self.next_store.layer, ranked, ranked_scores, 1, softmax)
         self.events.on_prefetch(self.next_store.layer, issued=issued)
         # The budget is reads in this layer's compute time: those of the
         # next layer's records that the layer before staged two layers
         # early (skipped now) were read in its time.
         room = self.budget.records - issued
         if self.after is not None and len(predicted) > 1 and room > 0:
-            _, store, calibration = self.after
+            scorer, store, calibration = self.after
             probs = np.array(predicted[1]).reshape(len(rows), -1)
             ranked, ranked_scores, order, scores = self._candidates(probs, store)
             order = calibration.bar(store.layer, order, scores, len(rows))[:room]
             self.events.on_prefetch(store.layer, issued=store.stage(order))
-            self.events.on_predict(store.layer, ranked, ranked_scores, 2)
+            self.events.on_predict(store.layer, ranked, ranked_scores, 2, scorer.softmax)
 
     def _candidates(self, probs: np.ndarray, store):
         """The ``width`` best of each row and their scores, and the distinct

@@ -29,11 +29,12 @@ class Observer:
     def on_route(self, layer: int, ids: np.ndarray, experts: np.ndarray,
                  probs: Optional[np.ndarray] = None) -> None: ...
     def on_predict(self, layer: int, ids: np.ndarray, scores: Optional[np.ndarray] = None,
-                   distance: int = 1) -> None:
+                   distance: int = 1, softmax: bool = True) -> None:
         """Prefetch's prediction of ``layer``'s routing, made ``distance``
         MoE layers before it: ``ids`` ``[tokens, width]`` best first, and
         their ``scores`` (share of the row's probability times the number of
-        experts), as the calibration bins them."""
+        experts), as the calibration bins them; ``softmax`` False: ``layer``
+        has a sigmoid router, whose scores prefetch does not calibrate."""
     def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
     def on_graph_calls(self, layer: int, calls: int, tokens: int, hits: int, misses: int,
                        distinct: int, records: int, nbytes: int, read_seconds: float,
@@ -172,7 +173,7 @@ class Stats(Observer):
         c.read_seconds += read_seconds
         c.stall_seconds += stall_seconds
 
-    def on_predict(self, layer, ids, scores=None, distance=1):
+    def on_predict(self, layer, ids, scores=None, distance=1, softmax=True):
         if distance != 1:  # the recall counted is the next layer's prediction's
             return
         # Sets, not np.isin: on a few ids np.isin costs ~150 us a call.
@@ -210,20 +211,24 @@ class TraceWriter(Observer):
     """Writes one JSON line per MoE call: the layer, the expert ids each
     token was routed to, prefetch's predictions of them when it made them
     (``predicted`` and ``predicted_scores`` from the layer before,
-    ``predicted2`` and ``predicted2_scores`` from the layer before that),
-    and the router's probabilities when the policy asks for them
+    ``predicted2`` and ``predicted2_scores`` from the layer before that, and
+    ``sigmoid_router`` where the layer's router is one, whose scores prefetch
+    does not calibrate), and the router's probabilities when the policy asks for them
     (``mlx_streaming bench cache`` and ``bench simulate`` replay them)."""
 
     def __init__(self, path: str):
         self.path = path
         self._predicted = {}
+        self._sigmoid = set()  # layers predicted with a sigmoid router's scores
         try:
             self._file = open(path, "w")
         except OSError as e:
             raise ConfigError(f"cannot write the trace to {path} ({e.strerror})") from None
 
-    def on_predict(self, layer, ids, scores=None, distance=1):
+    def on_predict(self, layer, ids, scores=None, distance=1, softmax=True):
         self._predicted[layer, distance] = (ids, scores)
+        if not softmax:
+            self._sigmoid.add(layer)
 
     def on_route(self, layer, ids, experts, probs=None):
         record = {"layer": layer, "ids": ids.reshape(-1, ids.shape[-1]).tolist()}
@@ -234,6 +239,8 @@ class TraceWriter(Observer):
             if scores is not None:
                 rows = scores.reshape(len(record[key]), -1).tolist()
                 record[key + "_scores"] = [[round(x, 4) for x in row] for row in rows]
+        if layer in self._sigmoid and ("predicted" in record or "predicted2" in record):
+            record["sigmoid_router"] = True
         if probs is not None:
             record["probs"] = [[round(p, 5) for p in row] for row in probs.tolist()]
         self._file.write(json.dumps(record) + "\n")
@@ -251,7 +258,7 @@ def read_trace(path: str):
 def read_trace_records(path: str):
     """Yield each call of a trace file as a dict: ``layer``, ``ids``
     ``[tokens, k]``, and where recorded ``predicted``, ``predicted2``, their
-    ``_scores`` and ``probs``."""
+    ``_scores``, ``sigmoid_router`` and ``probs``."""
     import numpy as np
 
     with open(path) as f:

@@ -245,8 +245,17 @@ def test_bench_overhead_and_simulate(models, tmp_path):
     fitted = [r for r in p["rows"] if r.get("projected_tps")]
     assert {r["policy"] for r in fitted} == {"lru", "lfu-decay"}
     assert {r["prefetch"] for r in fitted} == {"off", "next-layer, depth 2"}
-    # Prefetch is projected only where pools page (resident: mlx-lm's decode).
+    # Prefetch is projected only where pools page (resident: mlx-lm's decode),
+    # and its staging area (two layers' predictions) comes out of the pools.
     assert all(r["pool"] < 1 for r in fitted if r["prefetch"] != "off")
+    from mlx_streaming.bench.simulate import SHAPES
+
+    shapes = {shape.name: shape for shape in SHAPES.values()}
+    pools = {(r["machine"], r["model"], r["policy"], r["prefetch"]): r["pool"] for r in fitted}
+    staged = [(pools[key[:3] + ("off",)], pool, shapes[key[1]])
+              for key, pool in pools.items() if key[3] != "off"]
+    assert staged and all(off - pool == pytest.approx(2 * 2 * s.top_k / s.moe_layers / s.experts)
+                          for off, pool, s in staged if off < 1)
     # More memory never projects a smaller pool for the same model.
     by = {(r["machine"], r["model"]): r["pool"] for r in p["rows"]}
     assert by[("MacBook Pro M4 Max 128 GB", "Qwen3-235B-A22B")] >= \
@@ -550,6 +559,53 @@ def test_simulator_replays_prefetchs_calibration():
     held = project_case(**common, precision=0.6)
     assert held["wasted"] == 0 and held["stall_s"] == 0
     assert project_case(**dict(common, prefetch=0))["stall_s"] == pytest.approx(4e-3)
+
+
+def test_projection_mixes_the_two_whole_pools_around_a_fraction_of_a_slot():
+    from mlx_streaming.bench.simulate import _project_pool, project_case
+
+    from mlx_streaming.bench.cache import Call
+
+    # Four experts a layer in the trace, called in pairs in turn: a pool of
+    # 3.25 of them projects a quarter of the way from 3 slots (misses) to 4
+    # (none), not as 3 (rounded) or 4.
+    pairs = [np.array([[0, 1]]), np.array([[2, 3]])]
+    calls = {0: [Call(np.unique(p), p) for p in pairs * 15]}
+    common = dict(_ONE_MS, compute_s=0.004, moe_layers=1, prefetch=0)
+    three, four = (project_case(calls, n / 4, **common) for n in (3, 4))
+    assert three["seconds"] > four["seconds"] and four["hit_rate"] == 1
+    between = _project_pool(calls, 3.25 / 4, **common)
+    assert between["seconds"] == pytest.approx(0.75 * three["seconds"] + 0.25 * four["seconds"])
+    assert between["tps"] == pytest.approx(1 / between["seconds"])
+    assert between["hit_rate"] == pytest.approx(0.75 * three["hit_rate"] + 0.25)
+    assert _project_pool(calls, 3 / 4, **common) == three
+
+
+def test_simulator_reads_every_prediction_of_a_sigmoid_routers_layer():
+    import dataclasses
+
+    from mlx_streaming.bench.common import BenchError
+    from mlx_streaming.bench.simulate import project_case
+
+    # As the calibration test, with layer 1's router a sigmoid one (marked
+    # by the trace): the loader gives such a layer no calibration, so at
+    # 0.6 layer 0 still reads its 8s only, layer 1 all four predictions
+    # (2 of the 6 reads ahead wasted).
+    def ranked(i):
+        return [2 * i % 6, 2 * i % 6 + 1, 6, 7]
+
+    calls = _cycling_calls(layers=(0, 1), ranked=ranked, scores=[8.0, 8.0, 1.5, 1.5])
+    calls[1] = [dataclasses.replace(c, sigmoid_router=True) for c in calls[1]]
+    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
+                  width=4, prefetch=1)
+    held = project_case(**common, precision=0.6)
+    assert held["wasted"] == pytest.approx(1 / 3) and held["stall_s"] == 0
+    # Its predictions need no scores; a calibrated layer's do.
+    calls[1] = [dataclasses.replace(c, scores=None) for c in calls[1]]
+    assert project_case(**common, precision=0.6)["wasted"] == pytest.approx(1 / 3)
+    calls[0] = [dataclasses.replace(c, scores=None) for c in calls[0]]
+    with pytest.raises(BenchError, match="without scores"):
+        project_case(**common, precision=0.6)
 
 
 def test_simulator_holds_reads_two_layers_ahead_to_the_bar():

@@ -618,12 +618,16 @@ def test_outputs_identical_with_calibrated_prefetch(models, io):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k3"])
-def test_sigmoid_routers_read_every_prediction_at_the_default_precision(models, family):
+def test_sigmoid_routers_read_every_prediction_at_the_default_precision(models, family,
+                                                                       tmp_path):
     """A sigmoid router's scores are too flat to calibrate: its layers read
     what the budget allows, as at precision 0."""
+    from mlx_streaming.bench.cache import decode_records
+
     src, stream_dir = models.get(family, quantized=True)
+    trace = tmp_path / "trace.jsonl"
     model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
-                                   prefetch="next-layer", prefetch_budget=8)
+                                   prefetch="next-layer", prefetch_budget=8, trace=trace)
     runtime = model.streaming
     assert runtime.prefetch_calibration.target == 0.7
     layers = [s.layer for s in runtime.stores]
@@ -631,6 +635,10 @@ def test_sigmoid_routers_read_every_prediction_at_the_default_precision(models, 
     assert all(s["layers"][layer]["prefetch_issued"] > 0 for layer in layers[1:])
     # Reported as reading every prediction, not as reading none.
     assert not set(s["prefetch_budget"]["lowest_score"]) & set(layers[1:])
+    # The trace says so, for bench simulate to replay them alike.
+    calls = decode_records(trace)
+    assert all(c.ranked is not None and c.sigmoid_router
+               for layer in layers[1:] for c in calls[layer])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "kimi_k3"])

@@ -49,6 +49,9 @@ class Call:
     scores: Optional[np.ndarray] = None
     ranked2: Optional[np.ndarray] = None
     scores2: Optional[np.ndarray] = None
+    # The layer's router is a sigmoid one: prefetch reads its predictions
+    # uncalibrated (loader._calibration).
+    sigmoid_router: bool = False
 
 
 def decode_records(trace: Path) -> Dict[int, List[Call]]:
@@ -62,7 +65,7 @@ def decode_records(trace: Path) -> Dict[int, List[Call]]:
             np.unique(r["ids"]), r["ids"], r.get("probs"),
             None if predicted is None else np.unique(predicted),
             predicted, r.get("predicted_scores"), r.get("predicted2"),
-            r.get("predicted2_scores")))
+            r.get("predicted2_scores"), bool(r.get("sigmoid_router"))))
     return calls
 
 

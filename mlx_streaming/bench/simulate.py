@@ -42,6 +42,7 @@ Two modes:
 
 import argparse
 import itertools
+import math
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,7 +51,9 @@ from typing import Dict, List
 import numpy as np
 
 from ..block import OVERLAP_MIN_READ_S
-from ..config import DEFAULT_POLICY, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_PRECISION
+from ..budget import staging_records
+from ..config import (DEFAULT_POLICY, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_PRECISION,
+                      StreamConfig)
 from ..format import read_manifest
 from ..policy import make_policy
 from ..prefetch import PrefetchCalibration, ReadEveryPrediction, rank_order
@@ -113,6 +116,10 @@ class ModelShape:
     expert_params: float
     dense_active_params: float  # per token: attention, shared experts, dense layers, head
     total_params: float
+
+    @property
+    def num_experts(self) -> int:  # as a layer's spec names it (budget.prefetch_width)
+        return self.experts
 
     def expert_bytes(self) -> float:
         return self.expert_params * 4.5 / 8
@@ -244,13 +251,17 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     ahead_s = scale * ssd_latency_s + record_s
     budget = int(layer_compute // ahead_s)
     misses, resident = _replay_pools(calls, layers, tokens, fraction, policy)
+    # A sigmoid router's layer reads every prediction, as the loader gives it.
+    sigmoid = {l for l in layers if any(c.sigmoid_router for c in calls[l])}
+    calibrated = [l for l in layers if l not in sigmoid]
     if prefetch and precision > 0 and any(
-            c.ranked is not None and c.scores is None for l in layers for c in calls[l]):
+            c.ranked is not None and c.scores is None for l in calibrated for c in calls[l]):
         raise BenchError("this trace has predictions without scores, which the calibration "
                          "bins: record it again (bench decode records one), or use "
                          "--prefetch-precision 0")
-    calibration = (PrefetchCalibration(layers, precision) if precision > 0
+    calibration = (PrefetchCalibration(calibrated, precision) if precision > 0
                    else ReadEveryPrediction())
+    judges = {l: ReadEveryPrediction() if l in sigmoid else calibration for l in layers}
     order = [(t, l) for t in range(tokens) for l in layers]  # the calls, as they run
     disk = Disk(record_s, ahead_s, ssd_latency_s, 2 * (width or 2 * k))
     clock, stall_sum, read_sum, hits, lookups, taken = 0.0, 0.0, 0.0, 0, 0, 0
@@ -265,8 +276,7 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
             lookups += call.ids.size
         clock += stall
         if prefetch:
-            _issue(disk, calibration, calls, resident, order[i + 1:i + 1 + prefetch], budget,
-                   clock)
+            _issue(disk, judges, calls, resident, order[i + 1:i + 1 + prefetch], budget, clock)
         clock += span
     per_token = moe_layers / len(layers) / max(1, tokens - skip)  # traced calls -> a token's
     stall_s = stall_sum * per_token
@@ -278,20 +288,44 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
                 read_ahead_per_token=ahead * scale * per_token)
 
 
+def _layer_experts(seq: List[Call]) -> int:
+    """A traced layer's experts: those seen, or the router's width where
+    the trace has it (policies that weigh the router's probabilities need
+    all of them)."""
+    return max([1 + max(int(c.experts.max()) for c in seq)]
+               + [c.probs.shape[-1] for c in seq[:1] if c.probs is not None])
+
+
 def _replay_pools(calls, layers, tokens: int, fraction: float, policy: str):
     """Each layer's misses per call, and its resident experts before each."""
     misses, resident = {}, {}
     for layer in layers:
         seq = calls[layer][:tokens]
-        # The experts seen, or the router's width where the trace has it
-        # (policies that weigh the router's probabilities need all of them).
-        experts = max([1 + max(int(c.experts.max()) for c in seq)]
-                      + [c.probs.shape[-1] for c in seq[:1] if c.probs is not None])
+        experts = _layer_experts(seq)
         slots = max(len(seq[0].experts), round(fraction * experts))
         resident[layer] = []
         misses[layer] = replay_misses(seq, slots, make_policy(policy, experts),
                                       resident=resident[layer])
     return misses, resident
+
+
+def _project_pool(calls: Dict[int, List[Call]], fraction: float, **case) -> dict:
+    """``project_case`` at a pool between two whole slot counts of the
+    trace's layers (its model, small, has far fewer experts a layer than
+    the one projected): both are replayed and their seconds per token
+    mixed, so that a share of a slot moves the projection by a share, not
+    by a whole slot or none."""
+    experts = _layer_experts(calls[min(calls)])
+    slots = fraction * experts
+    low, high = math.floor(slots), math.ceil(slots)
+    if low == high:
+        return project_case(calls, fraction, **case)
+    a = project_case(calls, low / experts, **case)
+    b = project_case(calls, high / experts, **case)
+    w = slots - low
+    mixed = {key: None if a[key] is None or b[key] is None else (1 - w) * a[key] + w * b[key]
+             for key in a}
+    return dict(mixed, tps=1 / mixed["seconds"])
 
 
 def _call(disk: Disk, clock: float, layer: int, call: Call, missed, scale: float,
@@ -310,10 +344,10 @@ def _call(disk: Disk, clock: float, layer: int, call: Call, missed, scale: float
     return max(0.0, read - hidden), read, len(from_stage)
 
 
-def _issue(disk: Disk, calibration, calls, resident, ahead, budget: int, now: float) -> None:
+def _issue(disk: Disk, judges, calls, resident, ahead, budget: int, now: float) -> None:
     """A call's reads ahead: the next call's predictions within the budget,
     then (depth 2) the one after's with the room left, as
-    ``NextLayerPrefetch.issue``."""
+    ``NextLayerPrefetch.issue``; ``judges`` holds each layer's calibration."""
     room = budget
     for distance, (t, layer) in enumerate(ahead, 1):
         call = calls[layer][t]
@@ -326,9 +360,9 @@ def _issue(disk: Disk, calibration, calls, resident, ahead, budget: int, now: fl
         order, order_scores = _candidates(ranked, scores, resident[layer][t])
         rows = len(call.ids)
         if distance == 1:
-            order = calibration.select(layer, order, order_scores, rows)[:budget]
+            order = judges[layer].select(layer, order, order_scores, rows)[:budget]
         else:
-            order = calibration.bar(layer, order, order_scores, rows)[:room]
+            order = judges[layer].bar(layer, order, order_scores, rows)[:room]
         room -= disk.stage(layer, order, now, t)
 
 
@@ -533,14 +567,9 @@ def project(args) -> dict:
     rows = []
     for key, prof in PROFILES.items():
         for shape in SHAPES.values():
-            spine = shape.spine_bytes()
-            # Leave 25% of memory to the OS and apps; the rest holds the
-            # spine and the pools.
-            room = prof.memory_gb * 0.75e9 - spine
-            slots = room / shape.expert_bytes() / shape.moe_layers
-            fraction = min(1.0, slots / shape.experts)
-            row = dict(machine=prof.name, model=shape.name, spine_gb=spine / 1e9,
+            row = dict(machine=prof.name, model=shape.name, spine_gb=shape.spine_bytes() / 1e9,
                        experts_gb=shape.moe_layers * shape.experts * shape.expert_bytes() / 1e9)
+            fraction = _pool_fraction(prof, shape, prefetch=False)
             if fraction < shape.top_k / shape.experts:
                 row.update(pool=max(0.0, fraction), note="pool below one token's experts")
                 rows.append(row)
@@ -553,16 +582,19 @@ def project(args) -> dict:
             hit_compute = shape.expert_bytes() / (prof.weight_gbps * 1e9)
             for policy, (prefetch, depth, precision) in itertools.product(policies, settings):
                 case = dict(row, policy=policy, prefetch=prefetch)
+                fraction = _pool_fraction(prof, shape, prefetch=bool(depth))
                 if fraction >= 1:  # every expert resident: mlx-lm's own decode
                     if prefetch == "off":
                         rows.append(dict(case, pool=1.0, hit_rate=1.0,
                                          projected_tps=1 / compute, read_share=0.0))
                     continue
-                p = project_case(calls, fraction, policy, depth, compute, prof.sync_s,
-                                 shape.moe_layers, shape.expert_bytes(), shape.top_k,
-                                 prof.ssd_gbps, prof.ssd_latency_s, skip=WARMUP_TOKENS,
-                                 miss_s=prof.miss_s, hit_compute_s=hit_compute,
-                                 precision=precision)
+                p = _project_pool(calls, fraction, policy=policy, prefetch=depth,
+                                  compute_s=compute, sync_s=prof.sync_s,
+                                  moe_layers=shape.moe_layers, expert_bytes=shape.expert_bytes(),
+                                  top_k=shape.top_k, ssd_gbps=prof.ssd_gbps,
+                                  ssd_latency_s=prof.ssd_latency_s, skip=WARMUP_TOKENS,
+                                  miss_s=prof.miss_s, hit_compute_s=hit_compute,
+                                  precision=precision)
                 rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
                                  read_ahead=p["read_ahead_per_token"]))
@@ -575,6 +607,17 @@ def project(args) -> dict:
             ("read_share", "reads", ".0%"), ("read_ahead", "read ahead / token", ".1f")]
     title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
+
+
+def _pool_fraction(prof: Profile, shape: ModelShape, prefetch: bool) -> float:
+    """The share of each MoE layer's experts its pool holds: memory less a
+    quarter left to the OS and apps, the spine, and with prefetch its
+    staging area (as the loader's memory plan counts it)."""
+    room = prof.memory_gb * 0.75e9 - shape.spine_bytes()
+    if prefetch:
+        staging = staging_records(StreamConfig(prefetch="next-layer"), [shape])
+        room -= staging * shape.expert_bytes()
+    return min(1.0, room / shape.expert_bytes() / shape.moe_layers / shape.experts)
 
 
 def _read_trace(trace: Path) -> Dict[int, List[Call]]:
