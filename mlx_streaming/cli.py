@@ -12,6 +12,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 from typing import Callable, List, NoReturn, Optional
 
 from .errors import StreamingError
@@ -69,10 +70,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def leave(status: int) -> NoReturn:
-    """Exit a command's process with ``status``, ignoring interrupts from
-    here on: the work is done, and a Ctrl-C that lands in the interpreter's
-    teardown (joining threads) would print a traceback instead."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Exit a command's process with ``status``. The work is done: a Ctrl-C
+    from here on ends the process at once, as the signal's default does,
+    where in the interpreter's teardown (joining threads) Python would
+    print a traceback. For a process's entry point only (``python -m``, the
+    console script): the default stays."""
+    if threading.current_thread() is threading.main_thread():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed, or its reader gone
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.exit(status)
 
 

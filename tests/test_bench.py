@@ -607,6 +607,36 @@ def test_simulator_reads_every_prediction_of_a_sigmoid_routers_layer():
     with pytest.raises(BenchError, match="without scores"):
         project_case(**common, precision=0.6)
 
+    # Two layers ahead: each call's own prediction names two experts never
+    # routed, the one made two calls early the right two (all scored 1.5).
+    # Calibrated, layer 0 learns to read none of them and stalls 2 ms a
+    # call; so would layer 1, but reading every prediction it gets its own
+    # two layers early: half of what it reads ahead is used.
+    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7],
+                           ranked2=lambda i: [2 * i % 6, 2 * i % 6 + 1], scores=1.5)
+    common.update(calls=calls, prefetch=2)
+    assert project_case(**common, precision=0.6)["stall_s"] == pytest.approx(4e-3)
+    calls[1] = [dataclasses.replace(c, sigmoid_router=True) for c in calls[1]]
+    deep = project_case(**common, precision=0.6)
+    assert deep["stall_s"] == pytest.approx(2e-3) and deep["wasted"] == pytest.approx(0.5)
+
+
+def test_the_trace_marks_a_sigmoid_routers_layer(tmp_path):
+    from mlx_streaming.stats import TraceWriter, read_trace_records
+
+    # Layer 1 predicted two layers early only, layer 2 one layer early:
+    # each record says which router its predictions came from.
+    writer = TraceWriter(str(tmp_path / "t.jsonl"))
+    ids = np.array([[1, 2]])
+    writer.on_predict(1, np.array([[3, 4]]), np.array([[2.0, 1.0]]), distance=2, softmax=False)
+    writer.on_predict(2, np.array([[3, 4]]), np.array([[2.0, 1.0]]), distance=1, softmax=True)
+    for layer in (0, 1, 2):
+        writer.on_route(layer, ids, np.unique(ids))
+    writer.close()
+    records = list(read_trace_records(str(tmp_path / "t.jsonl")))
+    assert ["predicted2" in r for r in records] == [False, True, False]
+    assert [r.get("sigmoid_router", False) for r in records] == [False, True, False]
+
 
 def test_simulator_holds_reads_two_layers_ahead_to_the_bar():
     from mlx_streaming.bench.simulate import project_case

@@ -639,6 +639,8 @@ def test_sigmoid_routers_read_every_prediction_at_the_default_precision(models, 
     calls = decode_records(trace)
     assert all(c.ranked is not None and c.sigmoid_router
                for layer in layers[1:] for c in calls[layer])
+    # The first is predicted across tokens from affinity alone, calibrated.
+    assert not any(c.sigmoid_router for c in calls[layers[0]])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "kimi_k3"])

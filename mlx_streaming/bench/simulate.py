@@ -315,17 +315,21 @@ def _project_pool(calls: Dict[int, List[Call]], fraction: float, **case) -> dict
     the one projected): both are replayed and their seconds per token
     mixed, so that a share of a slot moves the projection by a share, not
     by a whole slot or none."""
-    experts = _layer_experts(calls[min(calls)])
+    tokens = min(len(seq) for seq in calls.values())
+    widths = {_layer_experts(seq[:tokens]) for seq in calls.values()}
+    experts = widths.pop()
     slots = fraction * experts
     low, high = math.floor(slots), math.ceil(slots)
-    if low == high:
+    if low == high or widths:  # layers of other widths round their own
         return project_case(calls, fraction, **case)
     a = project_case(calls, low / experts, **case)
     b = project_case(calls, high / experts, **case)
     w = slots - low
     mixed = {key: None if a[key] is None or b[key] is None else (1 - w) * a[key] + w * b[key]
              for key in a}
-    return dict(mixed, tps=1 / mixed["seconds"])
+    wasted = mixed["wasted"] and ((1 - w) * a["read_ahead"] * a["wasted"]
+                                  + w * b["read_ahead"] * b["wasted"]) / mixed["read_ahead"]
+    return dict(mixed, tps=1 / mixed["seconds"], wasted=wasted)
 
 
 def _call(disk: Disk, clock: float, layer: int, call: Call, missed, scale: float,
@@ -612,9 +616,10 @@ def project(args) -> dict:
 def _pool_fraction(prof: Profile, shape: ModelShape, prefetch: bool) -> float:
     """The share of each MoE layer's experts its pool holds: memory less a
     quarter left to the OS and apps, the spine, and with prefetch its
-    staging area (as the loader's memory plan counts it)."""
+    staging area, which the loader's memory plan counts only where some
+    experts are not resident."""
     room = prof.memory_gb * 0.75e9 - shape.spine_bytes()
-    if prefetch:
+    if prefetch and _pool_fraction(prof, shape, prefetch=False) < 1:
         staging = staging_records(StreamConfig(prefetch="next-layer"), [shape])
         room -= staging * shape.expert_bytes()
     return min(1.0, room / shape.expert_bytes() / shape.moe_layers / shape.experts)
