@@ -428,7 +428,7 @@ def test_sigint_during_start_up_is_one_line(qwen):
 
 
 @pytest.mark.parametrize("leave", [True, False])
-def test_sigint_while_the_interpreter_exits_is_ignored(leave):
+def test_sigint_while_the_interpreter_exits_ends_it_quietly(leave):
     # A Ctrl-C that lands after a command's work, while Python joins its
     # threads at exit, printed a traceback (seen in CI); after ``leave`` it
     # ends the process quietly (and is not ignored).
