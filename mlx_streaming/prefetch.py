@@ -320,19 +320,26 @@ class PrefetchSwitch(Learner):
     stays on only if the median timed token with it was at least ``margin``
     faster than the median one without it, and the tokens without it spent
     at least ``min_stall_share`` of their time stalled on reads (else there
-    is nothing for prefetch to win). A clear difference decides halfway
-    (``_clear``): every trial token with a prefetch that loses is paid for.
+    is nothing for prefetch to win). A clear difference (``early``) decides
+    halfway, and a prefetch that clearly loses stops the trial as soon as
+    ``stop_after`` tokens with it are timed (``_clear``): every trial token
+    with a prefetch that loses is paid for. Through the throttle that
+    stop halves the trial's cost; a disk that lends makes the first timed
+    tokens with prefetch look faster, if anything, so it stops no trial
+    that prefetch would win.
     """
 
     def __init__(self, first_layer: int, max_tokens: int, trial: int = 64, block: int = 16,
                  settle: int = 4, warmup: int = 8, min_stall_share: float = 0.05,
-                 margin: float = 0.02, early: float = 0.1, clock=time.perf_counter):
+                 margin: float = 0.02, early: float = 0.1, stop_after: int = 4,
+                 clock=time.perf_counter):
         # Each block of the trial must be timed: the first token has no
         # start to time it from, so it is warmup.
-        if trial < 2 * block or warmup < 1 or not 0 <= settle < block:
+        if trial < 2 * block or warmup < 1 or not 0 <= settle < block or stop_after < 1:
             raise ValueError(f"a trial of {trial} tokens needs two blocks of {block} or more, "
-                             f"a warmup of one token or more (got {warmup}), and fewer "
-                             f"settling tokens than a block (got {settle})")
+                             f"a warmup of one token or more (got {warmup}), fewer "
+                             f"settling tokens than a block (got {settle}) and a stop after "
+                             f"one timed token or more (got {stop_after})")
         self.first_layer = first_layer
         self.max_tokens = max_tokens
         self.trial = trial
@@ -342,6 +349,7 @@ class PrefetchSwitch(Learner):
         self.min_stall_share = min_stall_share
         self.margin = margin
         self.early = early
+        self.stop_after = stop_after
         self.clock = clock
         self.enabled = False
         self.decision = "measuring"
@@ -361,7 +369,8 @@ class PrefetchSwitch(Learner):
             return
         now = self.clock()
         step = self._seen - self.warmup  # the trial step of the token that just ended
-        if self._last is not None and step >= 0 and step % self.block >= self.settle:
+        timed = self._last is not None and step >= 0 and step % self.block >= self.settle
+        if timed:
             # The token that just ended ran with the state set at its start.
             self._tokens[self.enabled].append(now - self._last)
             if not self.enabled:
@@ -369,7 +378,7 @@ class PrefetchSwitch(Learner):
         self._last, self._stall = now, 0.0
         self._seen += 1
         trial_step = self._seen - self.warmup
-        if trial_step >= self.trial or self._clear(trial_step):
+        if trial_step >= self.trial or self._clear(trial_step, timed):
             self._decide()
         elif trial_step >= 0:
             self.enabled = (trial_step // self.block) % 2 == 1
@@ -377,11 +386,17 @@ class PrefetchSwitch(Learner):
     def on_stall(self, layer, seconds):
         self._stall += seconds
 
-    def _clear(self, trial_step: int) -> bool:
+    def _clear(self, trial_step: int, timed: bool) -> bool:
         """Whether the trial so far already decides: halfway, with a
-        difference of ``early`` or more."""
-        return (trial_step == self.trial // 2 and all(self._tokens.values())
-                and abs(self._speedup() - 1) >= self.early)
+        difference of ``early`` or more; or once ``stop_after`` tokens with
+        prefetch are timed, with it ``early`` or more slower."""
+        if not all(self._tokens.values()):
+            return False
+        speedup = self._speedup()
+        if timed and self.enabled and len(self._tokens[True]) == self.stop_after \
+                and speedup <= 1 - self.early:
+            return True
+        return trial_step == self.trial // 2 and abs(speedup - 1) >= self.early
 
     def _speedup(self) -> float:
         """Median token without prefetch over median token with it."""

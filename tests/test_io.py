@@ -812,6 +812,31 @@ def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
     assert (default.block, default.settle) == (16, 4)
 
 
+def test_auto_prefetch_stops_a_trial_it_clearly_loses():
+    from mlx_streaming.prefetch import PrefetchSwitch
+
+    # The default trial (blocks of 16, the first 4 untimed): prefetch 10%
+    # or more slower is dropped once 4 tokens with it are timed, 8 tokens
+    # into its first block; a smaller loss, or a gain, runs on to halfway
+    # or the end. Each token with prefetch that loses is paid for.
+    def run(on_seconds):
+        clock = FakeClock()
+        switch = PrefetchSwitch(first_layer=0, max_tokens=8, warmup=2, clock=clock)
+        with_it = 0
+        for _ in range(80):
+            switch.on_call(0, 1)
+            on = switch.enabled
+            with_it += on
+            switch.on_stall(5, 0.0 if on else 0.05)
+            clock.now += on_seconds if on else 0.1
+        return switch.enabled, with_it, len(switch._tokens[True])
+
+    assert run(0.12) == (False, 8, 4)
+    assert run(0.112) == (False, 8, 4)
+    assert run(0.105) == (False, 32, 24)  # 0.95x: the whole trial
+    assert run(0.07) == (True, 80 - 17, 12)  # from its first block on, kept halfway
+
+
 def test_auto_prefetch_does_not_time_a_prefill_as_a_token():
     from mlx_streaming.prefetch import PrefetchSwitch
 
