@@ -323,10 +323,10 @@ class PrefetchSwitch(Learner):
     is nothing for prefetch to win). A clear difference (``early``) decides
     halfway, and a prefetch that clearly loses stops the trial as soon as
     ``stop_after`` tokens with it are timed (``_clear``): every trial token
-    with a prefetch that loses is paid for. Through the throttle that
-    stop halves the trial's cost; a disk that lends makes the first timed
-    tokens with prefetch look faster, if anything, so it stops no trial
-    that prefetch would win.
+    with a prefetch that loses is paid for. A disk that lends makes the
+    first timed tokens with prefetch look faster, if anything, so the stop
+    ends no trial that prefetch would win; through the throttle it fired
+    in one of two rounds (README, "Auto's trial, in longer blocks").
     """
 
     def __init__(self, first_layer: int, max_tokens: int, trial: int = 64, block: int = 16,
