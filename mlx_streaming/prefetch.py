@@ -321,12 +321,14 @@ class PrefetchSwitch(Learner):
     faster than the median one without it, and the tokens without it spent
     at least ``min_stall_share`` of their time stalled on reads (else there
     is nothing for prefetch to win). A clear difference (``early``) decides
-    halfway, and a prefetch that clearly loses stops the trial as soon as
-    ``stop_after`` tokens with it are timed (``_clear``): every trial token
-    with a prefetch that loses is paid for. A disk that lends makes the
-    first timed tokens with prefetch look faster, if anything, so the stop
-    ends no trial that prefetch would win; through the throttle it fired
-    in one of two rounds (README, "Auto's trial, in longer blocks").
+    halfway, and a prefetch that clearly loses (``1 - early`` of the speed
+    without it, or less) stops the trial as soon as ``stop_after`` tokens
+    with it are timed (``_clear``): every trial token with a prefetch that
+    loses is paid for. A disk that lends makes the first timed tokens with
+    prefetch look faster, if anything, so the stop should rarely end a
+    trial that prefetch would win (a slow spell of a shared machine can);
+    through the throttle it fired in one of two rounds (README, "Auto's
+    trial, in longer blocks").
     """
 
     def __init__(self, first_layer: int, max_tokens: int, trial: int = 64, block: int = 16,
@@ -389,7 +391,8 @@ class PrefetchSwitch(Learner):
     def _clear(self, trial_step: int, timed: bool) -> bool:
         """Whether the trial so far already decides: halfway, with a
         difference of ``early`` or more; or once ``stop_after`` tokens with
-        prefetch are timed, with it ``early`` or more slower."""
+        prefetch are timed, at ``1 - early`` of the speed without it or
+        less (checked once, as the last of them is timed)."""
         if not all(self._tokens.values()):
             return False
         speedup = self._speedup()

@@ -775,7 +775,7 @@ def test_auto_prefetch_refuses_a_trial_it_cannot_time():
     # time it from), or blocks that are all settling: a side of the trial
     # would have no token to judge.
     for bad in (dict(trial=6, block=4), dict(warmup=0), dict(block=4, settle=4),
-                dict(settle=-1)):
+                dict(settle=-1), dict(stop_after=0)):
         with pytest.raises(ValueError, match="two blocks"):
             PrefetchSwitch(first_layer=0, max_tokens=8, **bad)
 
@@ -828,13 +828,21 @@ def test_auto_prefetch_stops_a_trial_it_clearly_loses():
             on = switch.enabled
             with_it += on
             switch.on_stall(5, 0.0 if on else 0.05)
-            clock.now += on_seconds if on else 0.1
+            if on:
+                clock.now += on_seconds() if callable(on_seconds) else on_seconds
+            else:
+                clock.now += 0.1
         return switch.enabled, with_it, len(switch._tokens[True])
 
     assert run(0.12) == (False, 8, 4)
     assert run(0.112) == (False, 8, 4)
     assert run(0.105) == (False, 32, 24)  # 0.95x: the whole trial
     assert run(0.07) == (True, 80 - 17, 12)  # from its first block on, kept halfway
+    # Judged once, at the fourth: its first timed tokens at 0.95x, the
+    # rest slower, it decides at halfway (a stop judged again at each token
+    # with prefetch would stop at the eighth).
+    timed = iter([0.105] * 8 + [0.13] * 60)  # the first 4 settle
+    assert run(lambda: next(timed)) == (False, 16, 12)
 
 
 def test_auto_prefetch_does_not_time_a_prefill_as_a_token():
