@@ -608,12 +608,13 @@ def test_simulator_reads_every_prediction_of_a_sigmoid_routers_layer():
         project_case(**common, precision=0.6)
 
     # Two layers ahead: each call's own prediction names two experts never
-    # routed, the one made two calls early the right two (all scored 1.5).
-    # Calibrated, layer 0 learns to read none of them and stalls 2 ms a
-    # call; so would layer 1, but reading every prediction it gets its own
-    # two layers early: half of what it reads ahead is used.
+    # routed, the one made two calls early the right two first, then four
+    # never routed (all scored 1.5, a third of them used). Calibrated, layer
+    # 0 learns to read none of them and stalls 2 ms a call; so would layer
+    # 1, but reading every prediction it gets its own two layers early (the
+    # room left after the wrong two): half of what it reads ahead is used.
     calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7],
-                           ranked2=lambda i: [2 * i % 6, 2 * i % 6 + 1], scores=1.5)
+                           ranked2=lambda i: [2 * i % 6, 2 * i % 6 + 1, 6, 7, 8, 9], scores=1.5)
     common.update(calls=calls, prefetch=2)
     assert project_case(**common, precision=0.6)["stall_s"] == pytest.approx(4e-3)
     calls[1] = [dataclasses.replace(c, sigmoid_router=True) for c in calls[1]]
@@ -638,7 +639,7 @@ def test_the_trace_marks_a_sigmoid_routers_layer(tmp_path):
     assert [r.get("sigmoid_router", False) for r in records] == [False, True, False]
 
 
-def test_simulator_holds_reads_two_layers_ahead_to_the_bar():
+def test_simulator_holds_reads_two_layers_ahead_to_a_bar_of_their_own():
     from mlx_streaming.bench.simulate import project_case
 
     # The next layer's prediction names one of the call's experts (score 8,
@@ -653,6 +654,15 @@ def test_simulator_holds_reads_two_layers_ahead_to_the_bar():
     assert held["stall_s"] == 0 and held["wasted"] == 0
     every = project_case(**common, precision=0.0)
     assert every["stall_s"] == 0 and every["wasted"] == pytest.approx(1 / 3)
+    # The same score means less two layers early: the next layer's
+    # prediction (8) is always used, the one made two layers early (all 8)
+    # a quarter of the time. Held to the near bar it would read three
+    # records a call, two wasted; held to its own (0.6) it reads none, and
+    # each call waits 1 ms for the expert it alone named.
+    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [2 * i % 6],
+                           ranked2=lambda i: [2 * i % 6 + 1, 6, 7, 8], scores=8.0)
+    own = project_case(**dict(common, calls=calls), precision=0.6)
+    assert own["wasted"] == 0 and own["stall_s"] == pytest.approx(2e-3)
 
 
 def test_simulator_scales_the_traced_records_to_the_models_top_k():

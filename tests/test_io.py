@@ -335,6 +335,24 @@ def test_reader_meter_counts_overlapping_reads_once(tmp_path):
             reader.close()
 
 
+def test_prefetch_calibration_counts_predictions_two_layers_early_apart():
+    """The same score means less made two layers early: ``bar`` counts
+    those predictions in bins of their own and holds them to their own
+    bar, and ``forget`` drops both."""
+    from mlx_streaming.prefetch import PrefetchCalibration
+
+    calibration = PrefetchCalibration([1], target=0.6, window=64)
+    order, scores = np.array([5, 6]), np.array([8.0, 8.0])
+    for _ in range(10):
+        calibration.select(1, order[:1], scores[:1], 1)  # one layer early: 5, used
+        calibration.bar(1, order, scores, 1)  # two layers early: 5 and 6, half used
+        calibration.on_route(1, np.array([[5, 3]]), np.array([3, 5]))
+    assert list(calibration.select(1, order, scores, 1)) == [5, 6]
+    assert calibration.bar(1, order, scores, 1).size == 0
+    calibration.forget(1)
+    assert calibration.lowest_scores() == {} and calibration.far.lowest_scores() == {}
+
+
 def test_prefetch_calibration_reads_the_scores_that_were_used():
     """Per layer, the bins of scores read ahead are those that, from the
     highest down, were used at least the target share of the time, counted
@@ -580,9 +598,11 @@ def test_prefetch_calibration_gates_the_reads_of_each_layer(models, io):
     layers = [s.layer for s in runtime.stores]
     calibration = runtime.prefetch_calibration
     bins = len(calibration.EDGES) + 1
-    # Hold each layer's threshold: layer 1 reads every prediction, the rest none.
-    calibration._lowest = lambda key: 0 if key[0] == layers[1] else bins
-    calibration.lowest.update({k: calibration._lowest(k) for k in calibration.lowest})
+    # Hold each layer's threshold, for predictions one and two layers early:
+    # layer 1 reads every prediction, the rest none.
+    for held in (calibration, calibration.far):
+        held._lowest = lambda key: 0 if key[0] == layers[1] else bins
+        held.lowest.update({k: held._lowest(k) for k in held.lowest})
     steps = 10
     s = _stats_of_decode(model, steps)
     assert s["layers"][layers[1]]["prefetch_issued"] > 0
