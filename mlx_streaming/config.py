@@ -111,7 +111,8 @@ class StreamConfig:
     prefetch_depth: int = _option(
         DEFAULT_PREFETCH_DEPTH, "MoE layers ahead that prefetch reads for (1 or 2); 2 also "
         "reads the likeliest experts of the layer after next, predicted by its router on this "
-        "layer's input, with the budget the next layer's reads leave", type=int,
+        "layer's input, with the budget the next layer's reads leave, held to a "
+        "prefetch_precision bar of their own", type=int,
         bounds=dict(low=1, high=2))
     prefetch_budget: Optional[int] = _option(
         None, "most records prefetched per layer (default: measured, what the disk reads "

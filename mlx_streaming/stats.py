@@ -353,15 +353,19 @@ def _prefetch_decision(runtime) -> str:
 
 def _budget_of(runtime):
     """The bandwidth budget of prefetch: records per layer, its inputs, and
-    per layer the least score ``prefetch_precision`` lets it read ahead
-    (None: nothing yet, or a layer no decode call predicts; absent, or all
-    absent: the layer reads every prediction)."""
+    per layer the least score ``prefetch_precision`` lets it read ahead of
+    the predictions made one layer early (``lowest_score``) and two
+    (``lowest_score_two_ahead``) (None: nothing yet, or a layer no decode
+    call predicts; absent, or all absent: the layer reads every
+    prediction)."""
     b = getattr(runtime, "prefetch_budget", None)
     if b is None:
         return None
+    calibration = runtime.prefetch_calibration
+    far = getattr(calibration, "far", None)  # ReadEveryPrediction has none
     return dict(records=b.records, read_gb_per_s=b.rate / 1e9 if b.rate else None,
-                layer_compute_s=b.layer_compute,
-                lowest_score=runtime.prefetch_calibration.lowest_scores())
+                layer_compute_s=b.layer_compute, lowest_score=calibration.lowest_scores(),
+                lowest_score_two_ahead=far.lowest_scores() if far is not None else {})
 
 
 def reset_stats(model) -> None:

@@ -635,6 +635,10 @@ def test_outputs_identical_with_calibrated_prefetch(models, io):
     s = mlx_streaming.stats(model)
     assert s["total"]["prefetch_issued"] > 0
     assert any(v is not None for v in s["prefetch_budget"]["lowest_score"].values())
+    # Predictions two layers early (the default depth) counted on their own.
+    far = model.streaming.prefetch_calibration.far
+    assert any(far.predicted[key].sum() > 0 for key in far.predicted)
+    assert set(s["prefetch_budget"]["lowest_score_two_ahead"])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k3"])

@@ -236,7 +236,8 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     (``precision``, the live ``PrefetchCalibration`` replayed; 0 reads every
     one), at most the budget (the records the disk reads in a layer's
     compute, latency included, as ``PrefetchBudget`` measures it), then
-    with depth 2 the call after next's with the room left. Reads ahead run
+    with depth 2 the call after next's with the room left, held to their
+    own bar (``PrefetchCalibration.bar``). Reads ahead run
     while the layer computes; a call takes what its layer's reads ahead
     read and waits for those in flight. Staging holds 2 x ``width``
     records."""
