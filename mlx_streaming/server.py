@@ -100,16 +100,31 @@ class Admission:
         self.active = 0
         self.lock = threading.Lock()
 
-    def enter(self) -> bool:
+    def enter(self) -> Optional["Ticket"]:
+        """A place for one request, or None when all are taken."""
         with self.lock:
             if self.active >= self.limit:
-                return False
+                return None
             self.active += 1
-            return True
+        return Ticket(self)
 
-    def leave(self) -> None:
-        with self.lock:
-            self.active -= 1
+
+class Ticket:
+    """One admitted request's place. It is given back when the request's
+    last token is generated, before the answer's last bytes go out: a
+    client that has its whole answer and asks again must find the place
+    free (released after the write, it raced the next request into a 429
+    with ``--max-queue 0``). Releasing twice gives it back once."""
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+        self.held = True
+
+    def release(self) -> None:
+        with self.admission.lock:
+            if self.held:
+                self.held = False
+                self.admission.active -= 1
 
 
 class Memo:
@@ -208,17 +223,19 @@ class Service:
 
 def _counting(service: Service, generate):
     """Wrap ``ResponseGenerator.generate`` to record each request's tokens,
-    time to first token and duration."""
+    time to first token and duration, and to give back the request's
+    admission when its last token is out."""
 
     def wrapped(request, args, progress_callback=None):
         start = time.perf_counter()
-        _faults.server = None
+        ticket = getattr(_request, "ticket", None)
+        _request.failure = None
         try:
             ctx, response = generate(request, args, progress_callback)
         except (StreamingError, RuntimeError) as e:
             # mlx-lm answers any failure here with a 404; these are ours
             # (a read error, a dead generation thread), not the request's.
-            _faults.server = e
+            _request.failure = e
             raise
 
         def tokens():
@@ -231,14 +248,17 @@ def _counting(service: Service, generate):
                     yield item
             finally:
                 service.record(n, time.perf_counter() - start, first)
+                if ticket is not None:
+                    ticket.release()
 
         return ctx, tokens()
 
     return wrapped
 
 
-# Per handler thread: the server-side failure behind mlx-lm's error reply.
-_faults = threading.local()
+# Per handler thread: the admitted request's ticket, and the server-side
+# failure behind mlx-lm's error reply.
+_request = threading.local()
 
 
 class _Output:
@@ -284,7 +304,7 @@ def _openai_error(head: bytes, body: bytes) -> bytes:
         return head + body
     status_line, _, rest = head.partition(b"\r\n")
     version = status_line.split(b" ", 1)[0]
-    if getattr(_faults, "server", None) is not None:
+    if getattr(_request, "failure", None) is not None:
         status, kind = b"503 Service Unavailable", "server_error"
     else:  # the model was already checked: what mlx-lm refuses is the request
         status, kind = b"400 Bad Request", "invalid_request_error"
@@ -491,17 +511,20 @@ def make_handler(base):
                 self.wfile.write(reply.replace(b"\r\n", b"\r\n" + extra, 1))
                 self.wfile.flush()
                 return
-            if not self.service.admission.enter():
+            ticket = self.service.admission.enter()
+            if ticket is None:
                 return self._error(429, "the server is busy: too many requests are waiting; "
                                    "retry later", "rate_limit_exceeded",
                                    headers={"Retry-After": "1"})
+            _request.ticket = ticket
             try:
                 # Tokenizing a long prompt is work: only admitted requests do it.
                 field = "prompt" if self.path == "/v1/completions" else "messages"
                 if self._fits_context(body, field):
                     self._generate(raw, key)
             finally:
-                self.service.admission.leave()
+                _request.ticket = None
+                ticket.release()
 
         def _generate(self, raw: bytes, key: Optional[str]):
             self.memo_status = "miss" if key is not None else "off"

@@ -391,3 +391,32 @@ def test_read_error_mid_generation_is_a_500_not_a_traceback(models, tmp_path):
     finally:
         err = s.stop()
     assert "Traceback" not in err and "request failed" in err
+
+
+def test_admission_is_free_once_the_last_token_is_out():
+    """The place is given back when the token iterator ends, before mlx-lm
+    writes the answer's last bytes: released after the write, a client that
+    had its whole answer and asked again raced into a 429 with
+    ``--max-queue 0`` (CI, stop 29). The handler's own release after the
+    write then gives nothing back twice."""
+    from mlx_streaming import server as srv
+
+    class Provider:
+        cli_args = type("Args", (), {"model": "/m"})
+
+    service = srv.Service(Provider(), max_queue=0, memo_mb=0)
+    ticket = service.admission.enter()
+    assert service.admission.enter() is None  # the one place is taken
+    srv._request.ticket = ticket
+    try:
+        wrapped = srv._counting(service, lambda request, args, cb: (None, iter("ab")))
+        _, tokens = wrapped(None, None)
+        assert list(tokens) == ["a", "b"]
+    finally:
+        srv._request.ticket = None
+    again = service.admission.enter()
+    assert again is not None  # free before the handler writes the answer
+    ticket.release()  # the handler's release after the write
+    assert service.admission.active == 1 and service.admission.enter() is None
+    again.release()
+    assert service.admission.active == 0
