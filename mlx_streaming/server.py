@@ -110,11 +110,12 @@ class Admission:
 
 
 class Ticket:
-    """One admitted request's place. It is given back when the request's
-    last token is generated, before the answer's last bytes go out: a
-    client that has its whole answer and asks again must find the place
-    free (released after the write, it raced the next request into a 429
-    with ``--max-queue 0``). Releasing twice gives it back once."""
+    """One admitted request's place. It is given back before the answer's
+    last bytes go out (when the request's last token is generated, or as an
+    error reply is written): a client that has its whole answer and asks
+    again must find the place free (released after the write, it raced the
+    next request into a 429 with ``--max-queue 0``). Releasing twice gives
+    it back once."""
 
     def __init__(self, admission: Admission):
         self.admission = admission
@@ -261,6 +262,14 @@ def _counting(service: Service, generate):
 _request = threading.local()
 
 
+def _release_admission() -> None:
+    """Give back this thread's request's place before its answer's last
+    bytes go out (see ``Ticket``); an error reply is all of its answer."""
+    ticket = getattr(_request, "ticket", None)
+    if ticket is not None:
+        ticket.release()
+
+
 class _Output:
     """What a handler writes, passed through. It turns mlx-lm's own error
     responses (``{"error": "text"}``, a 404 for any request it cannot
@@ -280,6 +289,7 @@ class _Output:
             return len(b)
         if self.held is not None:
             b, self.held = _openai_error(self.held, b), None
+            _release_admission()
         if self.copy is not None:
             self.copy.write(b)
         return self.out.write(b)
@@ -694,6 +704,7 @@ def make_handler(base):
                    param: Optional[str] = None, headers: Optional[dict] = None):
             kind = "server_error" if status >= 500 else {429: "rate_limit_error"}.get(
                 status, "invalid_request_error")
+            _release_admission()
             self._json(status, {"error": {"message": message, "type": kind, "param": param,
                                           "code": code}}, headers)
 

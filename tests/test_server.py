@@ -420,3 +420,27 @@ def test_admission_is_free_once_the_last_token_is_out():
     assert service.admission.active == 1 and service.admission.enter() is None
     again.release()
     assert service.admission.active == 0
+
+
+def test_admission_is_free_when_an_error_reply_is_written():
+    """mlx-lm's own error replies (status line, then body) give the place
+    back as the body goes out, as a finished generation does."""
+    import io
+
+    from mlx_streaming import server as srv
+
+    admission = srv.Admission(max_queue=0)
+    srv._request.ticket = ticket = admission.enter()
+    try:
+        out = srv._Output(io.BytesIO(), record=False)
+        out.write(b"HTTP/1.0 404 Not Found\r\nContent-Type: application/json\r\n\r\n")
+        assert admission.enter() is None  # the status line alone is held
+        out.write(b'{"error": "no"}')
+        assert b"400 Bad Request" in out.out.getvalue()
+        again = admission.enter()
+        assert again is not None
+    finally:
+        srv._request.ticket = None
+    ticket.release()
+    again.release()
+    assert admission.active == 0
