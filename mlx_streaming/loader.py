@@ -54,6 +54,7 @@ from .prefetch import (
     PrefetchControl,
     PrefetchSwitch,
     ReadEveryPrediction,
+    scores_calibrated,
 )
 from .readers import PythonReader, direct_io_works
 from .speculative import SpecStats
@@ -659,10 +660,9 @@ def _ahead(model, runtime: Runtime, store, dims: int):
 
 
 def _calibration(runtime: Runtime, layer: int, scorer):
-    """Scores are calibrated for softmax routers and affinity alone; a
-    sigmoid router's are too flat to bin, so ``layer``, which it predicts,
-    reads every prediction the budget allows."""
-    if scorer is None or scorer.softmax:
+    """The calibration of ``layer``, predicted by ``scorer``
+    (``scores_calibrated``)."""
+    if scores_calibrated(scorer):
         return runtime.prefetch_calibration
     runtime.prefetch_calibration.forget(layer)
     return ReadEveryPrediction()

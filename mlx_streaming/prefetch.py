@@ -14,6 +14,7 @@ for) keeps to the predictions whose scores were used often enough.
 """
 
 import time
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -130,26 +131,32 @@ class NextLayerPrefetch:
             return  # affinity alone, and nothing counted yet: no guess worth a read
         # A sigmoid router's softmax is flat (scores within ~1 of each other):
         # weighed, affinity would decide alone. It keeps its own order.
-        if self.affinity is not None and (self.scorer is None or self.scorer.softmax):
+        softmax = scores_calibrated(self.scorer)
+        if self.affinity is not None and softmax:
             probs = probs * self.affinity.weights(self.layer, rows)
         ranked, ranked_scores, order, scores = self._candidates(probs, self.next_store)
-        order = self.calibration.select(self.next_store.layer, order, scores, len(rows))
-        order = order[: self.budget.records]
+        layer = self.next_store.layer
+        picked = self.calibration.select(layer, order, scores, len(rows))
+
+        def share(expert):
+            return self.calibration.used_share(layer, scores[order == expert][0], len(rows))
+
+        order = within_budget(picked, self.budget.records, self.budget.spare, share)
         issued = self.next_store.stage(order)
-        softmax = self.scorer is None or self.scorer.softmax  # as _calibration chose
         self.events.on_predict(self.next_store.layer, ranked, ranked_scores, 1, softmax)
         self.events.on_prefetch(self.next_store.layer, issued=issued)
         # The budget is reads in this layer's compute time: those of the
         # next layer's records that the layer before staged two layers
         # early (skipped now) were read in its time.
-        room = self.budget.records - issued
+        room = self.budget.records - issued - (len(order) > self.budget.records)
         if self.after is not None and len(predicted) > 1 and room > 0:
             scorer, store, calibration = self.after
             probs = np.array(predicted[1]).reshape(len(rows), -1)
             ranked, ranked_scores, order, scores = self._candidates(probs, store)
             order = calibration.bar(store.layer, order, scores, len(rows))[:room]
             self.events.on_prefetch(store.layer, issued=store.stage(order))
-            self.events.on_predict(store.layer, ranked, ranked_scores, 2, scorer.softmax)
+            self.events.on_predict(store.layer, ranked, ranked_scores, 2,
+                                   scores_calibrated(scorer))
 
     def _candidates(self, probs: np.ndarray, store):
         """The ``width`` best of each row and their scores, and the distinct
@@ -162,6 +169,29 @@ class NextLayerPrefetch:
         scale = probs.shape[-1]
         scores = probs.max(axis=0)[order] * scale
         return ranked, np.take_along_axis(probs, ranked, -1) * scale, order, scores
+
+
+def within_budget(order: np.ndarray, records: int, spare: float, share) -> np.ndarray:
+    """The reads ahead of ``order`` (best first) that the budget allows:
+    the first ``records``, which the disk reads within the layer's compute,
+    and the one after them if the chance that it is used (``share(e)``,
+    None where unknown) is at least 1 - ``spare``. The disk reads only
+    ``spare`` of that record within the compute, and the rest runs into the
+    next layer's demand reads: used, it saved them ``spare`` of a read;
+    wasted, it cost them the rest. This is what a disk several times
+    slower than a layer's compute (a Mac's SSD against its GPU, budget 0)
+    can still read ahead."""
+    if len(order) <= records or spare <= 0:
+        return order[:records]
+    p = share(int(order[records]))
+    return order[: records + (p is not None and p >= 1 - spare)]
+
+
+def scores_calibrated(scorer) -> bool:
+    """Whether predictions from ``scorer`` (None: affinity alone) are binned
+    by score: a softmax router's are, a sigmoid router's are too flat to
+    bin, so the layer it predicts reads every prediction the budget allows."""
+    return scorer is None or scorer.softmax
 
 
 def rank_order(ids: np.ndarray) -> np.ndarray:
@@ -260,6 +290,9 @@ class PrefetchBudget(Learner):
         self.smoothing = smoothing
         # A budget the user fixed (load's prefetch_budget) is never measured.
         self.records = 0 if fixed is None else fixed
+        # The share of one more record the disk reads within a layer's
+        # compute (``within_budget``).
+        self.spare = 0.0
         self.rate = None  # bytes per second
         self._mean_bytes = self._mean_busy = None
         self.layer_compute = None  # seconds
@@ -299,10 +332,8 @@ class PrefetchBudget(Learner):
         self._read_at_last = read
         self._stall = 0.0
         if self.rate is not None and self.layer_compute is not None:
-            self._set(int(self.rate * self.layer_compute // self.record_bytes))
-
-    def _set(self, records: int) -> None:
-        self.records = records
+            cover = self.rate * self.layer_compute / self.record_bytes
+            self.records, self.spare = int(cover), cover - int(cover)
 
 
 class PrefetchSwitch(Learner):
@@ -435,6 +466,9 @@ class ReadEveryPrediction(Learner):
     def forget(self, layer) -> None:
         pass
 
+    def used_share(self, layer, score, rows):
+        return None  # nothing is counted
+
     def lowest_scores(self) -> dict:
         return {}
 
@@ -515,6 +549,17 @@ class PrefetchCalibration(Learner):
         if self.far is None:  # this is the far calibration itself
             return self.select(layer, order, scores, rows)
         return self.far.select(layer, order, scores, rows)
+
+    def used_share(self, layer, score, rows) -> Optional[float]:
+        """The chance that a prediction of ``layer`` scoring ``score`` (from
+        a call of ``rows`` tokens) is used: its bin's share used, counted
+        with one used and one unused more (a bin of few counts, common
+        early and in a short text, is neither trusted nor refused outright)."""
+        key = (layer, rows > 1)
+        if key not in self.predicted:
+            return None
+        b = np.searchsorted(self.EDGES, score, side="right")
+        return float((self.used[key][b] + 1) / (self.predicted[key][b] + 2))
 
     def _above_bar(self, layer, order, bins, rows):
         return order[bins >= self.lowest[(layer, rows > 1)]]

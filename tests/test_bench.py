@@ -248,6 +248,8 @@ def test_bench_overhead_and_simulate(models, tmp_path):
     # Prefetch is projected only where pools page (resident: mlx-lm's decode),
     # and its staging area (two layers' predictions) comes out of the pools.
     assert all(r["pool"] < 1 for r in fitted if r["prefetch"] != "off")
+    # Each prefetch row says how many records a layer's compute can read.
+    assert all((r["budget"] is None) == (r["prefetch"] == "off") for r in fitted if r["pool"] < 1)
     from mlx_streaming.bench.simulate import SHAPES
 
     shapes = {shape.name: shape for shape in SHAPES.values()}
@@ -521,6 +523,7 @@ def test_simulator_reads_ahead_no_more_than_prefetchs_budget():
     on = project_case(**common, prefetch=1)
     assert on["stall_s"] == pytest.approx(1e-3)
     assert on["wasted"] == pytest.approx(0.5)
+    assert on["budget"] == pytest.approx(2)  # reported: the projection's table shows it
 
 
 def test_simulator_reads_two_layers_ahead_with_the_room_left():
@@ -559,6 +562,30 @@ def test_simulator_replays_prefetchs_calibration():
     held = project_case(**common, precision=0.6)
     assert held["wasted"] == 0 and held["stall_s"] == 0
     assert project_case(**dict(common, prefetch=0))["stall_s"] == pytest.approx(4e-3)
+
+
+def test_simulator_reads_a_record_the_compute_partly_covers():
+    from mlx_streaming.bench.simulate import project_case
+
+    # A layer's compute (0.8 ms) covers 0.8 of a record's read (1 ms): no
+    # whole record fits. The prediction names the call's two experts at a
+    # score of 8 (always used) first: one is read ahead, ending 0.2 ms into
+    # the next call, whose other miss is read after it: 1.2 ms stalled
+    # where off stalls 2 ms (and a budget of whole records read nothing).
+    def ranked(i):
+        return [2 * i % 6, 2 * i % 6 + 1, 6, 7]
+
+    calls = _cycling_calls(layers=(0, 1), ranked=ranked, scores=[8.0, 8.0, 1.5, 1.5])
+    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.0016, moe_layers=2,
+                  width=4, prefetch=1, precision=0.6)
+    assert project_case(**dict(common, prefetch=0))["stall_s"] == pytest.approx(4e-3)
+    on = project_case(**common)
+    assert on["budget"] == pytest.approx(0.8)
+    assert on["stall_s"] == pytest.approx(2.4e-3) and on["wasted"] == 0
+    # Predictions that are never used are not read: off's stall.
+    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7, 8, 9],
+                           scores=[8.0, 8.0, 1.5, 1.5])
+    assert project_case(**dict(common, calls=calls))["stall_s"] == pytest.approx(4e-3)
 
 
 def test_projection_mixes_the_two_whole_pools_around_a_fraction_of_a_slot():

@@ -611,6 +611,72 @@ def test_prefetch_calibration_gates_the_reads_of_each_layer(models, io):
     assert s["prefetch_budget"]["lowest_score"][layers[2]] is None
 
 
+def test_within_budget_reads_a_partly_covered_record_when_likely_used():
+    """The whole records the compute reads, then one more if its chance of
+    use is at least the share of it the compute does not cover."""
+    from mlx_streaming.prefetch import within_budget
+
+    order = np.array([5, 3, 9])
+    chance = {5: 0.9, 3: 0.7, 9: 0.1}.get
+    assert within_budget(order, 1, 0.0, chance).tolist() == [5]  # covered: none
+    assert within_budget(order, 1, 0.25, chance).tolist() == [5]  # 3: 0.7 < 0.75
+    assert within_budget(order, 1, 0.35, chance).tolist() == [5, 3]  # 0.7 >= 0.65
+    assert within_budget(order, 0, 0.2, chance).tolist() == [5]  # 0.9 >= 0.8
+    assert within_budget(order, 0, 0.05, chance).tolist() == []  # 0.9 < 0.95
+    assert within_budget(order, 0, 0.9, lambda e: None).tolist() == []  # not known: not read
+    assert within_budget(order, 5, 0.9, chance).tolist() == [5, 3, 9]
+
+
+def test_prefetch_budget_keeps_the_share_of_a_record_its_compute_covers():
+    clock, meter = FakeClock(), FakeMeter()
+    budget = _budget(4, clock, meter)
+    for _ in range(2):
+        budget.on_call(0, 1)
+        meter.read(12_000_000, 0.06)  # 200 MB/s
+        budget.on_stall(2, 0.06)
+        clock.now += 0.11  # 50 ms of compute over 4 layers: 12.5 ms each
+    budget.on_call(0, 1)
+    assert budget.records == 2 and budget.spare == pytest.approx(0.5)  # 2.5 records
+
+
+def test_calibration_chance_of_use_is_smoothed_per_bin():
+    from mlx_streaming.prefetch import PrefetchCalibration
+
+    calibration = PrefetchCalibration([0], target=0.5)
+    assert calibration.used_share(0, 8.0, 1) == pytest.approx(0.5)  # nothing counted
+    assert calibration.used_share(7, 8.0, 1) is None  # not a calibrated layer
+    for _ in range(8):  # score 8 always used, score 1.5 never
+        calibration.select(0, np.array([1, 2]), np.array([8.0, 1.5]), 1)
+        calibration.on_route(0, np.array([[1, 4]]), np.array([1, 4]))
+    assert calibration.used_share(0, 8.0, 1) == pytest.approx(9 / 10)
+    assert calibration.used_share(0, 1.5, 1) == pytest.approx(1 / 10)
+    assert calibration.used_share(0, 8.0, 2) == pytest.approx(0.5)  # several tokens: apart
+
+
+@pytest.mark.parametrize("io", IO_PATHS_ALL)
+def test_prefetch_reads_a_partly_covered_record_where_whole_ones_do_not_fit(models, io):
+    """A budget of no whole record (a disk slower than a layer's compute)
+    still reads ahead one record a call where its chance of use is high
+    enough for the share of it the compute covers; none where it is not."""
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
+                                  prefetch_budget=0, prefetch_precision=0.5,
+                                  prefetch_depth=1)
+    runtime = model.streaming
+    layers = [s.layer for s in runtime.stores]
+    calibration = runtime.prefetch_calibration
+    calibration._lowest = lambda key: 0  # every prediction passes the bar
+    calibration.lowest.update({k: 0 for k in calibration.lowest})
+    calibration.used_share = lambda layer, score, rows: 0.9 if layer == layers[1] else 0.5
+    steps = 10
+    assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
+               .values())  # no share of a record covered: nothing
+    runtime.prefetch_budget.spare = 0.2  # 0.9 >= 1 - 0.2; 0.5 is not
+    s = _stats_of_decode(model, steps)
+    assert 0 < s["layers"][layers[1]]["prefetch_issued"] <= steps
+    assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
+
+
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
 
 

@@ -56,7 +56,7 @@ from ..config import (DEFAULT_POLICY, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_P
                       StreamConfig)
 from ..format import read_manifest
 from ..policy import make_policy
-from ..prefetch import PrefetchCalibration, ReadEveryPrediction, rank_order
+from ..prefetch import PrefetchCalibration, ReadEveryPrediction, rank_order, within_budget
 from .cache import Call, decode_records, replay_misses
 from .case import WARMUP_TOKENS
 from .common import BenchError, figure, finish, paired_ratio, run_case
@@ -235,9 +235,10 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     the next call's non-resident candidates held to the calibration's bar
     (``precision``, the live ``PrefetchCalibration`` replayed; 0 reads every
     one), at most the budget (the records the disk reads in a layer's
-    compute, latency included, as ``PrefetchBudget`` measures it), then
-    with depth 2 the call after next's with the room left, held to their
-    own bar (``PrefetchCalibration.bar``). Reads ahead run
+    compute, latency included, as ``PrefetchBudget`` measures it, and one
+    more that the compute partly covers where ``within_budget`` takes it),
+    then with depth 2 the call after next's with the room left, held to
+    their own bar (``PrefetchCalibration.bar``). Reads ahead run
     while the layer computes; a call takes what its layer's reads ahead
     read and waits for those in flight. Staging holds 2 x ``width``
     records."""
@@ -250,7 +251,8 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     record_s = scale * expert_bytes / ssd_gbps / 1e9
     # A read ahead is a read of its own: its latency each time.
     ahead_s = scale * ssd_latency_s + record_s
-    budget = int(layer_compute // ahead_s)
+    cover = layer_compute / ahead_s
+    budget, spare = int(cover), cover - int(cover)
     misses, resident = _replay_pools(calls, layers, tokens, fraction, policy)
     # A sigmoid router's layer reads every prediction, as the loader gives it.
     sigmoid = {l for l in layers if any(c.sigmoid_router for c in calls[l])}
@@ -277,7 +279,8 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
             lookups += call.ids.size
         clock += stall
         if prefetch:
-            _issue(disk, judges, calls, resident, order[i + 1:i + 1 + prefetch], budget, clock)
+            _issue(disk, judges, calls, resident, order[i + 1:i + 1 + prefetch], budget, spare,
+                   clock)
         clock += span
     per_token = moe_layers / len(layers) / max(1, tokens - skip)  # traced calls -> a token's
     stall_s = stall_sum * per_token
@@ -286,7 +289,7 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     return dict(seconds=seconds, tps=1 / seconds, stall_s=stall_s, hit_rate=hits / lookups,
                 read_s=read_sum * per_token, read_ahead=ahead,
                 wasted=(ahead - taken) / ahead if ahead else None,
-                read_ahead_per_token=ahead * scale * per_token)
+                read_ahead_per_token=ahead * scale * per_token, budget=cover)
 
 
 def _layer_experts(seq: List[Call]) -> int:
@@ -349,23 +352,30 @@ def _call(disk: Disk, clock: float, layer: int, call: Call, missed, scale: float
     return max(0.0, read - hidden), read, len(from_stage)
 
 
-def _issue(disk: Disk, judges, calls, resident, ahead, budget: int, now: float) -> None:
-    """A call's reads ahead: the next call's predictions within the budget,
-    then (depth 2) the one after's with the room left, as
-    ``NextLayerPrefetch.issue``; ``judges`` holds each layer's calibration."""
+def _issue(disk: Disk, judges, calls, resident, ahead, budget: int, spare: float,
+           now: float) -> None:
+    """A call's reads ahead: the next call's predictions within the budget
+    (``within_budget``), then (depth 2) the one after's with the room left,
+    as ``NextLayerPrefetch.issue``; ``judges`` holds each layer's
+    calibration."""
     room = budget
     for distance, (t, layer) in enumerate(ahead, 1):
         call = calls[layer][t]
         ranked, scores = ((call.ranked, call.scores) if distance == 1
                           else (call.ranked2, call.scores2))
-        if ranked is None or room <= 0:
+        partial = distance == 1 and spare > 0  # a record the compute partly covers
+        if ranked is None or (room <= 0 and not partial):
             return
         if scores is None:
             scores = np.ones(ranked.shape)
         order, order_scores = _candidates(ranked, scores, resident[layer][t])
         rows = len(call.ids)
         if distance == 1:
-            order = judges[layer].select(layer, order, order_scores, rows)[:budget]
+            picked = judges[layer].select(layer, order, order_scores, rows)
+            share = dict(zip(order.tolist(), order_scores.tolist()))
+            order = within_budget(picked, budget, spare,
+                                  lambda e: judges[layer].used_share(layer, share[e], rows))
+            room -= len(order) > budget  # a record partly read in the compute leaves none
         else:
             order = judges[layer].bar(layer, order, order_scores, rows)[:room]
         room -= disk.stage(layer, order, now, t)
@@ -602,14 +612,16 @@ def project(args) -> dict:
                                   precision=precision)
                 rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
-                                 read_ahead=p["read_ahead_per_token"]))
+                                 read_ahead=p["read_ahead_per_token"],
+                                 budget=p["budget"] if depth else None))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
                   shapes={k: asdict(v) for k, v in SHAPES.items()}, trace=str(trace))
     cols = [("machine", "machine", "s"), ("model", "model", "s"), ("policy", "policy", "s"),
             ("spine_gb", "spine GB", ".1f"), ("experts_gb", "experts GB", ".0f"),
             ("pool", "pool", ".0%"), ("hit_rate", "hit", ".0%"),
             ("prefetch", "prefetch", "s"), ("projected_tps", "projected tok/s", ".3g"),
-            ("read_share", "reads", ".0%"), ("read_ahead", "read ahead / token", ".1f")]
+            ("read_share", "reads", ".0%"), ("read_ahead", "read ahead / token", ".1f"),
+            ("budget", "budget (records / layer)", ".2f")]
     title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
 
