@@ -137,18 +137,16 @@ class NextLayerPrefetch:
         ranked, ranked_scores, order, scores = self._candidates(probs, self.next_store)
         layer = self.next_store.layer
         picked = self.calibration.select(layer, order, scores, len(rows))
-
-        def share(expert):
-            return self.calibration.used_share(layer, scores[order == expert][0], len(rows))
-
-        order = within_budget(picked, self.budget.records, self.budget.spare, share)
+        score_of = dict(zip(order.tolist(), scores.tolist()))
+        order = within_budget(picked, self.budget.records, self.budget.spare,
+                              lambda e: self.calibration.used_share(layer, score_of[e], len(rows)))
         issued = self.next_store.stage(order)
         self.events.on_predict(self.next_store.layer, ranked, ranked_scores, 1, softmax)
         self.events.on_prefetch(self.next_store.layer, issued=issued)
         # The budget is reads in this layer's compute time: those of the
         # next layer's records that the layer before staged two layers
         # early (skipped now) were read in its time.
-        room = self.budget.records - issued - (len(order) > self.budget.records)
+        room = self.budget.records - issued  # below 0 where a partly covered one was read
         if self.after is not None and len(predicted) > 1 and room > 0:
             scorer, store, calibration = self.after
             probs = np.array(predicted[1]).reshape(len(rows), -1)
@@ -171,19 +169,20 @@ class NextLayerPrefetch:
         return ranked, np.take_along_axis(probs, ranked, -1) * scale, order, scores
 
 
-def within_budget(order: np.ndarray, records: int, spare: float, share) -> np.ndarray:
+def within_budget(order: np.ndarray, records: int, spare: float, chance) -> np.ndarray:
     """The reads ahead of ``order`` (best first) that the budget allows:
     the first ``records``, which the disk reads within the layer's compute,
-    and the one after them if the chance that it is used (``share(e)``,
-    None where unknown) is at least 1 - ``spare``. The disk reads only
-    ``spare`` of that record within the compute, and the rest runs into the
-    next layer's demand reads: used, it saved them ``spare`` of a read;
-    wasted, it cost them the rest. This is what a disk several times
-    slower than a layer's compute (a Mac's SSD against its GPU, budget 0)
-    can still read ahead."""
+    and the one after them if the chance that it is used (``chance(e)``)
+    is at least 1 - ``spare``. The disk reads only ``spare`` of that record
+    within the compute, and the rest runs into the next layer's demand
+    reads: used, it saved them ``spare`` of a read; wasted, it cost them
+    the rest. This is what a disk slower than a layer's compute (a Mac's
+    SSD against its GPU: no whole record) can still read ahead. Where the
+    chance is not known (None: ``prefetch_precision=0``, and the layers a
+    sigmoid router predicts, whose scores are not binned) it is not read."""
     if len(order) <= records or spare <= 0:
         return order[:records]
-    p = share(int(order[records]))
+    p = chance(int(order[records]))
     return order[: records + (p is not None and p >= 1 - spare)]
 
 

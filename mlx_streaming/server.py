@@ -229,7 +229,7 @@ def _counting(service: Service, generate):
 
     def wrapped(request, args, progress_callback=None):
         start = time.perf_counter()
-        ticket = getattr(_request, "ticket", None)
+        ticket = _request.ticket
         _request.failure = None
         try:
             ctx, response = generate(request, args, progress_callback)
@@ -248,26 +248,31 @@ def _counting(service: Service, generate):
                     n += 1
                     yield item
             finally:
-                service.record(n, time.perf_counter() - start, first)
                 if ticket is not None:
                     ticket.release()
+                service.record(n, time.perf_counter() - start, first)
 
         return ctx, tokens()
 
     return wrapped
 
 
-# Per handler thread: the admitted request's ticket, and the server-side
-# failure behind mlx-lm's error reply.
-_request = threading.local()
+class _Request(threading.local):
+    """Per handler thread: the admitted request's ticket, and the
+    server-side failure behind mlx-lm's error reply."""
+
+    ticket: Optional[Ticket] = None
+    failure: Optional[Exception] = None
+
+
+_request = _Request()
 
 
 def _release_admission() -> None:
     """Give back this thread's request's place before its answer's last
     bytes go out (see ``Ticket``); an error reply is all of its answer."""
-    ticket = getattr(_request, "ticket", None)
-    if ticket is not None:
-        ticket.release()
+    if _request.ticket is not None:
+        _request.ticket.release()
 
 
 class _Output:
@@ -314,7 +319,7 @@ def _openai_error(head: bytes, body: bytes) -> bytes:
         return head + body
     status_line, _, rest = head.partition(b"\r\n")
     version = status_line.split(b" ", 1)[0]
-    if getattr(_request, "failure", None) is not None:
+    if _request.failure is not None:
         status, kind = b"503 Service Unavailable", "server_error"
     else:  # the model was already checked: what mlx-lm refuses is the request
         status, kind = b"400 Bad Request", "invalid_request_error"
@@ -493,6 +498,7 @@ def make_handler(base):
             try:
                 if isinstance(out, _Output) and out.started:
                     # Headers went out: end the stream with an error event.
+                    _release_admission()
                     event = {"error": {"message": message, "type": "server_error"}}
                     out.write(f"data: {json.dumps(event)}\n\n".encode())
                     out.flush()

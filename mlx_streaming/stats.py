@@ -352,7 +352,8 @@ def _prefetch_decision(runtime) -> str:
 
 
 def _budget_of(runtime):
-    """The bandwidth budget of prefetch: records per layer, its inputs, and
+    """The bandwidth budget of prefetch: whole records per layer, the share
+    of one more that a layer's compute covers (``spare``), its inputs, and
     per layer the least score ``prefetch_precision`` lets it read ahead of
     the predictions made one layer early (``lowest_score``) and two
     (``lowest_score_two_ahead``) (None: nothing yet, or a layer no decode
@@ -363,7 +364,8 @@ def _budget_of(runtime):
         return None
     calibration = runtime.prefetch_calibration
     far = getattr(calibration, "far", None)  # ReadEveryPrediction has none
-    return dict(records=b.records, read_gb_per_s=b.rate / 1e9 if b.rate else None,
+    return dict(records=b.records, spare=b.spare,
+                read_gb_per_s=b.rate / 1e9 if b.rate else None,
                 layer_compute_s=b.layer_compute, lowest_score=calibration.lowest_scores(),
                 lowest_score_two_ahead=far.lowest_scores() if far is not None else {})
 

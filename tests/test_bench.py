@@ -249,7 +249,7 @@ def test_bench_overhead_and_simulate(models, tmp_path):
     # and its staging area (two layers' predictions) comes out of the pools.
     assert all(r["pool"] < 1 for r in fitted if r["prefetch"] != "off")
     # Each prefetch row says how many records a layer's compute can read.
-    assert all((r["budget"] is None) == (r["prefetch"] == "off") for r in fitted if r["pool"] < 1)
+    assert all((r["cover"] is None) == (r["prefetch"] == "off") for r in fitted if r["pool"] < 1)
     from mlx_streaming.bench.simulate import SHAPES
 
     shapes = {shape.name: shape for shape in SHAPES.values()}
@@ -523,7 +523,7 @@ def test_simulator_reads_ahead_no_more_than_prefetchs_budget():
     on = project_case(**common, prefetch=1)
     assert on["stall_s"] == pytest.approx(1e-3)
     assert on["wasted"] == pytest.approx(0.5)
-    assert on["budget"] == pytest.approx(2)  # reported: the projection's table shows it
+    assert on["cover"] == pytest.approx(2)  # reported: the projection's table shows it
 
 
 def test_simulator_reads_two_layers_ahead_with_the_room_left():
@@ -580,12 +580,20 @@ def test_simulator_reads_a_record_the_compute_partly_covers():
                   width=4, prefetch=1, precision=0.6)
     assert project_case(**dict(common, prefetch=0))["stall_s"] == pytest.approx(4e-3)
     on = project_case(**common)
-    assert on["budget"] == pytest.approx(0.8)
+    assert on["cover"] == pytest.approx(0.8)
     assert on["stall_s"] == pytest.approx(2.4e-3) and on["wasted"] == 0
-    # Predictions that are never used are not read: off's stall.
-    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7, 8, 9],
-                           scores=[8.0, 8.0, 1.5, 1.5])
-    assert project_case(**dict(common, calls=calls))["stall_s"] == pytest.approx(4e-3)
+    # A prediction used 3 times in 4 passes the bar (0.6) and is read where
+    # the compute covers 0.8 of it (0.75 >= 0.2), not where it covers 0.2
+    # (0.75 < 0.8): there the stall is off's.
+    def sometimes(i):
+        return [6, 7] if i % 4 == 1 else [2 * i % 6, 2 * i % 6 + 1]
+
+    calls = _cycling_calls(layers=(0, 1), ranked=sometimes, scores=[8.0, 1.5])
+    covered = project_case(**dict(common, calls=calls))
+    assert covered["read_ahead"] > 0 and covered["stall_s"] < 4e-3
+    short = project_case(**dict(common, calls=calls, compute_s=0.0004))
+    assert short["cover"] == pytest.approx(0.2)
+    assert short["read_ahead"] == 0 and short["stall_s"] == pytest.approx(4e-3)
 
 
 def test_projection_mixes_the_two_whole_pools_around_a_fraction_of_a_slot():

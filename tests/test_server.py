@@ -431,6 +431,7 @@ def test_admission_is_free_when_an_error_reply_is_written():
 
     admission = srv.Admission(max_queue=0)
     srv._request.ticket = ticket = admission.enter()
+    srv._request.failure = None  # the request's, not a failure of the server
     try:
         out = srv._Output(io.BytesIO(), record=False)
         out.write(b"HTTP/1.0 404 Not Found\r\nContent-Type: application/json\r\n\r\n")
@@ -443,4 +444,38 @@ def test_admission_is_free_when_an_error_reply_is_written():
         srv._request.ticket = None
     ticket.release()
     again.release()
+    assert admission.active == 0
+
+
+def test_admission_is_free_before_the_servers_own_error_reply_goes_out():
+    """The server's own refusals of an admitted request (a prompt longer
+    than the context, a failure) give its place back before their first
+    byte."""
+    import io
+    from types import SimpleNamespace
+
+    import mlx_lm.server as mlx_server
+
+    from mlx_streaming import server as srv
+
+    admission = srv.Admission(max_queue=0)
+    active = []
+
+    class Out(io.BytesIO):
+        def write(self, b):
+            active.append(admission.active)
+            return super().write(b)
+
+    handler = object.__new__(srv.make_handler(mlx_server.APIHandler))
+    handler.wfile, handler.headers = Out(), {}
+    handler.request_version, handler.requestline = "HTTP/1.1", "POST /v1/completions HTTP/1.1"
+    handler.response_generator = SimpleNamespace(cli_args=SimpleNamespace(allowed_origins=[]))
+    srv._request.ticket = ticket = admission.enter()
+    try:
+        handler._error(400, "the prompt is longer than the model's context")
+    finally:
+        srv._request.ticket = None
+    assert handler.wfile.getvalue().split(b" ", 2)[1] == b"400"
+    assert active and set(active) == {0}
+    ticket.release()
     assert admission.active == 0

@@ -289,7 +289,7 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     return dict(seconds=seconds, tps=1 / seconds, stall_s=stall_s, hit_rate=hits / lookups,
                 read_s=read_sum * per_token, read_ahead=ahead,
                 wasted=(ahead - taken) / ahead if ahead else None,
-                read_ahead_per_token=ahead * scale * per_token, budget=cover)
+                read_ahead_per_token=ahead * scale * per_token, cover=cover)
 
 
 def _layer_experts(seq: List[Call]) -> int:
@@ -372,10 +372,9 @@ def _issue(disk: Disk, judges, calls, resident, ahead, budget: int, spare: float
         rows = len(call.ids)
         if distance == 1:
             picked = judges[layer].select(layer, order, order_scores, rows)
-            share = dict(zip(order.tolist(), order_scores.tolist()))
+            score_of = dict(zip(order.tolist(), order_scores.tolist()))
             order = within_budget(picked, budget, spare,
-                                  lambda e: judges[layer].used_share(layer, share[e], rows))
-            room -= len(order) > budget  # a record partly read in the compute leaves none
+                                  lambda e: judges[layer].used_share(layer, score_of[e], rows))
         else:
             order = judges[layer].bar(layer, order, order_scores, rows)[:room]
         room -= disk.stage(layer, order, now, t)
@@ -613,7 +612,7 @@ def project(args) -> dict:
                 rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
                                  read_ahead=p["read_ahead_per_token"],
-                                 budget=p["budget"] if depth else None))
+                                 cover=p["cover"] if depth else None))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
                   shapes={k: asdict(v) for k, v in SHAPES.items()}, trace=str(trace))
     cols = [("machine", "machine", "s"), ("model", "model", "s"), ("policy", "policy", "s"),
@@ -621,7 +620,7 @@ def project(args) -> dict:
             ("pool", "pool", ".0%"), ("hit_rate", "hit", ".0%"),
             ("prefetch", "prefetch", "s"), ("projected_tps", "projected tok/s", ".3g"),
             ("read_share", "reads", ".0%"), ("read_ahead", "read ahead / token", ".1f"),
-            ("budget", "budget (records / layer)", ".2f")]
+            ("cover", "records a layer's compute reads", ".2f")]
     title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
 
