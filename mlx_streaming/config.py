@@ -115,8 +115,9 @@ class StreamConfig:
         "prefetch_precision bar of their own", type=int,
         bounds=dict(low=1, high=2))
     prefetch_budget: Optional[int] = _option(
-        None, "most records prefetched per layer (default: measured, what the disk reads "
-        "in one layer's compute time)", type=int,
+        None, "whole records prefetched per layer (default: measured, what the disk reads "
+        "in one layer's compute time, and one more that it reads only part of where its "
+        "chance of use is at least the part it does not)", type=int,
         bounds=dict(low=0, high=MAX_BUDGET, optional=True))
     prefetch_precision: float = _option(
         DEFAULT_PREFETCH_PRECISION, "least share of a layer's reads ahead that it must use: "
