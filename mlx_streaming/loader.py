@@ -99,7 +99,9 @@ class Runtime:
         else:
             self.prefetch_switch = AlwaysOn()
         self.prefetch_budget = None
-        self.prefetch_calibration = ReadEveryPrediction()
+        # Every prediction read (precision 0, and the layers a sigmoid router
+        # predicts), with the chance of use counted by rank.
+        self.prefetch_calibration = self.prefetch_ranks = ReadEveryPrediction()
         self.prefetch_affinity = None
         if config.prefetch != "off" and self.paged:
             self.prefetch_budget = PrefetchBudget(
@@ -113,6 +115,7 @@ class Runtime:
                     [(a.layer, a.num_experts, b.layer, b.num_experts)
                      for a, b in _prefetch_pairs(layers)])
                 learners.append(self.prefetch_affinity)
+            learners.append(self.prefetch_ranks)
             if config.prefetch_precision > 0:
                 self.prefetch_calibration = PrefetchCalibration(
                     [l.layer for l in manifest.layers if not _is_mtp(l)],
@@ -665,7 +668,7 @@ def _calibration(runtime: Runtime, layer: int, scorer):
     if scores_calibrated(scorer):
         return runtime.prefetch_calibration
     runtime.prefetch_calibration.forget(layer)
-    return ReadEveryPrediction()
+    return runtime.prefetch_ranks
 
 
 def _is_mtp(spec: LayerSpec) -> bool:

@@ -137,9 +137,8 @@ class NextLayerPrefetch:
         ranked, ranked_scores, order, scores = self._candidates(probs, self.next_store)
         layer = self.next_store.layer
         picked = self.calibration.select(layer, order, scores, len(rows))
-        score_of = dict(zip(order.tolist(), scores.tolist()))
         order = within_budget(picked, self.budget.records, self.budget.spare,
-                              lambda e: self.calibration.used_share(layer, score_of[e], len(rows)))
+                              lambda e: self.calibration.used_share(layer, e, len(rows)))
         issued = self.next_store.stage(order)
         self.events.on_predict(self.next_store.layer, ranked, ranked_scores, 1, softmax)
         self.events.on_prefetch(self.next_store.layer, issued=issued)
@@ -178,8 +177,7 @@ def within_budget(order: np.ndarray, records: int, spare: float, chance) -> np.n
     reads: used, it saved them ``spare`` of a read; wasted, it cost them
     the rest. This is what a disk slower than a layer's compute (a Mac's
     SSD against its GPU: no whole record) can still read ahead. Where the
-    chance is not known (None: ``prefetch_precision=0``, and the layers a
-    sigmoid router predicts, whose scores are not binned) it is not read."""
+    chance is not known yet (None: nothing counted) it is not read."""
     if len(order) <= records or spare <= 0:
         return order[:records]
     p = chance(int(order[records]))
@@ -452,21 +450,65 @@ class PrefetchSwitch(Learner):
         self.decision = decision
 
 
+def _smoothed(used: float, counted: float) -> float:
+    """A share used, with one used and one unused prediction more: a bin of
+    few counts, common early and in a short text, is neither trusted nor
+    refused outright."""
+    return float((used + 1) / (counted + 2))
+
+
 class ReadEveryPrediction(Learner):
-    """``prefetch_precision=0``: every prediction is worth a read (within
-    the bandwidth budget)."""
+    """``prefetch_precision=0``, and the layers a sigmoid router predicts:
+    every prediction is worth a read (within the bandwidth budget). For the
+    record that the budget covers only in part (``within_budget``) it counts
+    how often each rank of a layer's candidates was used: its chance."""
+
+    RANKS = 64  # ranks counted; those past it count as the last
+    WINDOW = 4096  # predictions a layer counts before its counts halve
+
+    def __init__(self):
+        self.counted = {}  # (layer, several tokens) -> predictions per rank
+        self.used = {}
+        self._pending = {}  # layer -> (candidates, tokens)
 
     def select(self, layer, order, scores, rows):
+        self._pending[layer] = (order, rows)
         return order
 
     def bar(self, layer, order, scores, rows):
-        return order
+        return order  # two layers early: not counted (no partly covered read)
 
     def forget(self, layer) -> None:
         pass
 
-    def used_share(self, layer, score, rows):
-        return None  # nothing is counted
+    def on_route(self, layer, ids, experts):
+        pending = self._pending.pop(layer, None)
+        if pending is None:
+            return
+        order, rows = pending
+        if ids.reshape(-1, ids.shape[-1]).shape[0] != rows:
+            return  # judged only by a call of as many tokens, as the calibration does
+        key = (layer, rows > 1)
+        routed = set(experts.tolist())
+        ranks = np.minimum(np.arange(len(order)), self.RANKS - 1)
+        used = np.fromiter((e in routed for e in order.tolist()), bool, len(order))
+        counted = self.counted.setdefault(key, np.zeros(self.RANKS))
+        np.add.at(counted, ranks, 1.0)
+        np.add.at(self.used.setdefault(key, np.zeros(self.RANKS)), ranks, used)
+        if counted.sum() > self.WINDOW:  # as the calibration's: the text can move them
+            counted /= 2
+            self.used[key] /= 2
+
+    def used_share(self, layer, expert, rows) -> Optional[float]:
+        """The chance that ``expert``, a candidate of ``layer``'s last
+        selection, is used: the share used of its rank's predictions so far
+        (None before any was counted)."""
+        key = (layer, rows > 1)
+        pending = self._pending.get(layer)
+        if key not in self.counted or pending is None:
+            return None
+        rank = min(int(np.flatnonzero(pending[0] == expert)[0]), self.RANKS - 1)
+        return _smoothed(self.used[key][rank], self.counted[key][rank])
 
     def lowest_scores(self) -> dict:
         return {}
@@ -549,16 +591,17 @@ class PrefetchCalibration(Learner):
             return self.select(layer, order, scores, rows)
         return self.far.select(layer, order, scores, rows)
 
-    def used_share(self, layer, score, rows) -> Optional[float]:
-        """The chance that a prediction of ``layer`` scoring ``score`` (from
-        a call of ``rows`` tokens) is used: its bin's share used, counted
-        with one used and one unused more (a bin of few counts, common
-        early and in a short text, is neither trusted nor refused outright)."""
+    def used_share(self, layer, expert, rows) -> Optional[float]:
+        """The chance that ``expert``, a candidate of ``layer``'s last
+        selection (from a call of ``rows`` tokens), is used: the share used
+        of the predictions in its score's bin (``_smoothed``)."""
         key = (layer, rows > 1)
-        if key not in self.predicted:
+        pending = self._pending.get(layer)
+        if key not in self.predicted or pending is None:
             return None
-        b = np.searchsorted(self.EDGES, score, side="right")
-        return float((self.used[key][b] + 1) / (self.predicted[key][b] + 2))
+        order, bins, _ = pending
+        b = bins[np.flatnonzero(order == expert)[0]]
+        return _smoothed(self.used[key][b], self.predicted[key][b])
 
     def _above_bar(self, layer, order, bins, rows):
         return order[bins >= self.lowest[(layer, rows > 1)]]

@@ -582,6 +582,13 @@ def test_simulator_reads_a_record_the_compute_partly_covers():
     on = project_case(**common)
     assert on["cover"] == pytest.approx(0.8)
     assert on["stall_s"] == pytest.approx(2.4e-3) and on["wasted"] == 0
+    # A sigmoid router's layers (no score bins) judge it by its rank's
+    # chance: the first-ranked prediction, always used, is read the same.
+    import dataclasses
+
+    sigmoid = {l: [dataclasses.replace(c, sigmoid_router=True) for c in seq]
+               for l, seq in calls.items()}
+    assert project_case(**dict(common, calls=sigmoid))["stall_s"] == pytest.approx(2.4e-3)
     # A prediction used 3 times in 4 passes the bar (0.6) and is read where
     # the compute covers 0.8 of it (0.75 >= 0.2), not where it covers 0.2
     # (0.75 < 0.8): there the stall is off's.

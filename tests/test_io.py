@@ -643,14 +643,37 @@ def test_calibration_chance_of_use_is_smoothed_per_bin():
     from mlx_streaming.prefetch import PrefetchCalibration
 
     calibration = PrefetchCalibration([0], target=0.5)
-    assert calibration.used_share(0, 8.0, 1) == pytest.approx(0.5)  # nothing counted
-    assert calibration.used_share(7, 8.0, 1) is None  # not a calibrated layer
+    assert calibration.used_share(0, 1, 1) is None  # nothing selected yet
     for _ in range(8):  # score 8 always used, score 1.5 never
         calibration.select(0, np.array([1, 2]), np.array([8.0, 1.5]), 1)
         calibration.on_route(0, np.array([[1, 4]]), np.array([1, 4]))
-    assert calibration.used_share(0, 8.0, 1) == pytest.approx(9 / 10)
-    assert calibration.used_share(0, 1.5, 1) == pytest.approx(1 / 10)
-    assert calibration.used_share(0, 8.0, 2) == pytest.approx(0.5)  # several tokens: apart
+    calibration.select(0, np.array([5, 6, 7]), np.array([1.5, 8.0, 100.0]), 1)
+    assert calibration.used_share(0, 6, 1) == pytest.approx(9 / 10)
+    assert calibration.used_share(0, 5, 1) == pytest.approx(1 / 10)
+    assert calibration.used_share(0, 7, 1) == pytest.approx(1 / 2)  # a bin not counted yet
+    calibration.select(0, np.array([6]), np.array([8.0]), 2)
+    assert calibration.used_share(0, 6, 2) == pytest.approx(1 / 2)  # several tokens: apart
+
+
+def test_every_prediction_read_counts_the_chance_of_each_rank():
+    """Where scores are not binned (precision 0, a sigmoid router), the
+    chance of the partly covered record is its rank's share used."""
+    from mlx_streaming.prefetch import ReadEveryPrediction
+
+    ranks = ReadEveryPrediction()
+    assert ranks.select(3, np.array([4, 5]), None, 1).tolist() == [4, 5]  # reads them all
+    assert ranks.used_share(3, 4, 1) is None  # nothing counted
+    for i in range(4):  # the first candidate used every time, the second never
+        ranks.select(3, np.array([10 + i, 20 + i]), None, 1)
+        ranks.on_route(3, np.array([[10 + i, 0]]), np.array([0, 10 + i]))
+    ranks.select(3, np.array([7, 8, 9]), None, 1)
+    assert ranks.used_share(3, 7, 1) == pytest.approx(5 / 6)
+    assert ranks.used_share(3, 8, 1) == pytest.approx(1 / 6)
+    assert ranks.used_share(3, 9, 1) == pytest.approx(1 / 2)  # rank 2: none counted
+    ranks.bar(3, np.array([1]), None, 1)  # two layers early: not counted
+    ranks.on_route(3, np.array([[7, 1]]), np.array([1, 7]))
+    ranks.select(3, np.array([7]), None, 1)
+    assert ranks.used_share(3, 7, 1) == pytest.approx(6 / 7)
 
 
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
@@ -675,6 +698,24 @@ def test_prefetch_reads_a_partly_covered_record_where_whole_ones_do_not_fit(mode
     s = _stats_of_decode(model, steps)
     assert 0 < s["layers"][layers[1]]["prefetch_issued"] <= steps
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
+
+
+def test_a_sigmoid_router_reads_a_partly_covered_record_by_its_ranks_chance(models):
+    """A sigmoid router's layers read every prediction, and the record the
+    budget covers only in part where its rank's counted chance is enough."""
+    _, stream_dir = models.get("deepseek_v3", quantized=True)
+    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, prefetch="next-layer",
+                                  prefetch_budget=0, prefetch_depth=1)
+    runtime = model.streaming
+    steps = 10
+    assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
+               .values())  # no share of a record covered: nothing
+    assert runtime.prefetch_ranks.counted  # counted all the same
+    runtime.prefetch_budget.spare = 0.99  # any chance counted above 1% reads it
+    s = _stats_of_decode(model, steps)
+    sigmoid = {layer for layer, _ in runtime.prefetch_ranks.counted}  # the layers it predicts
+    read = [s["layers"][layer]["prefetch_issued"] for layer in sigmoid]
+    assert sum(read) > 0 and max(read) <= steps  # one record a call at most
 
 
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])

@@ -262,15 +262,17 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
         raise BenchError("this trace has predictions without scores, which the calibration "
                          "bins: record it again (bench decode records one), or use "
                          "--prefetch-precision 0")
-    calibration = (PrefetchCalibration(calibrated, precision) if precision > 0
-                   else ReadEveryPrediction())
-    judges = {l: ReadEveryPrediction() if l in sigmoid else calibration for l in layers}
+    ranks = ReadEveryPrediction()
+    calibration = PrefetchCalibration(calibrated, precision) if precision > 0 else ranks
+    judges = {l: ranks if l in sigmoid else calibration for l in layers}
+    learners = {calibration, ranks}  # one where precision is 0
     order = [(t, l) for t in range(tokens) for l in layers]  # the calls, as they run
     disk = Disk(record_s, ahead_s, ssd_latency_s, 2 * (width or 2 * k))
     clock, stall_sum, read_sum, hits, lookups, taken = 0.0, 0.0, 0.0, 0, 0, 0
     for i, (t, layer) in enumerate(order):
         call = calls[layer][t]
-        calibration.on_route(layer, call.ids, call.experts)
+        for learner in learners:
+            learner.on_route(layer, call.ids, call.experts)
         stall, read, from_stage = _call(disk, clock, layer, call, misses[layer][t], scale,
                                         miss_s, hit_compute_s)
         if t >= skip:
@@ -372,9 +374,8 @@ def _issue(disk: Disk, judges, calls, resident, ahead, budget: int, spare: float
         rows = len(call.ids)
         if distance == 1:
             picked = judges[layer].select(layer, order, order_scores, rows)
-            score_of = dict(zip(order.tolist(), order_scores.tolist()))
             order = within_budget(picked, budget, spare,
-                                  lambda e: judges[layer].used_share(layer, score_of[e], rows))
+                                  lambda e: judges[layer].used_share(layer, e, rows))
         else:
             order = judges[layer].bar(layer, order, order_scores, rows)[:room]
         room -= disk.stage(layer, order, now, t)
