@@ -507,7 +507,10 @@ class ReadEveryPrediction(Learner):
         pending = self._pending.get(layer)
         if key not in self.counted or pending is None:
             return None
-        rank = min(int(np.flatnonzero(pending[0] == expert)[0]), self.RANKS - 1)
+        at = np.flatnonzero(pending[0] == expert)
+        if not len(at):
+            return None
+        rank = min(int(at[0]), self.RANKS - 1)
         return _smoothed(self.used[key][rank], self.counted[key][rank])
 
     def lowest_scores(self) -> dict:
@@ -600,8 +603,10 @@ class PrefetchCalibration(Learner):
         if key not in self.predicted or pending is None:
             return None
         order, bins, _ = pending
-        b = bins[np.flatnonzero(order == expert)[0]]
-        return _smoothed(self.used[key][b], self.predicted[key][b])
+        at = np.flatnonzero(order == expert)
+        if not len(at):
+            return None
+        return _smoothed(self.used[key][bins[at[0]]], self.predicted[key][bins[at[0]]])
 
     def _above_bar(self, layer, order, bins, rows):
         return order[bins >= self.lowest[(layer, rows > 1)]]

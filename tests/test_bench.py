@@ -589,6 +589,8 @@ def test_simulator_reads_a_record_the_compute_partly_covers():
     sigmoid = {l: [dataclasses.replace(c, sigmoid_router=True) for c in seq]
                for l, seq in calls.items()}
     assert project_case(**dict(common, calls=sigmoid))["stall_s"] == pytest.approx(2.4e-3)
+    # So does every layer at precision 0.
+    assert project_case(**dict(common, precision=0.0))["stall_s"] == pytest.approx(2.4e-3)
     # A prediction used 3 times in 4 passes the bar (0.6) and is read where
     # the compute covers 0.8 of it (0.75 >= 0.2), not where it covers 0.2
     # (0.75 < 0.8): there the stall is off's.
@@ -600,6 +602,12 @@ def test_simulator_reads_a_record_the_compute_partly_covers():
     assert covered["read_ahead"] > 0 and covered["stall_s"] < 4e-3
     short = project_case(**dict(common, calls=calls, compute_s=0.0004))
     assert short["cover"] == pytest.approx(0.2)
+    assert short["read_ahead"] == 0 and short["stall_s"] == pytest.approx(4e-3)
+    # The same with layer 1's router a sigmoid one: its rank 0, used 3 times
+    # in 4, is judged by its rank's chance, beside layer 0's score bins.
+    calls[1] = [dataclasses.replace(c, sigmoid_router=True) for c in calls[1]]
+    assert project_case(**dict(common, calls=calls))["read_ahead"] > 0
+    short = project_case(**dict(common, calls=calls, compute_s=0.0004))
     assert short["read_ahead"] == 0 and short["stall_s"] == pytest.approx(4e-3)
 
 

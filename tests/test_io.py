@@ -671,9 +671,11 @@ def test_every_prediction_read_counts_the_chance_of_each_rank():
     assert ranks.used_share(3, 8, 1) == pytest.approx(1 / 6)
     assert ranks.used_share(3, 9, 1) == pytest.approx(1 / 2)  # rank 2: none counted
     ranks.bar(3, np.array([1]), None, 1)  # two layers early: not counted
-    ranks.on_route(3, np.array([[7, 1]]), np.array([1, 7]))
-    ranks.select(3, np.array([7]), None, 1)
+    ranks.on_route(3, np.array([[7, 1]]), np.array([1, 7]))  # [7, 8, 9] judged, not [1]
+    ranks.select(3, np.array([7, 8]), None, 1)
     assert ranks.used_share(3, 7, 1) == pytest.approx(6 / 7)
+    assert ranks.used_share(3, 8, 1) == pytest.approx(1 / 7)  # none of 5 used
+    assert ranks.used_share(3, 99, 1) is None  # not a candidate of that selection
 
 
 @pytest.mark.parametrize("io", IO_PATHS_ALL)
@@ -690,7 +692,7 @@ def test_prefetch_reads_a_partly_covered_record_where_whole_ones_do_not_fit(mode
     calibration = runtime.prefetch_calibration
     calibration._lowest = lambda key: 0  # every prediction passes the bar
     calibration.lowest.update({k: 0 for k in calibration.lowest})
-    calibration.used_share = lambda layer, score, rows: 0.9 if layer == layers[1] else 0.5
+    calibration.used_share = lambda layer, expert, rows: 0.9 if layer == layers[1] else 0.5
     steps = 10
     assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
                .values())  # no share of a record covered: nothing
@@ -700,22 +702,30 @@ def test_prefetch_reads_a_partly_covered_record_where_whole_ones_do_not_fit(mode
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
 
 
-def test_a_sigmoid_router_reads_a_partly_covered_record_by_its_ranks_chance(models):
-    """A sigmoid router's layers read every prediction, and the record the
-    budget covers only in part where its rank's counted chance is enough."""
-    _, stream_dir = models.get("deepseek_v3", quantized=True)
+@pytest.mark.parametrize("family, precision", [("deepseek_v3", 0.7), ("qwen3_moe", 0.0)])
+def test_a_partly_covered_record_by_its_ranks_chance(models, family, precision):
+    """Where scores are not binned (a sigmoid router's layers; every layer
+    at precision 0) the record the budget covers only in part is read where
+    its rank's counted chance is enough, and not where it is not."""
+    _, stream_dir = models.get(family, quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, prefetch="next-layer",
-                                  prefetch_budget=0, prefetch_depth=1)
+                                  prefetch_budget=0, prefetch_depth=1,
+                                  prefetch_precision=precision)
     runtime = model.streaming
+    ranks = runtime.prefetch_ranks
     steps = 10
     assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
                .values())  # no share of a record covered: nothing
-    assert runtime.prefetch_ranks.counted  # counted all the same
-    runtime.prefetch_budget.spare = 0.99  # any chance counted above 1% reads it
+    counted = {layer for layer, _ in ranks.counted}
+    first = runtime.stores[0].layer  # predicted by affinity alone: score bins above 0
+    assert counted and (first in counted) == (precision == 0)
+    runtime.prefetch_budget.spare = 0.99  # a counted chance above 1% reads it
     s = _stats_of_decode(model, steps)
-    sigmoid = {layer for layer, _ in runtime.prefetch_ranks.counted}  # the layers it predicts
-    read = [s["layers"][layer]["prefetch_issued"] for layer in sigmoid]
+    read = [s["layers"][layer]["prefetch_issued"] for layer in counted]
     assert sum(read) > 0 and max(read) <= steps  # one record a call at most
+    ranks.used_share = lambda layer, expert, rows: 0.009  # below 1%: none
+    s = _stats_of_decode(model, steps)
+    assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in counted)
 
 
 IO_PATHS = ["python"] + (["native"] if EXT is not None else [])

@@ -50,7 +50,8 @@ class Call:
     ranked2: Optional[np.ndarray] = None
     scores2: Optional[np.ndarray] = None
     # The layer's router is a sigmoid one: prefetch reads its predictions
-    # uncalibrated (loader._calibration).
+    # without score bins, judging a partly covered record by its rank's
+    # chance (loader._calibration).
     sigmoid_router: bool = False
 
 
