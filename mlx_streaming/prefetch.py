@@ -450,29 +450,91 @@ class PrefetchSwitch(Learner):
         self.decision = decision
 
 
-def _smoothed(used: float, counted: float) -> float:
-    """A share used, with one used and one unused prediction more: a bin of
-    few counts, common early and in a short text, is neither trusted nor
-    refused outright."""
-    return float((used + 1) / (counted + 2))
+class UseCounts(Learner):
+    """How often a layer's predictions were used, counted per bucket (a
+    score's bin, a rank): every candidate of a selection, read or not,
+    counts in its bucket, and the layer's next call says whether it was
+    used. Calls of several tokens (verifying drafts) are counted apart, and
+    judged only by a call of as many tokens (not by the prefill that
+    follows a request's last token). A layer's counts halve whenever they
+    pass ``window`` predictions, so that the text can move them.
+    Subclasses say which bucket a candidate falls in and which are read."""
+
+    def __init__(self, buckets: int, window: int = 4096):
+        self.buckets = buckets
+        self.window = window
+        # Keyed by (layer, whether the calls have several tokens).
+        self.predicted = {}
+        self.used = {}
+        self._pending = {}  # layer -> (candidates, their buckets, tokens)
+
+    def _bucket(self, order, scores) -> np.ndarray: ...
+
+    def _read(self, layer, order, buckets, rows) -> np.ndarray: ...
+
+    def _counted(self, key) -> None:
+        """A layer's counts changed."""
+
+    def select(self, layer, order, scores, rows):
+        """The candidates of ``order`` (best first) worth reading ahead into
+        ``layer``, predicted from a call of ``rows`` tokens; counted when
+        ``layer`` routes."""
+        buckets = self._bucket(order, scores)
+        self._pending[layer] = (order, buckets, rows)
+        return self._read(layer, order, buckets, rows)
+
+    def on_route(self, layer, ids, experts):
+        pending = self._pending.pop(layer, None)
+        if pending is None:
+            return
+        order, buckets, rows = pending
+        if ids.reshape(-1, ids.shape[-1]).shape[0] != rows:
+            return
+        key = (layer, rows > 1)
+        routed = set(experts.tolist())  # sets: np.isin costs ~150 us on a few ids
+        used = np.fromiter((e in routed for e in order.tolist()), bool, len(order))
+        predicted = self.predicted.setdefault(key, np.zeros(self.buckets))
+        np.add.at(predicted, buckets, 1.0)
+        np.add.at(self.used.setdefault(key, np.zeros(self.buckets)), buckets, used)
+        if predicted.sum() > self.window:
+            predicted /= 2
+            self.used[key] /= 2
+        self._counted(key)
+
+    def used_share(self, layer, expert, rows) -> Optional[float]:
+        """The chance that ``expert``, a candidate of ``layer``'s last
+        selection (from a call of ``rows`` tokens), is used: the share used
+        of the predictions in its bucket, with one used and one unused more
+        (a bucket of few counts, common early and in a short text, is
+        neither trusted nor refused outright); None where the layer counts
+        nothing."""
+        key = (layer, rows > 1)
+        pending = self._pending.get(layer)
+        if key not in self.predicted or pending is None:
+            return None
+        order, buckets, _ = pending
+        at = np.flatnonzero(order == expert)
+        if not len(at):
+            return None
+        b = buckets[at[0]]
+        return float((self.used[key][b] + 1) / (self.predicted[key][b] + 2))
 
 
-class ReadEveryPrediction(Learner):
+class ReadEveryPrediction(UseCounts):
     """``prefetch_precision=0``, and the layers a sigmoid router predicts:
     every prediction is worth a read (within the bandwidth budget). For the
     record that the budget covers only in part (``within_budget``) it counts
     how often each rank of a layer's candidates was used: its chance."""
 
     RANKS = 64  # ranks counted; those past it count as the last
-    WINDOW = 4096  # predictions a layer counts before its counts halve
 
-    def __init__(self):
-        self.counted = {}  # (layer, several tokens) -> predictions per rank
-        self.used = {}
-        self._pending = {}  # layer -> (candidates, tokens)
+    def __init__(self, window: int = 4096):
+        super().__init__(self.RANKS, window)
 
-    def select(self, layer, order, scores, rows):
-        self._pending[layer] = (order, rows)
+    def _bucket(self, order, scores):
+        return np.minimum(np.arange(len(order)), self.RANKS - 1)
+
+    def _read(self, layer, order, buckets, rows):
         return order
 
     def bar(self, layer, order, scores, rows):
@@ -481,43 +543,11 @@ class ReadEveryPrediction(Learner):
     def forget(self, layer) -> None:
         pass
 
-    def on_route(self, layer, ids, experts):
-        pending = self._pending.pop(layer, None)
-        if pending is None:
-            return
-        order, rows = pending
-        if ids.reshape(-1, ids.shape[-1]).shape[0] != rows:
-            return  # judged only by a call of as many tokens, as the calibration does
-        key = (layer, rows > 1)
-        routed = set(experts.tolist())
-        ranks = np.minimum(np.arange(len(order)), self.RANKS - 1)
-        used = np.fromiter((e in routed for e in order.tolist()), bool, len(order))
-        counted = self.counted.setdefault(key, np.zeros(self.RANKS))
-        np.add.at(counted, ranks, 1.0)
-        np.add.at(self.used.setdefault(key, np.zeros(self.RANKS)), ranks, used)
-        if counted.sum() > self.WINDOW:  # as the calibration's: the text can move them
-            counted /= 2
-            self.used[key] /= 2
-
-    def used_share(self, layer, expert, rows) -> Optional[float]:
-        """The chance that ``expert``, a candidate of ``layer``'s last
-        selection, is used: the share used of its rank's predictions so far
-        (None before any was counted)."""
-        key = (layer, rows > 1)
-        pending = self._pending.get(layer)
-        if key not in self.counted or pending is None:
-            return None
-        at = np.flatnonzero(pending[0] == expert)
-        if not len(at):
-            return None
-        rank = min(int(at[0]), self.RANKS - 1)
-        return _smoothed(self.used[key][rank], self.counted[key][rank])
-
     def lowest_scores(self) -> dict:
         return {}
 
 
-class PrefetchCalibration(Learner):
+class PrefetchCalibration(UseCounts):
     """``prefetch_precision > 0``: reads ahead only predictions likely
     enough to be used, so that at least ``target`` of what a layer reads
     ahead is used.
@@ -525,15 +555,13 @@ class PrefetchCalibration(Learner):
     A prediction's score is its share of the row's (affinity-weighed)
     probability, times the number of experts: 1 is an expert the
     prediction cannot tell from any other. Per layer, every prediction of
-    an expert not resident, read or not, counts in a bin of its score, and
-    the layer's next call says whether it was used.
-    Calls of several tokens (verifying drafts) predict and use the union
-    of their tokens' experts, each scored by its best row: they are counted
-    apart, and judged only by a call of as many tokens (not by the prefill
-    that follows a request's last token). A layer reads the bins from the
-    highest down to the lowest whose predictions together were used at
-    least ``target`` of the time. Predictions made two layers early
-    (``bar``) are counted apart, in a calibration of their own (``far``).
+    an expert not resident, read or not, counts in a bin of its score
+    (``UseCounts``; calls of several tokens predict and use the union of
+    their tokens' experts, each scored by its best row). A layer reads the
+    bins from the highest down to the lowest whose predictions together
+    were used at least ``target`` of the time. Predictions made two layers
+    early (``bar``) are counted apart, in a calibration of their own
+    (``far``).
 
     Softmax routers only: a sigmoid router's probabilities lie within a
     factor of ~3 of each other, too few bins to tell (the loader gives
@@ -546,8 +574,7 @@ class PrefetchCalibration(Learner):
     first two ranks read 1.98, 1.38 used (70%).
 
     Nothing is read ahead until a layer's predictions have been counted,
-    and the lowest bin read always has counts; a layer's counts halve
-    whenever they pass ``window`` predictions, so the text can move them.
+    and the lowest bin read always has counts.
     """
 
     # Half-octave bins of scores from 1/4 to 512 (a score is at most the
@@ -555,21 +582,18 @@ class PrefetchCalibration(Learner):
     EDGES = 2.0 ** (np.arange(-4, 19) / 2)
 
     def __init__(self, layers, target: float, window: int = 4096, far: bool = True):
+        super().__init__(len(self.EDGES) + 1, window)
         self.target = target
-        self.window = window
         # A layer's predictions made two layers early (prefetch_depth 2) are
         # used less often at the same score: counted apart, in bins of
         # their own (on the trained TW12's trace, the simulator projects
         # 16% of depth 2's reads ahead wasted against 21% with them held to
         # the near bar). Counted where the budget leaves them room.
         self.far = PrefetchCalibration(layers, target, window, far=False) if far else None
-        bins = len(self.EDGES) + 1
-        # Keyed by (layer, whether the calls have several tokens).
         keys = [(l, multi) for l in layers for multi in (False, True)]
-        self.predicted = {k: np.zeros(bins) for k in keys}
-        self.used = {k: np.zeros(bins) for k in keys}
-        self.lowest = dict.fromkeys(keys, bins)  # lowest bin read: none yet
-        self._pending = {}  # layer -> (experts predicted, their bins, tokens)
+        self.predicted = {k: np.zeros(self.buckets) for k in keys}
+        self.used = {k: np.zeros(self.buckets) for k in keys}
+        self.lowest = dict.fromkeys(keys, self.buckets)  # lowest bin read: none yet
 
     def forget(self, layer) -> None:
         """``layer`` reads every prediction: nothing of it to count or report."""
@@ -579,13 +603,11 @@ class PrefetchCalibration(Learner):
         if self.far is not None:
             self.far.forget(layer)
 
-    def select(self, layer, order, scores, rows):
-        """The experts of ``order`` worth reading ahead into ``layer``,
-        predicted from a call of ``rows`` tokens; counted when ``layer``
-        routes."""
-        bins = np.searchsorted(self.EDGES, scores, side="right")
-        self._pending[layer] = (order, bins, rows)
-        return self._above_bar(layer, order, bins, rows)
+    def _bucket(self, order, scores):
+        return np.searchsorted(self.EDGES, scores, side="right")
+
+    def _read(self, layer, order, bins, rows):
+        return order[bins >= self.lowest[(layer, rows > 1)]]
 
     def bar(self, layer, order, scores, rows):
         """``select`` for the predictions of a layer made two layers early
@@ -594,41 +616,12 @@ class PrefetchCalibration(Learner):
             return self.select(layer, order, scores, rows)
         return self.far.select(layer, order, scores, rows)
 
-    def used_share(self, layer, expert, rows) -> Optional[float]:
-        """The chance that ``expert``, a candidate of ``layer``'s last
-        selection (from a call of ``rows`` tokens), is used: the share used
-        of the predictions in its score's bin (``_smoothed``)."""
-        key = (layer, rows > 1)
-        pending = self._pending.get(layer)
-        if key not in self.predicted or pending is None:
-            return None
-        order, bins, _ = pending
-        at = np.flatnonzero(order == expert)
-        if not len(at):
-            return None
-        return _smoothed(self.used[key][bins[at[0]]], self.predicted[key][bins[at[0]]])
-
-    def _above_bar(self, layer, order, bins, rows):
-        return order[bins >= self.lowest[(layer, rows > 1)]]
-
     def on_route(self, layer, ids, experts):
         if self.far is not None:
             self.far.on_route(layer, ids, experts)
-        pending = self._pending.pop(layer, None)
-        if pending is None:
-            return
-        order, bins, rows = pending
-        if ids.reshape(-1, ids.shape[-1]).shape[0] != rows:
-            return
-        key = (layer, rows > 1)
-        routed = set(experts.tolist())  # sets: np.isin costs ~150 us on a few ids
-        used = np.fromiter((e in routed for e in order.tolist()), bool, len(order))
-        predicted = self.predicted[key]
-        np.add.at(predicted, bins, 1.0)
-        np.add.at(self.used[key], bins, used)
-        if predicted.sum() > self.window:
-            predicted /= 2
-            self.used[key] /= 2
+        super().on_route(layer, ids, experts)
+
+    def _counted(self, key) -> None:
         self.lowest[key] = self._lowest(key)
 
     def _lowest(self, key) -> int:

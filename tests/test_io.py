@@ -716,7 +716,7 @@ def test_a_partly_covered_record_by_its_ranks_chance(models, family, precision):
     steps = 10
     assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
                .values())  # no share of a record covered: nothing
-    counted = {layer for layer, _ in ranks.counted}
+    counted = {layer for layer, _ in ranks.predicted}
     first = runtime.stores[0].layer  # predicted by affinity alone: score bins above 0
     assert counted and (first in counted) == (precision == 0)
     runtime.prefetch_budget.spare = 0.99  # a counted chance above 1% reads it
