@@ -4,7 +4,7 @@
     mlx_streaming generate --model DIR --prompt "..."
     mlx_streaming demo
     mlx_streaming bench {decode,cache,verify,prefill,io} ...
-    mlx_streaming verify   DIR
+    mlx_streaming check    DIR
     mlx_streaming serve    --model DIR [--port 8080] [--max-queue N] [--memo-mb M]
 """
 
@@ -22,7 +22,7 @@ COMMANDS = {
     "generate": "mlx_streaming.generate",
     "demo": "mlx_streaming.demo",
     "bench": "mlx_streaming.bench.__main__",
-    "verify": "mlx_streaming.verify",
+    "check": "mlx_streaming.check",
     "serve": "mlx_streaming.server",
 }
 

@@ -10,6 +10,7 @@ import argparse
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -20,7 +21,7 @@ PREFETCH_CHOICES = ("off", "next-layer", "auto")
 # Eviction policies (mlx_streaming.policy.POLICIES); bench cache compares them.
 POLICY_CHOICES = ("lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
 DEFAULT_POLICY = "lfu-decay"
-VERIFY_CHOICES = ("first-read", "always", "off")
+CHECKSUM_CHOICES = ("first-read", "always", "off")
 # Command-line spelling of StreamConfig.direct_io.
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 ON_OFF = {"on": True, "off": False}
@@ -138,10 +139,10 @@ class StreamConfig:
     policy: str = _option(
         DEFAULT_POLICY, "which resident experts a miss evicts (bench cache compares them)",
         choices=POLICY_CHOICES)
-    verify: str = _option(
+    checksums: str = _option(
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
         "(and again after its blob changes on disk), on every read, or never",
-        choices=VERIFY_CHOICES)
+        choices=CHECKSUM_CHOICES)
     reserve_gb: float = _option(DEFAULT_RESERVE_GB, "memory left free when cache_gb is "
                                 "not given, in GB", type=float, bounds=dict(low=0, high=MAX_GB))
     pressure_gb: float = _option(
@@ -174,7 +175,7 @@ class StreamConfig:
     def __post_init__(self):
         _check_choice("io", self.io, IO_CHOICES)
         _check_choice("prefetch", self.prefetch, PREFETCH_CHOICES)
-        _check_choice("verify", self.verify, VERIFY_CHOICES)
+        _check_choice("checksums", self.checksums, CHECKSUM_CHOICES)
         _check_choice("policy", self.policy, POLICY_CHOICES)
         for name in ("prefetch_affinity", "overlap", "mtp"):
             _check_bool(name, getattr(self, name))
@@ -232,8 +233,25 @@ def _shown(bound) -> str:
     return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
+# Options renamed, old name -> new: still taken, with a DeprecationWarning.
+RENAMED = {"verify": "checksums"}
+
+
 def config_fields():
     return [f.name for f in fields(StreamConfig)]
+
+
+def renamed_options(options: dict) -> dict:
+    """``options`` with renamed keywords under their new names."""
+    out = dict(options)
+    for old, new in RENAMED.items():
+        if old in out:
+            warnings.warn(f"mlx_streaming: the option {old!r} is now {new!r}",
+                          DeprecationWarning, stacklevel=3)
+            if new in out:
+                raise ConfigError(f"pass {new!r} only ({old!r} is its old name)")
+            out[new] = out.pop(old)
+    return out
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -250,6 +268,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, default=None, **meta)
         else:
             group.add_argument(flag, choices=choices, default=None, **meta)
+    for old, new in RENAMED.items():
+        choices = fields_by_name()[new].metadata.get("choices")
+        group.add_argument("--" + old.replace("_", "-"), dest=new, default=None,
+                           choices=list(choices) if choices else None, help=argparse.SUPPRESS)
+
+
+def fields_by_name() -> dict:
+    return {f.name: f for f in fields(StreamConfig)}
 
 
 def config_from_args(args: argparse.Namespace) -> StreamConfig:

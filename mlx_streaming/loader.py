@@ -19,7 +19,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from . import budget, hub, mtp, spine
 from .block import NativePaged, Paged, Resident, StreamingExperts, calls_in_graph
-from .config import StreamConfig, config_fields
+from .config import StreamConfig, config_fields, renamed_options
 from .discover import (
     find_expert_blocks,
     find_router,
@@ -258,7 +258,7 @@ def load(
         config: a ready ``StreamConfig`` (then no other options).
         **options: ``StreamConfig`` fields, e.g. ``cache_gb=8``,
             ``slots_per_layer=16``, ``prefetch="next-layer"``,
-            ``verify="always"`` (see ``StreamConfig``).
+            ``checksums="always"`` (see ``StreamConfig``).
 
     Returns:
         ``(model, tokenizer)`` or, with ``return_config``, ``(model,
@@ -289,7 +289,7 @@ def load(
     manifest = read_manifest(path, blobs=repo is None)
     if repo is not None:
         hub.check_remote_blobs(repo, manifest)
-    check_spine_files(path, manifest, checksums=config.verify == "always")
+    check_spine_files(path, manifest, checksums=config.checksums == "always")
     model, model_config = _load_spine(path, manifest, model_config, trust_remote_code)
     # Before the runtime and the weights: a broken tokenizer is known
     # without waiting for a large model to load.
@@ -338,6 +338,7 @@ def _locate(name: str, revision: Optional[str], config: StreamConfig):
 
 
 def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
+    options = renamed_options(options)
     unknown = sorted(set(options) - set(config_fields()))
     if unknown:
         raise ConfigError(
@@ -483,7 +484,7 @@ def _attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: 
     f = path / manifest.mtp.spine.name
     if not f.is_file() or f.stat().st_size != manifest.mtp.spine.nbytes:
         raise FormatError(f"{f} is missing or not the size the manifest records; re-convert")
-    if config.verify == "always" and file_crc32(f) != manifest.mtp.spine.crc32:
+    if config.checksums == "always" and file_crc32(f) != manifest.mtp.spine.crc32:
         raise FormatError(f"{f} fails its checksum; re-convert the model")
     layers = mtp.build(model, len(manifest.mtp.layers))
     weights = mx.load(str(f))
@@ -570,12 +571,12 @@ def _install_spine(model: nn.Module, path: Path, manifest: Manifest, runtime: Ru
     plan = runtime.plan
     for spec in manifest.dense:
         if spec.layer in plan.pinned:
-            spine.load_pinned(model, path, spec, reader, runtime.config.verify)
+            spine.load_pinned(model, path, spec, reader, runtime.config.checksums)
     streamed = [d for d in manifest.dense if d.layer not in plan.pinned]
     if not streamed:
         return
     ring = spine.SpineRing(model, path, streamed, plan.ring_buffers, reader,
-                           runtime.config.verify)
+                           runtime.config.checksums)
     runtime.ring = ring
     for spec in streamed:
         spine.stream_layer(get_module(model, spec.prefix), ring, spec.layer)
@@ -603,7 +604,7 @@ def _install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime: R
                   and native_store_fits(runtime.reader, policy, staging))
         store_class = NativeStore if native else ExpertStore
         runtime.stores.append(store_class(spec, pool, runtime.reader, file, runtime.events,
-                                          config.verify, staging, blob, policy,
+                                          config.checksums, staging, blob, policy,
                                           runtime.prefetch_control))
     prefetchers = _make_prefetchers(model, runtime, blocks) if staging else {}
     for store in runtime.stores:

@@ -94,7 +94,7 @@ def _check_crc(spec: DenseSpec, crc: int) -> None:
                           "checksum; the file is damaged, re-convert the model")
 
 
-def load_pinned(model: nn.Module, path, spec: DenseSpec, reader, verify: str) -> int:
+def load_pinned(model: nn.Module, path, spec: DenseSpec, reader, checksums: str) -> int:
     """Read a pinned layer's record once into arrays of its own and bind
     them; returns the bytes it holds."""
     pairs = bindings(model, spec)
@@ -103,8 +103,8 @@ def load_pinned(model: nn.Module, path, spec: DenseSpec, reader, verify: str) ->
     view = np.array(raw, copy=False)
     assert view.flags.c_contiguous and view.flags.writeable
     file = reader.open(str(dense_path(path, spec)))
-    crc = read_into(reader, file, spec, view.ctypes.data, verify != "off")
-    if verify != "off":
+    crc = read_into(reader, file, spec, view.ctypes.data, checksums != "off")
+    if checksums != "off":
         _check_crc(spec, crc)
     bind(pairs, typed_views(raw, spec))
     return spec.nbytes
@@ -136,12 +136,12 @@ class SpineRing:
     """
 
     def __init__(self, model: nn.Module, path, specs: Sequence[DenseSpec], buffers: int,
-                 reader, verify: str):
+                 reader, checksums: str):
         self.specs = {s.layer: s for s in specs}
         self.order = [s.layer for s in specs]
         self.position = {layer: i for i, layer in enumerate(self.order)}
         self.reader = reader
-        self.verify = verify
+        self.checksums = checksums
         buffers = max(1, min(buffers, len(specs)))
         nbytes = max(s.nbytes for s in specs)
         self.raw = [mx.zeros((nbytes,), dtype=mx.uint8) for _ in range(buffers)]
@@ -156,7 +156,7 @@ class SpineRing:
         # A record changed on disk after its first check is checked again,
         # as the expert blobs are.
         self.watches = ({s.layer: BlobWatch(dense_path(path, s)) for s in specs}
-                        if verify == "first-read" else {})
+                        if checksums == "first-read" else {})
         self.held: List[Optional[int]] = [None] * buffers
         self.future: List[Optional[Future]] = [None] * buffers
         self.pending: List[list] = [[] for _ in range(buffers)]
@@ -260,7 +260,7 @@ class SpineRing:
         reads ``b`` any more."""
         self._release(b)
         spec = self.specs[layer]
-        check = self.verify == "always" or (self.verify == "first-read"
+        check = self.checksums == "always" or (self.checksums == "first-read"
                                               and layer not in self.checked)
         self.held[b] = layer
         self.future[b] = self._executor.submit(self._read, b, layer, check)

@@ -43,7 +43,7 @@ class BlobWatch:
 
 class ExpertStore:
     """Brings experts of one layer into its pool, checking their CRC-32 as
-    ``verify`` says: ``"first-read"`` checks an expert's first read and,
+    ``checksums`` says: ``"first-read"`` checks an expert's first read and,
     once the blob changes on disk, every read again until each expert is
     re-checked; ``"always"`` checks every read; ``"off"`` never checks."""
 
@@ -54,7 +54,7 @@ class ExpertStore:
         reader,
         file: int,
         events: Events,
-        verify: str,
+        checksums: str,
         staging=None,
         blob=None,
         policy: Policy = None,
@@ -69,14 +69,14 @@ class ExpertStore:
         self.events = events
         self.control = control  # what prefetch learns from this layer's reads
         self.staging = staging
-        self.checksums = np.array(spec.checksums, dtype=np.uint32)
+        self.crcs = np.array(spec.checksums, dtype=np.uint32)
         self.expert_nbytes = spec.expert_nbytes
-        self.verify = verify
+        self.checksums = checksums
         # Experts whose checksum still has to be checked on their next read.
-        self.unverified = np.full(spec.num_experts, verify != "off", dtype=bool)
+        self.unverified = np.full(spec.num_experts, checksums != "off", dtype=bool)
         # The stat after each read: a blob rewritten in place (or replaced)
         # mid-run must give an error, never bytes that were checked before.
-        self.watch = BlobWatch(blob) if blob is not None and verify == "first-read" else None
+        self.watch = BlobWatch(blob) if blob is not None and checksums == "first-read" else None
 
     def resize(self, slots: int) -> None:
         """Give the pool ``slots`` slots, keeping the experts the policy
@@ -133,7 +133,7 @@ class ExpertStore:
         return time.perf_counter() - start
 
     def _want_crc(self, experts: np.ndarray) -> np.ndarray:
-        if self.verify == "always":
+        if self.checksums == "always":
             return np.ones(len(experts), dtype=bool)
         return self.unverified[experts]
 
@@ -197,7 +197,7 @@ class ExpertStore:
     def _check(self, experts, want_crc, crcs) -> None:
         if not want_crc.any():
             return
-        bad = want_crc & (crcs != self.checksums[experts])
+        bad = want_crc & (crcs != self.crcs[experts])
         if bad.any():
             raise CorruptExpertError(
                 self.layer, int(experts[bad][0]), "checksum mismatch"
@@ -211,9 +211,9 @@ class ExpertStore:
                 self.events.on_prefetch(self.layer, wasted=dropped)
 
 
-# The policies the native step implements, and its code for each verify mode.
+# The policies the native step implements, and its code for each checksums mode.
 NATIVE_POLICIES = (LRU, DecayedLFU)
-_VERIFY_CODES = {"off": 0, "first-read": 1, "always": 2}
+_CHECKSUM_CODES = {"off": 0, "first-read": 1, "always": 2}
 
 
 def native_store_fits(reader, policy: Policy, staging) -> bool:
@@ -242,7 +242,7 @@ class NativeStore(ExpertStore):
         self.ext = reader.ext
         self.index = reader.native_handle.paged_index(
             self.file, self.spec.stride, self.pool.segments,
-            getattr(self.policy, "decay", 1.0), _VERIFY_CODES[self.verify], blob)
+            getattr(self.policy, "decay", 1.0), _CHECKSUM_CODES[self.checksums], blob)
         self.index.clock = self.policy.clock
         # (calls, records read, seconds) of the calls made inside the graph
         # since ``take_graph_reads``: whether a layer's calls should sync to
@@ -253,7 +253,7 @@ class NativeStore(ExpertStore):
     def _bind(self) -> None:
         pool, policy = self.pool, self.policy
         self.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
-                        policy.last_use, getattr(policy, "score", None), self.checksums,
+                        policy.last_use, getattr(policy, "score", None), self.crcs,
                         self.unverified)
 
     def resize(self, slots: int) -> None:

@@ -44,7 +44,7 @@ def test_generate_prints_numbers_and_writes_json(qwen, tmp_path):
 
 
 def test_console_script_dispatches(qwen):
-    proc = run("mlx_streaming", "verify", str(qwen[1]))
+    proc = run("mlx_streaming", "check", str(qwen[1]))
     assert "match their checksums" in proc.stdout
     proc = run("mlx_streaming", "serve", "--help")
     assert "--max-queue" in proc.stdout and "--memo-mb" in proc.stdout
@@ -89,7 +89,7 @@ def test_corrupt_and_truncated_blobs(stream_copy):
     proc = run("mlx_streaming.generate", "--model", str(stream_copy), "--slots-per-layer", "4",
                "--max-tokens", "3", check_ok=False)
     assert_one_line_error(proc, rf"layer {spec.layer}, expert \d+: checksum mismatch")
-    proc = run("mlx_streaming.verify", str(stream_copy), check_ok=False)
+    proc = run("mlx_streaming.check", str(stream_copy), check_ok=False)
     assert_one_line_error(proc, f"{spec.num_experts} damaged expert records")
     blob.write_bytes(bytes(data[: spec.stride * 3]))
     proc = run("mlx_streaming.generate", "--model", str(stream_copy), check_ok=False)

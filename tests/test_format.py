@@ -15,7 +15,7 @@ from mlx_streaming.format import (
     manifest_path,
     read_manifest,
     record_checksum,
-    verify,
+    damaged_records,
 )
 from helpers import PROMPT, record_bytes
 
@@ -125,16 +125,16 @@ def test_corrupt_record_is_caught_on_first_read(stream_copy, io):
     # The damaged slots were not published: the table maps nothing there.
     store = model.streaming.stores[1]
     assert (store.pool.slot_of_expert < 0).all()
-    assert verify(stream_copy) == [(spec.layer, e) for e in range(spec.num_experts)]
+    assert damaged_records(stream_copy) == [(spec.layer, e) for e in range(spec.num_experts)]
 
 
-def test_verify_off_skips_checksums(stream_copy):
+def test_checksums_off_skips_checksums(stream_copy):
     spec = read_manifest(stream_copy).layers[1]
     for e in range(spec.num_experts):
         _flip_byte(stream_copy, spec, e)
-    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, verify="off")
+    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, checksums="off")
     mx.eval(model(mx.array([PROMPT[:4]])))
 
 
-def test_verify_accepts_a_clean_directory(qwen):
-    assert verify(qwen[1]) == []
+def test_check_accepts_a_clean_directory(qwen):
+    assert damaged_records(qwen[1]) == []

@@ -297,7 +297,7 @@ def spine_tensor_offset(spine: Path, name: str) -> int:
     return 8 + n + header[name]["data_offsets"][0]
 
 
-def test_verify_catches_an_altered_router(stream_copy):
+def test_check_catches_an_altered_router(stream_copy):
     spine = stream_copy / "model.safetensors"
     offset = spine_tensor_offset(spine, "model.layers.1.mlp.gate.weight")
     with open(spine, "r+b") as f:
@@ -305,23 +305,23 @@ def test_verify_catches_an_altered_router(stream_copy):
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x40]))
-    proc = run("mlx_streaming.verify", str(stream_copy), check_ok=False)
+    proc = run("mlx_streaming.check", str(stream_copy), check_ok=False)
     assert_one_line_error(proc, "damaged or missing spine files \\(model.safetensors\\)")
     with pytest.raises(FormatError, match="fails its checksum"):
-        mlx_streaming.load(stream_copy, verify="always")
+        mlx_streaming.load(stream_copy, checksums="always")
 
 
 def test_manifest_without_spine_checksums_still_loads(stream_copy, qwen):
     edit_manifest(stream_copy, lambda d: d.pop("spine"))
     assert read_manifest(stream_copy).spine == ()
-    proc = run("mlx_streaming.verify", str(stream_copy))
+    proc = run("mlx_streaming.check", str(stream_copy))
     assert "predates spine checksums" in proc.stdout
     check_matches_resident(qwen[0], stream_copy, slots_per_layer=4)
 
 
-@pytest.mark.parametrize("verify", ["first-read", "always"])
+@pytest.mark.parametrize("checksums", ["first-read", "always"])
 @pytest.mark.parametrize("prefetch", ["off", "next-layer"])  # next-layer: overlapped reads
-def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, verify,
+def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, checksums,
                                                              prefetch, monkeypatch):
     import mlx_lm
 
@@ -330,7 +330,7 @@ def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, 
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)  # the worker raises it
 
     reference = logits_trace(mlx_lm.load(str(qwen[0]))[0], steps=12)
-    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=4, verify=verify,
+    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=4, checksums=checksums,
                                   prefetch=prefetch)
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -377,7 +377,7 @@ def test_bad_flags_are_one_line_errors(qwen, flags, message):
 
 
 def test_config_errors_are_value_errors_and_streaming_errors():
-    for bad in (dict(cache_gb=float("nan")), dict(io_threads=10**5), dict(verify="sometimes"),
+    for bad in (dict(cache_gb=float("nan")), dict(io_threads=10**5), dict(checksums="sometimes"),
                 dict(policy="mru"), dict(prefetch_budget=-1),
                 dict(slots_per_layer=2.5), dict(direct_io="yes"), dict(direct_io=1),
                 dict(overlap=1), dict(mtp=0), dict(prefetch_affinity="on"),
@@ -461,7 +461,7 @@ def test_tilde_paths_are_expanded(tmp_path, qwen, monkeypatch):
     assert not Path("~").exists()
     model, _ = mlx_streaming.load("~/models/q", slots_per_layer=4)
     model.streaming.close()
-    proc = run("mlx_streaming.verify", "~/models/q")
+    proc = run("mlx_streaming.check", "~/models/q")
     assert "match their checksums" in proc.stdout
 
 

@@ -71,15 +71,15 @@ def test_native_step_is_chosen_where_it_can_run(qwen, tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu-decay"])
-@pytest.mark.parametrize("verify", ["first-read", "always", "off"])
+@pytest.mark.parametrize("checksums", ["first-read", "always", "off"])
 def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch, policy,
-                                                             verify):
+                                                             checksums):
     # Four slots of eight: the 48-token prefill has more distinct experts
     # than slots (the chunked path) and every decode step evicts.
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     # Without overlap: a slow read on a busy machine could move a layer's
     # calls out of the graph (NativePaged._overlap_pays), which is checked apart.
-    kwargs = dict(slots_per_layer=4, policy=policy, verify=verify, overlap=False)
+    kwargs = dict(slots_per_layer=4, policy=policy, checksums=checksums, overlap=False)
     native, _ = mlx_streaming.load(stream_dir, **kwargs)
     reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
     assert type(_residencies(reference)[0]) is Paged
@@ -110,12 +110,12 @@ def test_native_step_is_exact_on_other_families(models, family, quantized):
     assert type(_residencies(model)[0]) is NativePaged
 
 
-@pytest.mark.parametrize("policy,verify", [("lfu-decay", "first-read"), ("lru", "always")])
-def test_native_step_rebinds_after_a_resize(qwen, monkeypatch, policy, verify):
+@pytest.mark.parametrize("policy,checksums", [("lfu-decay", "first-read"), ("lru", "always")])
+def test_native_step_rebinds_after_a_resize(qwen, monkeypatch, policy, checksums):
     # A pool resized between calls (memory pressure) reallocates the tables
     # the native step writes: it must follow them.
     _, stream_dir = qwen
-    kwargs = dict(slots_per_layer=6, policy=policy, verify=verify)
+    kwargs = dict(slots_per_layer=6, policy=policy, checksums=checksums)
     native, _ = mlx_streaming.load(stream_dir, **kwargs)
     reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
     caches = [make_prompt_cache(m) for m in (native, reference)]
@@ -182,11 +182,11 @@ def test_bind_refuses_arrays_it_would_have_to_copy(qwen):
     pool, policy = store.pool, store.policy
     with pytest.raises(TypeError):
         store.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
-                         policy.last_use.astype(np.float32), policy.score, store.checksums,
+                         policy.last_use.astype(np.float32), policy.score, store.crcs,
                          store.unverified)
     with pytest.raises(TypeError):
         store.index.bind(pool.slot_of_expert.astype(np.int64), pool.expert_of_slot,
-                         pool.addresses, policy.last_use, policy.score, store.checksums,
+                         pool.addresses, policy.last_use, policy.score, store.crcs,
                          store.unverified)
     model.streaming.close()
 

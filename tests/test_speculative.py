@@ -225,24 +225,24 @@ def test_generate_drafts_from_the_command_line(models, capsys):
         assert "drafts accepted" in capsys.readouterr().err
 
 
-def test_verify_checks_the_mtp_blob_and_spine(models, tmp_path):
+def test_check_covers_the_mtp_blob_and_spine(models, tmp_path):
     import shutil
 
-    from mlx_streaming.format import verify, verify_spine
+    from mlx_streaming.format import damaged_records, damaged_spine
 
     _, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)
     copy = tmp_path / "s"
     shutil.copytree(stream, copy)
     manifest = mlx_streaming.format.read_manifest(copy)
     spec = manifest.mtp.layers[0]
-    assert verify(copy) == [] and verify_spine(copy, manifest) == []
+    assert damaged_records(copy) == [] and damaged_spine(copy, manifest) == []
     blob = copy / "experts" / spec.file
     data = bytearray(blob.read_bytes())
     data[2 * spec.stride + spec.segments[0].offset] ^= 0xFF
     blob.write_bytes(bytes(data))
-    assert verify(copy) == [(spec.layer, 2)]
+    assert damaged_records(copy) == [(spec.layer, 2)]
     (copy / "mtp.safetensors").write_bytes(b"x")
-    assert verify_spine(copy, manifest) == ["mtp.safetensors"]
+    assert damaged_spine(copy, manifest) == ["mtp.safetensors"]
 
 
 

@@ -195,7 +195,7 @@ def test_a_damaged_dense_record_is_an_error(models, tmp_path, pinned):
         with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
             model(mx.array([PROMPT]))
         model.streaming.close()
-    proc = subprocess.run([sys.executable, "-m", "mlx_streaming.verify", str(copy)],
+    proc = subprocess.run([sys.executable, "-m", "mlx_streaming.check", str(copy)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "spine/layer001.blob" in proc.stdout + proc.stderr
 

@@ -74,7 +74,7 @@ def add_arguments(p) -> None:
                    "their resident experts while their misses are read")
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="uncached expert reads (auto: as load() decides)")
-    p.add_argument("--verify", default="first-read",
+    p.add_argument("--checksums", default="first-read",
                    help="checksum modes to compare side by side, comma-separated "
                         "(e.g. first-read,always)")
     p.add_argument("--policies", default=None,
@@ -196,7 +196,7 @@ def run(args) -> dict:
         cases.append(("(a) mlx_streaming all resident", None,
                       dict(common, kind="streaming", model=str(stream_dir),
                            load=dict(slots_per_layer=num_experts, io=args.io)), None))
-    modes = args.verify.split(",")
+    modes = args.checksums.split(",")
     policies = args.policies.split(",") if args.policies else [None]
     prefetches = args.prefetch.split(",")
     precisions = _config_values("--prefetch-precision", args.prefetch_precision,
@@ -206,10 +206,10 @@ def run(args) -> dict:
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
             size = dict(slots_per_layer=pool_slots(manifest.layers[0], pool))
-        for verify, policy, prefetch, precision, affinity, depth in _variants(
+        for checksums, policy, prefetch, precision, affinity, depth in _variants(
                 modes, policies, prefetches, precisions, affinities, depths):
             load = dict(size, io=args.io, prefetch=prefetch,
-                        direct_io=DIRECT_IO_CHOICES[args.direct_io], verify=verify)
+                        direct_io=DIRECT_IO_CHOICES[args.direct_io], checksums=checksums)
             if policy:
                 load["policy"] = policy
             if precision is not None:
@@ -224,7 +224,7 @@ def run(args) -> dict:
                 load["read_pace_mbps"] = args.pace_mbps
             name = "(c) mlx_streaming" + "".join(
                 f" {label}={value}" for label, value, choices in
-                [("verify", verify, modes), ("policy", policy, policies),
+                [("checksums", checksums, modes), ("policy", policy, policies),
                  ("prefetch", prefetch, prefetches), ("precision", precision, precisions),
                  ("affinity", affinity, affinities), ("depth", depth, depths),
                  ("overlap", overlap, overlaps)]
@@ -290,12 +290,12 @@ def run(args) -> dict:
 def _variants(modes, policies, prefetches, precisions, affinities, depths):
     """The load options of the streaming cases; prefetch's own options vary
     only where prefetch is on."""
-    for verify, policy, prefetch in itertools.product(modes, policies, prefetches):
+    for checksums, policy, prefetch in itertools.product(modes, policies, prefetches):
         if prefetch == "off":
-            yield verify, policy, prefetch, None, None, None
+            yield checksums, policy, prefetch, None, None, None
             continue
         for option in itertools.product(precisions, affinities, depths):
-            yield (verify, policy, prefetch) + option
+            yield (checksums, policy, prefetch) + option
 
 
 def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:

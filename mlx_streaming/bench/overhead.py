@@ -281,7 +281,7 @@ def _force_paged(model):
             # The native step, as the loader would choose for a paged pool.
             blob = store.watch.path if store.watch is not None else None
             store = NativeStore(store.spec, store.pool, store.reader, store.file,
-                                runtime.events, store.verify, None, blob, store.policy,
+                                runtime.events, store.checksums, None, blob, store.policy,
                                 store.control)
             runtime.stores[i] = store
         if isinstance(store, NativeStore):

@@ -561,7 +561,7 @@ def _read_cost(model, spec) -> dict:
     """The reader's latency per call and rate from the page cache, read
     into a pool's slots."""
     rd = run_case(dict(op="reads", kind="streaming", model=model, batch=spec.top_k,
-                       load=dict(slots_per_layer=spec.top_k, verify="off", direct_io=False)))
+                       load=dict(slots_per_layer=spec.top_k, checksums="off", direct_io=False)))
     if rd["status"] != "ok":
         raise BenchError(f"measuring the reader failed: {rd.get('error', rd['status'])}")
     return rd

@@ -1,7 +1,7 @@
 """Check every expert record and spine file of a stream directory against
 its checksum.
 
-    python -m mlx_streaming.verify DIR
+    python -m mlx_streaming.check DIR
 """
 
 import argparse
@@ -13,7 +13,7 @@ from .errors import FormatError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mlx_streaming verify", description=__doc__)
+    p = argparse.ArgumentParser(prog="mlx_streaming check", description=__doc__)
     p.add_argument("model", help="stream directory")
     args = p.parse_args(argv)
     args.model = str(Path(args.model).expanduser())
@@ -21,10 +21,10 @@ def main(argv=None) -> int:
     def body():
         from tqdm import tqdm
 
-        from .format import read_manifest, verify, verify_spine
+        from .format import damaged_records, damaged_spine, read_manifest
 
         manifest = read_manifest(args.model)
-        spine = verify_spine(args.model, manifest)
+        spine = damaged_spine(args.model, manifest)
         if spine:
             raise FormatError(
                 f"{len(spine)} damaged or missing spine files ({', '.join(spine)}); "
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         total = sum(l.num_experts for l in manifest.layers +
                     (manifest.mtp.layers if manifest.mtp else ()))
         with tqdm(total=total, unit="expert", file=sys.stderr) as bar:
-            bad = verify(args.model, progress=bar.update)
+            bad = damaged_records(args.model, progress=bar.update)
         if bad:
             listed = ", ".join(f"layer {l} expert {e}" for l, e in bad[:10])
             more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""

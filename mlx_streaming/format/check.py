@@ -1,0 +1,49 @@
+"""Whole-directory checks against the manifest's checksums (the
+``mlx_streaming check`` command).
+"""
+
+from pathlib import Path
+from typing import List, Tuple
+from ..errors import FormatError
+from .files import blob_path, crc_or_none, dense_checksum, read_dense, read_manifest
+from .layout import Manifest, SPINE_DIR, record_checksum
+
+
+def damaged_spine(path, manifest: Manifest) -> List[str]:
+    """Names of the spine files that are missing or fail their checksums."""
+    bad = []
+    for s in manifest.spine + ((manifest.mtp.spine,) if manifest.mtp else ()):
+        f = Path(path) / s.name
+        if not f.is_file() or f.stat().st_size != s.nbytes or crc_or_none(f) != s.crc32:
+            bad.append(s.name)
+    for d in manifest.dense:
+        try:
+            ok = dense_checksum(read_dense(path, d), d) == d.crc32
+        except (OSError, FormatError):
+            ok = False
+        if not ok:
+            bad.append(f"{SPINE_DIR}/{d.file}")
+    return bad
+
+
+def damaged_records(path, progress=None) -> List[Tuple[int, int]]:
+    """Check every expert record against its checksum.
+
+    Returns:
+        ``(layer, expert)`` of every record whose checksum does not match.
+    """
+    manifest = read_manifest(path)
+    bad = []
+    for spec in manifest.layers + (manifest.mtp.layers if manifest.mtp else ()):
+        with open(blob_path(path, spec), "rb", buffering=0) as f:
+            buf = bytearray(spec.stride)
+            view = memoryview(buf)
+            for e in range(spec.num_experts):
+                f.seek(spec.record_offset(e))
+                f.readinto(view)
+                segs = (view[s.offset : s.offset + s.nbytes] for s in spec.segments)
+                if record_checksum(segs) != spec.checksums[e]:
+                    bad.append((spec.layer, e))
+                if progress is not None:
+                    progress(1)
+    return bad

@@ -1,0 +1,235 @@
+"""Manifest entries from and to JSON, every field checked.
+"""
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+from .layout import DTYPES, DenseSpec, FORMAT_NAME, LayerSpec, MAX_DIM, Manifest, MtpSpec, RECORD_ALIGNMENT, SEGMENT_ALIGNMENT, Segment, SpineFile, layer_in_path
+
+
+class Malformed(Exception):
+    """A manifest field of the wrong type or out of range (internal)."""
+
+
+def get_field(d, key, kind, where):
+    if not isinstance(d, dict):
+        raise Malformed(f"{where} is not an object")
+    if key not in d:
+        raise Malformed(f"{where} lacks '{key}'")
+    value = d[key]
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise Malformed(f"{where}.{key} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _nonneg(value, what, low=0):
+    if value < low:
+        raise Malformed(f"{what} is {value}, below {low}")
+    return value
+
+
+def _segment_from_dict(d, where: str) -> Segment:
+    name = get_field(d, "name", str, where)
+    dtype = get_field(d, "dtype", str, where)
+    if dtype not in DTYPES:
+        raise Malformed(f"{where} has unknown dtype {dtype!r}")
+    shape = get_field(d, "shape", list, where)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 < n < MAX_DIM
+               for n in shape):
+        raise Malformed(f"{where}.shape is not a list of integers from 1 to {MAX_DIM - 1}")
+    offset = _nonneg(get_field(d, "offset", int, where), f"{where}.offset")
+    nbytes = _nonneg(get_field(d, "nbytes", int, where), f"{where}.nbytes")
+    if math.prod(shape) * DTYPES[dtype].size != nbytes:
+        raise Malformed(f"{where}: {nbytes} bytes do not hold a {dtype} tensor of shape {shape}")
+    return Segment(name, dtype, tuple(shape), offset, nbytes)
+
+
+def _check_record_layout(segments, stride: int, where: str) -> None:
+    """Segments lie inside the record and do not overlap."""
+    end = 0
+    for s in sorted(segments, key=lambda s: s.offset):
+        if s.offset < end:
+            raise Malformed(f"{where}: segment {s.name} overlaps the one before it")
+        end = s.offset + s.nbytes
+    if end > stride:
+        raise Malformed(f"{where}: segments end at byte {end}, beyond the stride {stride}")
+    if len({s.name for s in segments}) != len(segments):
+        raise Malformed(f"{where}: two segments share a name")
+
+
+def _quantization_from_dict(q, where: str) -> Dict[str, Optional[dict]]:
+    if not isinstance(q, dict):
+        raise Malformed(f"{where}.quantization is not an object")
+    for name, params in q.items():
+        if params is None:
+            continue
+        w = f"{where}.quantization.{name}"
+        _nonneg(get_field(params, "bits", int, w), f"{w}.bits", 1)
+        _nonneg(get_field(params, "group_size", int, w), f"{w}.group_size", 1)
+        get_field(params, "mode", str, w)
+    return q
+
+
+def _record_fields(d, where: str, size_key: str):
+    """``(record size, segments, file, layer)`` of an expert layer's or a
+    dense record's manifest entry, each checked."""
+    size = _nonneg(get_field(d, size_key, int, where), f"{where}.{size_key}", 1)
+    if size % RECORD_ALIGNMENT:
+        raise Malformed(f"{where}.{size_key} {size} is not a multiple of {RECORD_ALIGNMENT}")
+    segs = get_field(d, "segments", list, where)
+    if not segs:
+        raise Malformed(f"{where} has no segments")
+    segments = tuple(_segment_from_dict(s, f"{where}.segments[{i}]") for i, s in enumerate(segs))
+    _check_record_layout(segments, size, where)
+    file = get_field(d, "file", str, where)
+    if Path(file).name != file or file in ("", ".", ".."):
+        raise Malformed(f"{where}.file {file!r} must be a plain file name")
+    layer = _nonneg(get_field(d, "layer", int, where), f"{where}.layer")
+    if layer >= MAX_DIM:
+        raise Malformed(f"{where}.layer {layer} is too large")
+    return size, segments, file, layer
+
+
+def layer_from_dict(d, where: str = "layer") -> LayerSpec:
+    """A ``LayerSpec`` from its manifest entry, every field checked.
+
+    Raises:
+        Malformed: a field is missing, of the wrong type or out of range.
+    """
+    num = _nonneg(get_field(d, "num_experts", int, where), f"{where}.num_experts", 1)
+    stride, segments, file, layer = _record_fields(d, where, "stride")
+    checksums = get_field(d, "checksums", list, where)
+    if len(checksums) != num or not all(
+        isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32 for c in checksums
+    ):
+        raise Malformed(f"{where}.checksums must be {num} unsigned 32-bit integers")
+    top_k = _nonneg(get_field(d, "top_k", int, where), f"{where}.top_k", 1)
+    if top_k > num:
+        raise Malformed(f"{where}.top_k {top_k} exceeds num_experts {num}")
+    module = get_field(d, "module", str, where)
+    # MTP layers are numbered after the model's layers, not by their path.
+    index = None if module.startswith("mtp.") else layer_in_path(module)
+    if index is not None and index != layer:
+        # The converter numbers a layer by its module's path: an entry
+        # whose module sits in another layer would run another's experts.
+        raise Malformed(f"{where}.module {module!r} is not in layer {layer}")
+    return LayerSpec(
+        layer=layer,
+        module=module,
+        kind=get_field(d, "kind", str, where),
+        file=file,
+        num_experts=num,
+        top_k=top_k,
+        stride=stride,
+        segments=segments,
+        quantization=_quantization_from_dict(d.get("quantization"), where),
+        checksums=tuple(checksums),
+    )
+
+
+def _spine_from_list(entries) -> Tuple[SpineFile, ...]:
+    if not isinstance(entries, list):
+        raise Malformed("spine is not a list")
+    out = []
+    for i, e in enumerate(entries):
+        w = f"spine[{i}]"
+        name = get_field(e, "name", str, w)
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise Malformed(f"{w}.name {name!r} must be a plain file name")
+        out.append(SpineFile(name, _nonneg(get_field(e, "nbytes", int, w), f"{w}.nbytes"),
+                             _nonneg(get_field(e, "crc32", int, w), f"{w}.crc32")))
+    return tuple(out)
+
+
+def manifest_from_dict(d) -> Manifest:
+    layers = get_field(d, "layers", list, "manifest")
+    if not layers:
+        raise Malformed("the manifest lists no layers")
+    specs = tuple(layer_from_dict(l, f"layers[{i}]") for i, l in enumerate(layers))
+    for what in ("layer", "module", "file"):
+        values = [getattr(s, what) for s in specs]
+        if len(set(values)) != len(values):
+            raise Malformed(f"two layers share a {what}")
+    source = d.get("source", {})
+    spine = _spine_from_list(d["spine"]) if "spine" in d else ()
+    mtp = _mtp_from_dict(d["mtp"], specs) if d.get("mtp") is not None else None
+    dense = _dense_from_list(d["dense"]) if d.get("version") >= 2 and "dense" in d else ()
+    experts = {l.module for l in specs}
+    for spec in dense:
+        for seg in spec.segments:
+            full = f"{spec.prefix}.{seg.name}"
+            if any(full.startswith(m + ".") for m in experts):
+                raise Malformed(f"dense record of layer {spec.layer} holds {full}, a "
+                                 "streamed expert tensor")
+    return Manifest(version=d["version"], layers=specs,
+                    source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp,
+                    dense=dense)
+
+
+def dense_from_dict(d, where: str = "dense") -> DenseSpec:
+    """A ``DenseSpec`` from its manifest entry, every field checked."""
+    nbytes, segments, file, layer = _record_fields(d, where, "nbytes")
+    prefix = get_field(d, "prefix", str, where)
+    if not prefix.endswith(f".{layer}") or prefix.startswith("."):
+        raise Malformed(f"{where}.prefix {prefix!r} is not the path of layer {layer}")
+    if any(s.offset % SEGMENT_ALIGNMENT for s in segments):
+        raise Malformed(f"{where}: a segment is not aligned to {SEGMENT_ALIGNMENT} bytes")
+    quantization = _quantization_from_dict(get_field(d, "quantization", dict, where), where)
+    if any(q is None for q in quantization.values()):
+        raise Malformed(f"{where}.quantization lists an unquantized module")
+    modules = {s.name.rsplit(".", 1)[0] for s in segments if "." in s.name}
+    if not set(quantization) <= modules:
+        raise Malformed(f"{where}.quantization names a module the record does not hold")
+    crc = get_field(d, "crc32", int, where)
+    if not 0 <= crc < 1 << 32:
+        raise Malformed(f"{where}.crc32 is not an unsigned 32-bit integer")
+    return DenseSpec(layer=layer, prefix=prefix, file=file,
+                     nbytes=nbytes, segments=segments, quantization=quantization, crc32=crc)
+
+
+def _dense_from_list(entries) -> Tuple[DenseSpec, ...]:
+    if not isinstance(entries, list):
+        raise Malformed("dense is not a list")
+    specs = tuple(dense_from_dict(e, f"dense[{i}]") for i, e in enumerate(entries))
+    if [s.layer for s in specs] != sorted(s.layer for s in specs):
+        raise Malformed("dense records are not in layer order")
+    for what in ("layer", "prefix", "file"):
+        values = [getattr(s, what) for s in specs]
+        if len(set(values)) != len(values):
+            raise Malformed(f"two dense records share a {what}")
+    return specs
+
+
+def _mtp_from_dict(d, main: Tuple[LayerSpec, ...]) -> "MtpSpec":
+    if not isinstance(d, dict):
+        raise Malformed("mtp is not an object")
+    (spine,) = _spine_from_list([get_field(d, "spine", dict, "mtp")])
+    layers = tuple(layer_from_dict(l, f"mtp.layers[{i}]")
+                   for i, l in enumerate(get_field(d, "layers", list, "mtp")))
+    for what in ("layer", "module", "file"):
+        values = [getattr(s, what) for s in main + layers]
+        if len(set(values)) != len(values):
+            raise Malformed(f"an MTP layer shares a {what} with another layer")
+    return MtpSpec(spine, layers)
+
+
+def manifest_to_dict(manifest: Manifest) -> dict:
+    return {
+        "format": FORMAT_NAME,
+        "version": manifest.version,
+        "record_alignment": RECORD_ALIGNMENT,
+        "segment_alignment": SEGMENT_ALIGNMENT,
+        "checksum": "crc32",
+        "source": manifest.source,
+        "spine": [asdict(s) for s in manifest.spine],
+        "layers": [asdict(l) for l in manifest.layers],
+        **({"mtp": {"spine": asdict(manifest.mtp.spine),
+                    "layers": [asdict(l) for l in manifest.mtp.layers]}}
+           if manifest.mtp is not None else {}),
+        **({"dense": [asdict(d) for d in manifest.dense]} if manifest.version >= 2 else {}),
+    }
