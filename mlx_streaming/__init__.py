@@ -24,14 +24,14 @@ from .errors import (
     FormatError,
     StreamingError,
 )
-from .stats import reset_stats, stats
+from .runtime.stats import reset_stats, stats
 
 __version__ = "0.1.0"
 
 # name -> (module, attribute); None: the module itself.
 _LAZY = {
-    "convert": (".converter", "convert"),
-    "load": (".loader", "load"),
+    "convert": (".conversion.local", "convert"),
+    "load": (".runtime.loader", "load"),
     "format": (".format", None),
 }
 

@@ -18,12 +18,12 @@ from typing import Callable, List, NoReturn, Optional
 from .errors import StreamingError
 
 COMMANDS = {
-    "convert": "mlx_streaming.converter",
+    "convert": "mlx_streaming.conversion.cli",
     "generate": "mlx_streaming.generate",
     "demo": "mlx_streaming.demo",
     "bench": "mlx_streaming.bench.__main__",
     "check": "mlx_streaming.check",
-    "serve": "mlx_streaming.server",
+    "serve": "mlx_streaming.server.app",
 }
 
 

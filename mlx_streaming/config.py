@@ -18,7 +18,7 @@ from .errors import ConfigError
 
 IO_CHOICES = ("auto", "native", "python")
 PREFETCH_CHOICES = ("off", "next-layer", "auto")
-# Eviction policies (mlx_streaming.policy.POLICIES); bench cache compares them.
+# Eviction policies (mlx_streaming.runtime.policy.POLICIES); bench cache compares them.
 POLICY_CHOICES = ("lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
 DEFAULT_POLICY = "lfu-decay"
 CHECKSUM_CHOICES = ("first-read", "always", "off")
@@ -115,7 +115,7 @@ class StreamConfig:
         "layer's input, with the budget the next layer's reads leave, held to a "
         "prefetch_precision bar of their own", type=int,
         bounds=dict(low=1, high=2))
-    prefetch_budget: Optional[int] = _option(
+    prefetch_records: Optional[int] = _option(
         None, "whole records prefetched per layer (default: measured, what the disk reads "
         "in one layer's compute time, and one more that it reads only part of where its "
         "chance of use is at least the part it does not)", type=int,
@@ -234,7 +234,7 @@ def _shown(bound) -> str:
 
 
 # Options renamed, old name -> new: still taken, with a DeprecationWarning.
-RENAMED = {"verify": "checksums"}
+RENAMED = {"verify": "checksums", "prefetch_budget": "prefetch_records"}
 
 
 def config_fields():

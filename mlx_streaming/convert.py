@@ -1,4 +1,4 @@
-"""``python -m mlx_streaming.convert``: see ``mlx_streaming.converter``.
+"""``python -m mlx_streaming.convert``: see ``mlx_streaming.conversion``.
 
 Importing this module sets ``mlx_streaming.convert`` to it (Python binds a
 submodule to its package's attribute), which would hide the function the
@@ -15,12 +15,12 @@ def main(argv=None) -> int:
     from .cli import run_main
 
     # The converter imports MLX: inside run_main, an interrupt is one line.
-    return run_main(lambda: importlib.import_module("mlx_streaming.converter").main(argv))
+    return run_main(lambda: importlib.import_module("mlx_streaming.conversion.cli").main(argv))
 
 
 class _CallableModule(types.ModuleType):
     def __call__(self, *args, **kwargs):
-        from .converter import convert
+        from .conversion.local import convert
 
         return convert(*args, **kwargs)
 

@@ -50,8 +50,8 @@ WHAT_IT_IS = (
 
 def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) -> Path:
     """Train, quantize and convert the demo model; returns its stream dir."""
-    from . import tiny
-    from .converter import convert
+    from .testing import tiny
+    from .conversion.local import convert
 
     work = cache_dir / "build"
     shutil.rmtree(work, ignore_errors=True)

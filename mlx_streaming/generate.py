@@ -127,7 +127,7 @@ def summarize(response, report: dict) -> dict:
         "residency": report["residency"],
         "slots_per_layer": report["slots_per_layer"],
         "num_experts": report["num_experts"],
-        "cache_gb": report["cache_bytes"] / 1e9,
+        "pool_gb": report["pool_bytes"] / 1e9,
         "syncs_per_token": t["syncs"] / max(1, t["tokens"] // max(1, report["moe_layers"])),
         "prefetch": report["prefetch_decision"],
         "draft_acceptance": report["speculative"]["acceptance_rate"],
@@ -141,7 +141,7 @@ def print_summary(s: dict) -> None:
         f"prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s | "
         f"decode: {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s\n"
         f"experts: hit rate {hit}, {s['gb_read']:.3f} GB read, {rate} | "
-        f"{s['slots_per_layer']}/{s['num_experts']} slots per layer ({s['cache_gb']:.3f} GB) | "
+        f"{s['slots_per_layer']}/{s['num_experts']} slots per layer ({s['pool_gb']:.3f} GB) | "
         f"peak memory {s['peak_memory_gb']:.3f} GB | io {s['io']}"
         + ("" if s["spine_gb_read"] is None else
            f" | spine layers: {s['spine_gb_read']:.3f} GB read")
@@ -158,7 +158,7 @@ def _responses(args, model, tokenizer, prompt, sampler):
     if not (args.draft or args.draft_model):
         return stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                sampler=sampler)
-    from . import speculative
+    from .decode import speculative
 
     if args.draft_model:
         import mlx_lm
@@ -171,7 +171,7 @@ def _responses(args, model, tokenizer, prompt, sampler):
                               "give an mlx-lm model directory or repo id") from None
         draft = speculative.ModelDraft(drafter, temp=args.temp)
     elif args.draft == "mtp":
-        from .mtp import MtpDraft
+        from .decode.mtp import MtpDraft
 
         draft = MtpDraft(model)
     else:
@@ -208,8 +208,8 @@ def main(argv=None) -> int:
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
-        from .loader import load
-        from .stats import stats
+        from .runtime.loader import load
+        from .runtime.stats import stats
 
         mx.random.seed(args.seed)
         model, tokenizer = load(args.model, revision=args.revision, config=config)

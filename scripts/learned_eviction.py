@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_streaming.bench.cache import Belady, Lookahead, decode_records, replay_misses  # noqa: E402
-from mlx_streaming.policy import LRU, DecayedLFU, Policy  # noqa: E402
+from mlx_streaming.runtime.policy import LRU, DecayedLFU, Policy  # noqa: E402
 
 HALF_LIVES = (1, 2, 4, 8, 16, 32, 64, 128)
 HORIZON = 8

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_streaming import synthetic, tiny  # noqa: E402
+from mlx_streaming.testing import synthetic, tiny  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     if args.family not in ("qwen3_moe", "qwen2_moe"):
         raise SystemExit("only qwen3_moe and qwen2_moe sizes are exposed as flags; use "
-                         "mlx_streaming.synthetic.make_synthetic for other families")
+                         "mlx_streaming.testing.synthetic.make_synthetic for other families")
     extra = {}
     if args.shared_intermediate is not None:
         if args.family != "qwen2_moe":

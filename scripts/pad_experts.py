@@ -20,7 +20,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_streaming.converter import convert  # noqa: E402
+from mlx_streaming.conversion.local import convert  # noqa: E402
 
 EXPERTS = ".mlp.switch_mlp."
 

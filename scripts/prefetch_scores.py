@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_streaming.bench.cache import replay_misses  # noqa: E402
-from mlx_streaming.policy import DecayedLFU  # noqa: E402
+from mlx_streaming.runtime.policy import DecayedLFU  # noqa: E402
 
 WARMUP = 32  # tokens before counting: the pool and the affinity fill first
 

@@ -19,7 +19,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from mlx_streaming import tiny
+    from mlx_streaming.testing import tiny
 
     return tiny.train_tokenizer(tmp_path_factory.mktemp("tokenizer"), 512, 200_000)
 

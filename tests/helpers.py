@@ -10,8 +10,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from mlx_streaming import tiny
-from mlx_streaming.converter import convert
+from mlx_streaming.testing import tiny
+from mlx_streaming.conversion.local import convert
 
 VOCAB = 512
 PROMPT = [1, 7, 42, 300, 5, 18, 99, 260, 3, 77, 150, 11, 480, 23, 64, 9] * 3
@@ -157,7 +157,7 @@ def downgrade_to_v1(stream_dir: Path, out: Path) -> Path:
 def count_splits(monkeypatch) -> list:
     """The token count of each call that overlap split (``Paged._split``),
     appended as the calls run."""
-    from mlx_streaming.block import Paged
+    from mlx_streaming.runtime.block import Paged
 
     split, original = [], Paged._split
 

@@ -15,7 +15,7 @@ from mlx_streaming.bench.__main__ import main as bench_main
 from mlx_streaming.bench.common import routing_stats
 from mlx_streaming.bench.verify import expected_tokens
 from mlx_streaming.config import POLICY_CHOICES
-from mlx_streaming.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA, make_policy
+from mlx_streaming.runtime.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA, make_policy
 
 
 @pytest.mark.parametrize("policy", POLICY_CHOICES)
@@ -150,7 +150,7 @@ def test_bench_io_runs_warm(models, tmp_path):
 def test_bench_io_prefetch_decode_runs(models, tmp_path):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     _run(["io", "--no-throughput", "--no-cold", "--model", str(stream_dir), "--pools", "0.5",
-          "--prefetch-budget", "8",
+          "--prefetch-records", "8",
           "--max-tokens", "4", "--repeats", "1"], tmp_path / "io")
     rows = json.loads((tmp_path / "io" / "io.json").read_text())["prefetch_decode"]
     assert [r["prefetch"] for r in rows] == ["off", "next-layer", "auto"]
@@ -673,7 +673,7 @@ def test_simulator_reads_every_prediction_of_a_sigmoid_routers_layer():
 
 
 def test_the_trace_marks_a_sigmoid_routers_layer(tmp_path):
-    from mlx_streaming.stats import TraceWriter, read_trace_records
+    from mlx_streaming.runtime.trace import TraceWriter, read_trace_records
 
     # Layer 1 predicted two layers early only, layer 2 one layer early:
     # each record says which router its predictions came from.

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 import mlx_streaming
-from mlx_streaming.native import load_extension
+from mlx_streaming.io.native import load_extension
 
 IO_PATHS = ["python"] + (["native"] if load_extension()[0] is not None else [])
 
@@ -107,7 +107,7 @@ def test_stats_from_another_thread_wait_for_the_forward_pass(qwen, io):
     import mlx.core as mx
 
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, io=io, prefetch="next-layer",
-                                  prefetch_budget=4, prefetch_precision=0)
+                                  prefetch_records=4, prefetch_precision=0)
     runtime = model.streaming
     first = runtime.manifest.layers[0].layer
     count = runtime.stats.on_paged_call

@@ -10,15 +10,15 @@ import mlx.core as mx
 import pytest
 
 import mlx_streaming
-from mlx_streaming import tiny
-from mlx_streaming.converter import convert
+from mlx_streaming.testing import tiny
+from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConversionError, FormatError
 from mlx_streaming.format import CONVERT_STATE_NAME, manifest_path, read_manifest
 from helpers import VOCAB, check_matches_resident
 
 
 def test_package_exports_the_convert_function():
-    import mlx_streaming.converter  # noqa: F401
+    import mlx_streaming.conversion.local  # noqa: F401
 
     assert callable(mlx_streaming.convert)
 
@@ -99,7 +99,7 @@ def test_killed_conversion_resumes(tmp_path, models):
     dst = tmp_path / "stream"
     script = textwrap.dedent(f"""
         import os, signal
-        from mlx_streaming.converter import convert
+        from mlx_streaming.conversion.local import convert
         convert({str(src)!r}, {str(dst)!r}, progress=False,
                 on_layer=lambda spec: os.kill(os.getpid(), signal.SIGKILL))
     """)
@@ -130,7 +130,7 @@ def test_synthetic_model_written_directly_equals_its_conversion(tmp_path, tokeni
     """make_synthetic's two outputs: a stream directory written layer by
     layer, and an mlx-lm directory that convert() turns into the same one;
     the converted one streams exactly like mlx-lm runs it."""
-    from mlx_streaming import synthetic
+    from mlx_streaming.testing import synthetic
 
     sizes = dict(hidden_size=128, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
                  moe_intermediate_size=64)

@@ -106,7 +106,7 @@ def test_fuzz_manifest_load_is_exact_or_an_error(tmp_path_factory, qwen):
 
 
 def test_fuzz_spine_header(tmp_path_factory, qwen):
-    from mlx_streaming.loader import _load_spine
+    from mlx_streaming.runtime.model_spine import load_spine
 
     stream, _ = fresh_copy(tmp_path_factory, qwen)
     manifest = read_manifest(stream)
@@ -140,7 +140,7 @@ def test_fuzz_spine_header(tmp_path_factory, qwen):
         try:
             check_safetensors(spine)
             # A header that passes goes on to MLX and mlx-lm's model loader.
-            _load_spine(stream, manifest)
+            load_spine(stream, manifest)
         except StreamingError as e:
             assert "\n" not in str(e)
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from mlx_streaming import budget
+from mlx_streaming.runtime import memory as budget
 from mlx_streaming.config import StreamConfig
-from mlx_streaming.converter import convert
+from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import (
     BudgetError,
     ConfigError,
@@ -161,12 +161,12 @@ def test_force_never_clears_before_the_source_is_accepted(tmp_path, qwen, models
 
 
 def test_interrupted_before_the_first_layer_resumes(tmp_path, qwen, monkeypatch):
-    import mlx_streaming.converter as converter
+    import mlx_streaming.conversion.local as converter
 
     def crash(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(converter, "_convert_layer", crash)
+    monkeypatch.setattr(converter, "convert_layer", crash)
     with pytest.raises(KeyboardInterrupt):
         convert(qwen[0], tmp_path / "s", progress=False)
     monkeypatch.undo()
@@ -175,11 +175,12 @@ def test_interrupted_before_the_first_layer_resumes(tmp_path, qwen, monkeypatch)
 
 
 def test_fsync_before_the_manifest(tmp_path, qwen, monkeypatch):
-    import mlx_streaming.converter as converter
+    import mlx_streaming.conversion.local as converter
+    import mlx_streaming.conversion.resume as resume
 
     synced, order = set(), []
-    real_fsync_file, real_write = converter.fsync_path, converter.write_manifest
-    monkeypatch.setattr(converter, "fsync_path",
+    real_fsync_file, real_write = resume.fsync_path, converter.write_manifest
+    monkeypatch.setattr(resume, "fsync_path",
                         lambda p: (synced.add(Path(p).name), real_fsync_file(p)))
     monkeypatch.setattr(converter, "write_manifest",
                         lambda *a: (order.append(set(synced)), real_write(*a)))
@@ -214,7 +215,7 @@ def test_stride_smaller_than_an_expert_is_refused(stream_copy):
 
 
 def test_native_reader_refuses_segments_outside_the_record(tmp_path):
-    from mlx_streaming.native import NativeReader, load_extension
+    from mlx_streaming.io.native import NativeReader, load_extension
     from mlx_streaming.errors import ExpertReadError
 
     ext, why = load_extension()
@@ -325,7 +326,7 @@ def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, 
                                                              prefetch, monkeypatch):
     import mlx_lm
 
-    from mlx_streaming import block
+    from mlx_streaming.runtime import block
 
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)  # the worker raises it
 
@@ -361,7 +362,7 @@ def test_blob_rewritten_mid_run_is_an_error_not_wrong_tokens(stream_copy, qwen, 
     (["--slots-per-layer", "-3"], "slots_per_layer must be between 1 and"),
     (["--io-threads", "0"], "io_threads must be between 1 and 64"),
     (["--io-threads", "100000"], "io_threads must be between 1 and 64"),
-    (["--prefetch-budget", "-1"], "prefetch_budget must be between 0 and 65536"),
+    (["--prefetch-records", "-1"], "prefetch_records must be between 0 and 65536"),
     (["--max-tokens", "-5"], "max-tokens must be 1 or more"),
     (["--max-tokens", "0"], "max-tokens must be 1 or more"),
     (["--prompt", ""], "prompt is empty"),
@@ -378,7 +379,7 @@ def test_bad_flags_are_one_line_errors(qwen, flags, message):
 
 def test_config_errors_are_value_errors_and_streaming_errors():
     for bad in (dict(cache_gb=float("nan")), dict(io_threads=10**5), dict(checksums="sometimes"),
-                dict(policy="mru"), dict(prefetch_budget=-1),
+                dict(policy="mru"), dict(prefetch_records=-1),
                 dict(slots_per_layer=2.5), dict(direct_io="yes"), dict(direct_io=1),
                 dict(overlap=1), dict(mtp=0), dict(prefetch_affinity="on"),
                 dict(read_pace_mbps=0.001), dict(read_pace_mbps=-1.0),
@@ -544,7 +545,7 @@ def test_prefetchs_staging_area_is_in_the_memory_plan(qwen):
 
 def test_explicit_pool_beyond_the_cgroup_is_refused_not_killed(tmp_path, tokenizer_dir):
     """A 0.5 GB memory cgroup, 1.2 GB of experts, all asked to be resident."""
-    from mlx_streaming import synthetic
+    from mlx_streaming.testing import synthetic
     from mlx_streaming.bench.common import BenchError, MemoryLimit
 
     stream = synthetic.make_synthetic(
@@ -590,7 +591,7 @@ def test_failed_native_build_leaves_a_working_install(tmp_path, monkeypatch, cap
 
 
 def test_without_the_extension_load_warns_and_reads_in_python(qwen, monkeypatch):
-    import mlx_streaming.loader as loader
+    import mlx_streaming.io.choice as loader
 
     monkeypatch.setattr(loader, "load_extension", lambda: (None, "not built (no compiler)"))
     with pytest.warns(RuntimeWarning, match="not built .*slower Python reader"):
@@ -617,7 +618,7 @@ def test_a_stream_directory_missing_its_config_or_tokenizer_is_one_line(stream_c
         raise AssertionError("the runtime was built before the tokenizer was checked")
 
     with monkeypatch.context() as m:
-        m.setattr("mlx_streaming.loader._build_runtime", never)  # known before the weights
+        m.setattr("mlx_streaming.runtime.loader._build_runtime", never)  # known before the weights
         with pytest.raises(FormatError, match=match):
             mlx_streaming.load(stream_copy, slots_per_layer=4)
     proc = run("mlx_streaming.generate", "--model", str(stream_copy), "--max-tokens", "2",

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from mlx_streaming import hub
+from mlx_streaming.hub import repo as hub
 from mlx_streaming.errors import ConfigError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
-from mlx_streaming.hubserver import HubServer
-from mlx_streaming.remote import DiskCache, ExpertFetchError
-from mlx_streaming.stats import stats
+from mlx_streaming.testing.hubserver import HubServer
+from mlx_streaming.hub.disk_cache import DiskCache
+from mlx_streaming.hub.fetch import ExpertFetchError
+from mlx_streaming.runtime.stats import stats
 from helpers import logits_trace, assert_same_logits, greedy_text, reshard
 
 REPO = "org/tiny-stream"
@@ -90,7 +91,7 @@ def test_fetched_generation_is_exact_with_a_small_disk_cache(qwen, served, tmp_p
     monkeypatch.setattr(DiskCache, "put", checked_put)
     reference = local_reference(qwen[1])
     report = assert_exact(served, tmp_path, reference, disk_cache_gb=cap / 1e9,
-                          prefetch=prefetch, prefetch_budget=4)
+                          prefetch=prefetch, prefetch_records=4)
     remote = report["remote"]
     assert report["io"] == "remote" and remote["disk_cache_cap"] == cap
     assert remote["disk_cache_evicted"] > 0 and max(sizes) <= cap
@@ -114,7 +115,7 @@ def test_prefetch_measures_the_network_as_its_disk(qwen, served, tmp_path):
         nbytes, busy = model.streaming.reader.busy()
         read = stats(model)["total"]["bytes_read"]
         assert read > 0 and nbytes >= read and busy > 0
-        assert model.streaming.prefetch_budget.rate is not None
+        assert model.streaming.prefetch.bandwidth.rate is not None
     finally:
         model.streaming.close()
 
@@ -167,7 +168,7 @@ def test_a_fault_once_is_retried_and_the_output_stays_exact(qwen, served, tmp_pa
 def test_a_server_ignoring_range_still_gives_exact_output(qwen, served, tmp_path, caplog):
     reference = local_reference(qwen[1])
     served.faults.append(lambda r: "full" if is_record(r) else None)
-    with caplog.at_level(logging.WARNING, logger="mlx_streaming.remote"):
+    with caplog.at_level(logging.WARNING, logger="mlx_streaming.hub.reader"):
         assert_exact(served, tmp_path, reference, disk_cache_gb=0)
     assert any("ignores HTTP Range" in r.message for r in caplog.records)
 
@@ -236,7 +237,7 @@ def test_sigkill_mid_fetch_leaves_a_consistent_cache(qwen, tmp_path):
 
 
 def test_plain_mlx_lm_repo_is_converted_shard_by_shard(qwen, tmp_path):
-    from mlx_streaming.hubconvert import convert_repo
+    from mlx_streaming.conversion.shards import convert_repo
 
     src = reshard(qwen[0], tmp_path / "sharded", max_bytes=300_000)
     shards = sorted(src.glob("model-*.safetensors"))
@@ -272,10 +273,10 @@ def test_plain_mlx_lm_repo_is_converted_shard_by_shard(qwen, tmp_path):
 
 
 def test_convert_upload_publishes_a_streamable_repo(qwen, tmp_path):
-    from mlx_streaming import converter
+    from mlx_streaming.conversion import cli
 
     with HubServer(upload_root=tmp_path / "hub") as server:
-        rc = converter.main(["--model", str(qwen[0]), "--out", str(tmp_path / "s"),
+        rc = cli.main(["--model", str(qwen[0]), "--out", str(tmp_path / "s"),
                              "--no-progress", "--upload", "org/uploaded",
                              "--endpoint", server.url])
         assert rc == 0
@@ -354,7 +355,7 @@ def test_concurrent_puts_never_pass_the_cap_or_count_twice(tmp_path):
 
 
 def test_retry_after_is_honoured_and_named(served):
-    from mlx_streaming.remote import RangeFetcher
+    from mlx_streaming.hub.fetch import RangeFetcher
 
     fetcher = RangeFetcher({}, timeout=5, retries=2, backoff=0.01)
     waits = []
@@ -441,7 +442,7 @@ def test_offline_revisions(qwen, tmp_path):
 
 
 def test_conversions_of_one_repo_run_one_at_a_time(qwen, tmp_path):
-    from mlx_streaming.hubconvert import convert_repo
+    from mlx_streaming.conversion.shards import convert_repo
 
     src = reshard(qwen[0], tmp_path / "sharded", max_bytes=300_000)
     out, errors = [], []

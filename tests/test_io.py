@@ -12,9 +12,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
 from mlx_streaming.errors import ExpertReadError
-from mlx_streaming.native import NativeReader, load_extension
-from mlx_streaming.prefetch import rank_order
-from mlx_streaming.readers import PythonReader, direct_io_works
+from mlx_streaming.io.native import NativeReader, load_extension
+from mlx_streaming.runtime.prefetch.predict import rank_order
+from mlx_streaming.io.python import PythonReader, direct_io_works
 from helpers import PROMPT, check_matches_resident, pool_sizes
 
 EXT, WHY = load_extension()
@@ -231,9 +231,9 @@ class FakeMeter:
 
 
 def _budget(layers, clock, meter, smoothing=1.0):
-    from mlx_streaming.prefetch import PrefetchBudget
+    from mlx_streaming.runtime.prefetch.bandwidth import PrefetchBandwidth
 
-    return PrefetchBudget(first_layer=0, layers=layers, record_bytes=1_000_000, max_tokens=8,
+    return PrefetchBandwidth(first_layer=0, layers=layers, record_bytes=1_000_000, max_tokens=8,
                           meter=meter, clock=clock, smoothing=smoothing)
 
 
@@ -339,25 +339,25 @@ def test_prefetch_calibration_counts_predictions_two_layers_early_apart():
     """The same score means less made two layers early: ``bar`` counts
     those predictions in bins of their own and holds them to their own
     bar, and ``forget`` drops both."""
-    from mlx_streaming.prefetch import PrefetchCalibration
+    from mlx_streaming.runtime.prefetch.calibration import PrefetchCalibration
 
     calibration = PrefetchCalibration([1], target=0.6, window=64)
     order, scores = np.array([5, 6]), np.array([8.0, 8.0])
     for _ in range(10):
         calibration.select(1, order[:1], scores[:1], 1)  # one layer early: 5, used
-        calibration.bar(1, order, scores, 1)  # two layers early: 5 and 6, half used
+        calibration.select_two_ahead(1, order, scores, 1)  # two layers early: 5 and 6, half used
         calibration.on_route(1, np.array([[5, 3]]), np.array([3, 5]))
     assert list(calibration.select(1, order, scores, 1)) == [5, 6]
-    assert calibration.bar(1, order, scores, 1).size == 0
+    assert calibration.select_two_ahead(1, order, scores, 1).size == 0
     calibration.forget(1)
-    assert calibration.lowest_scores() == {} and calibration.far.lowest_scores() == {}
+    assert calibration.lowest_scores() == {} and calibration.two_ahead.lowest_scores() == {}
 
 
 def test_prefetch_calibration_reads_the_scores_that_were_used():
     """Per layer, the bins of scores read ahead are those that, from the
     highest down, were used at least the target share of the time, counted
     on every prediction, read or not."""
-    from mlx_streaming.prefetch import PrefetchCalibration
+    from mlx_streaming.runtime.prefetch.calibration import PrefetchCalibration
 
     calibration = PrefetchCalibration([1, 2], target=0.8, window=64)
     order = np.array([5, 6, 7, 9])
@@ -409,7 +409,7 @@ def test_prefetch_calibration_reads_the_scores_that_were_used():
 
 
 def test_affinity_counts_which_experts_follow_which():
-    from mlx_streaming.prefetch import Affinity
+    from mlx_streaming.runtime.prefetch.affinity import Affinity
 
     affinity = Affinity([(0, 4, 1, 3), (1, 3, 2, 4)], prior=1.0)
     uniform = affinity.weights(0, np.array([[0, 1]]))
@@ -439,7 +439,7 @@ def test_affinity_counts_which_experts_follow_which():
 
 
 def test_affinity_wraps_from_the_last_layer_on_decode_only():
-    from mlx_streaming.prefetch import Affinity
+    from mlx_streaming.runtime.prefetch.affinity import Affinity
 
     affinity = Affinity([(0, 4, 1, 4), (1, 4, 0, 4)], prior=0.0)
     # A two-token prefill: row i of layer 1 is not followed by row i of the
@@ -499,10 +499,10 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io, depth):
     after) are staged once its own demand reads are done, never before."""
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
-                                  prefetch_budget=8, prefetch_precision=0,
+                                  prefetch_records=8, prefetch_precision=0,
                                   prefetch_depth=depth)
     runtime = model.streaming
-    assert runtime.prefetch_calibration.lowest_scores() == {}
+    assert runtime.prefetch.calibration.lowest_scores() == {}
     log = []
     for store in runtime.stores:
         read = store._read
@@ -547,7 +547,7 @@ def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models
     budget = 5  # more than the 4 experts predicted per token: room is left
     for depth in (1, 2):
         model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io,
-                                      prefetch="next-layer", prefetch_budget=budget,
+                                      prefetch="next-layer", prefetch_records=budget,
                                       prefetch_precision=0, prefetch_depth=depth)
         runtime = model.streaming
         layers = [s.layer for s in runtime.stores]
@@ -582,7 +582,7 @@ def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models
 def test_outputs_identical_with_prefetch_two_layers_ahead(models, io):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
-                                   io=io, prefetch="next-layer", prefetch_budget=8,
+                                   io=io, prefetch="next-layer", prefetch_records=8,
                                    prefetch_precision=0, prefetch_depth=2)
     assert mlx_streaming.stats(model)["total"]["prefetch_useful"] > 0
 
@@ -593,38 +593,38 @@ def test_prefetch_calibration_gates_the_reads_of_each_layer(models, io):
     it read, and a layer that may read none stages none."""
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
-                                  prefetch_budget=8, prefetch_precision=0.5)
+                                  prefetch_records=8, prefetch_precision=0.5)
     runtime = model.streaming
     layers = [s.layer for s in runtime.stores]
-    calibration = runtime.prefetch_calibration
+    calibration = runtime.prefetch.calibration
     bins = len(calibration.EDGES) + 1
     # Hold each layer's threshold, for predictions one and two layers early:
     # layer 1 reads every prediction, the rest none.
-    for held in (calibration, calibration.far):
+    for held in (calibration, calibration.two_ahead):
         held._lowest = lambda key: 0 if key[0] == layers[1] else bins
         held.lowest.update({k: held._lowest(k) for k in held.lowest})
     steps = 10
     s = _stats_of_decode(model, steps)
     assert s["layers"][layers[1]]["prefetch_issued"] > 0
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
-    assert s["prefetch_budget"]["lowest_score"][layers[1]] == 0.0
-    assert s["prefetch_budget"]["lowest_score"][layers[2]] is None
+    assert s["prefetch_bandwidth"]["lowest_score"][layers[1]] == 0.0
+    assert s["prefetch_bandwidth"]["lowest_score"][layers[2]] is None
 
 
-def test_within_budget_reads_a_partly_covered_record_when_likely_used():
+def test_within_bandwidth_reads_a_partly_covered_record_when_likely_used():
     """The whole records the compute reads, then one more if its chance of
     use is at least the share of it the compute does not cover."""
-    from mlx_streaming.prefetch import within_budget
+    from mlx_streaming.runtime.prefetch.predict import within_bandwidth
 
     order = np.array([5, 3, 9])
     chance = {5: 0.9, 3: 0.7, 9: 0.1}.get
-    assert within_budget(order, 1, 0.0, chance).tolist() == [5]  # covered: none
-    assert within_budget(order, 1, 0.25, chance).tolist() == [5]  # 3: 0.7 < 0.75
-    assert within_budget(order, 1, 0.35, chance).tolist() == [5, 3]  # 0.7 >= 0.65
-    assert within_budget(order, 0, 0.2, chance).tolist() == [5]  # 0.9 >= 0.8
-    assert within_budget(order, 0, 0.05, chance).tolist() == []  # 0.9 < 0.95
-    assert within_budget(order, 0, 0.9, lambda e: None).tolist() == []  # not known: not read
-    assert within_budget(order, 5, 0.9, chance).tolist() == [5, 3, 9]
+    assert within_bandwidth(order, 1, 0.0, chance).tolist() == [5]  # covered: none
+    assert within_bandwidth(order, 1, 0.25, chance).tolist() == [5]  # 3: 0.7 < 0.75
+    assert within_bandwidth(order, 1, 0.35, chance).tolist() == [5, 3]  # 0.7 >= 0.65
+    assert within_bandwidth(order, 0, 0.2, chance).tolist() == [5]  # 0.9 >= 0.8
+    assert within_bandwidth(order, 0, 0.05, chance).tolist() == []  # 0.9 < 0.95
+    assert within_bandwidth(order, 0, 0.9, lambda e: None).tolist() == []  # not known: not read
+    assert within_bandwidth(order, 5, 0.9, chance).tolist() == [5, 3, 9]
 
 
 def test_prefetch_budget_keeps_the_share_of_a_record_its_compute_covers():
@@ -636,11 +636,11 @@ def test_prefetch_budget_keeps_the_share_of_a_record_its_compute_covers():
         budget.on_stall(2, 0.06)
         clock.now += 0.11  # 50 ms of compute over 4 layers: 12.5 ms each
     budget.on_call(0, 1)
-    assert budget.records == 2 and budget.spare == pytest.approx(0.5)  # 2.5 records
+    assert budget.records == 2 and budget.partial == pytest.approx(0.5)  # 2.5 records
 
 
 def test_calibration_chance_of_use_is_smoothed_per_bin():
-    from mlx_streaming.prefetch import PrefetchCalibration
+    from mlx_streaming.runtime.prefetch.calibration import PrefetchCalibration
 
     calibration = PrefetchCalibration([0], target=0.5)
     assert calibration.used_share(0, 1, 1) is None  # nothing selected yet
@@ -658,7 +658,7 @@ def test_calibration_chance_of_use_is_smoothed_per_bin():
 def test_every_prediction_read_counts_the_chance_of_each_rank():
     """Where scores are not binned (precision 0, a sigmoid router), the
     chance of the partly covered record is its rank's share used."""
-    from mlx_streaming.prefetch import ReadEveryPrediction
+    from mlx_streaming.runtime.prefetch.calibration import ReadEveryPrediction
 
     ranks = ReadEveryPrediction()
     assert ranks.select(3, np.array([4, 5]), None, 1).tolist() == [4, 5]  # reads them all
@@ -670,7 +670,7 @@ def test_every_prediction_read_counts_the_chance_of_each_rank():
     assert ranks.used_share(3, 7, 1) == pytest.approx(5 / 6)
     assert ranks.used_share(3, 8, 1) == pytest.approx(1 / 6)
     assert ranks.used_share(3, 9, 1) == pytest.approx(1 / 2)  # rank 2: none counted
-    ranks.bar(3, np.array([1]), None, 1)  # two layers early: not counted
+    ranks.select_two_ahead(3, np.array([1]), None, 1)  # two layers early: not counted
     ranks.on_route(3, np.array([[7, 1]]), np.array([1, 7]))  # [7, 8, 9] judged, not [1]
     ranks.select(3, np.array([7, 8]), None, 1)
     assert ranks.used_share(3, 7, 1) == pytest.approx(6 / 7)
@@ -685,18 +685,18 @@ def test_prefetch_reads_a_partly_covered_record_where_whole_ones_do_not_fit(mode
     enough for the share of it the compute covers; none where it is not."""
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
-                                  prefetch_budget=0, prefetch_precision=0.5,
+                                  prefetch_records=0, prefetch_precision=0.5,
                                   prefetch_depth=1)
     runtime = model.streaming
     layers = [s.layer for s in runtime.stores]
-    calibration = runtime.prefetch_calibration
+    calibration = runtime.prefetch.calibration
     calibration._lowest = lambda key: 0  # every prediction passes the bar
     calibration.lowest.update({k: 0 for k in calibration.lowest})
     calibration.used_share = lambda layer, expert, rows: 0.9 if layer == layers[1] else 0.5
     steps = 10
     assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
                .values())  # no share of a record covered: nothing
-    runtime.prefetch_budget.spare = 0.2  # 0.9 >= 1 - 0.2; 0.5 is not
+    runtime.prefetch.bandwidth.partial = 0.2  # 0.9 >= 1 - 0.2; 0.5 is not
     s = _stats_of_decode(model, steps)
     assert 0 < s["layers"][layers[1]]["prefetch_issued"] <= steps
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in layers[2:])
@@ -709,17 +709,17 @@ def test_a_partly_covered_record_by_its_ranks_chance(models, family, precision):
     its rank's counted chance is enough, and not where it is not."""
     _, stream_dir = models.get(family, quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, prefetch="next-layer",
-                                  prefetch_budget=0, prefetch_depth=1,
+                                  prefetch_records=0, prefetch_depth=1,
                                   prefetch_precision=precision)
     runtime = model.streaming
-    ranks = runtime.prefetch_ranks
+    ranks = runtime.prefetch.ranks
     steps = 10
     assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
                .values())  # no share of a record covered: nothing
     counted = {layer for layer, _ in ranks.predicted}
     first = runtime.stores[0].layer  # predicted by affinity alone: score bins above 0
     assert counted and (first in counted) == (precision == 0)
-    runtime.prefetch_budget.spare = 0.99  # a counted chance above 1% reads it
+    runtime.prefetch.bandwidth.partial = 0.99  # a counted chance above 1% reads it
     s = _stats_of_decode(model, steps)
     read = [s["layers"][layer]["prefetch_issued"] for layer in counted]
     assert sum(read) > 0 and max(read) <= steps  # one record a call at most
@@ -747,15 +747,15 @@ def test_outputs_identical_with_calibrated_prefetch(models, io):
     output (the reads it makes are checked, not merely allowed)."""
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
-                                   io=io, prefetch="next-layer", prefetch_budget=8,
+                                   io=io, prefetch="next-layer", prefetch_records=8,
                                    prefetch_precision=0.3)
     s = mlx_streaming.stats(model)
     assert s["total"]["prefetch_issued"] > 0
-    assert any(v is not None for v in s["prefetch_budget"]["lowest_score"].values())
+    assert any(v is not None for v in s["prefetch_bandwidth"]["lowest_score"].values())
     # Predictions two layers early (the default depth) counted on their own.
-    far = model.streaming.prefetch_calibration.far
-    assert any(far.predicted[key].sum() > 0 for key in far.predicted)
-    assert set(s["prefetch_budget"]["lowest_score_two_ahead"])
+    two_ahead = model.streaming.prefetch.calibration.two_ahead
+    assert any(two_ahead.predicted[key].sum() > 0 for key in two_ahead.predicted)
+    assert set(s["prefetch_bandwidth"]["lowest_score_two_ahead"])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k3"])
@@ -768,14 +768,14 @@ def test_sigmoid_routers_read_every_prediction_at_the_default_precision(models, 
     src, stream_dir = models.get(family, quantized=True)
     trace = tmp_path / "trace.jsonl"
     model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
-                                   prefetch="next-layer", prefetch_budget=8, trace=trace)
+                                   prefetch="next-layer", prefetch_records=8, trace=trace)
     runtime = model.streaming
-    assert runtime.prefetch_calibration.target == 0.7
+    assert runtime.prefetch.calibration.target == 0.7
     layers = [s.layer for s in runtime.stores]
     s = mlx_streaming.stats(model)
     assert all(s["layers"][layer]["prefetch_issued"] > 0 for layer in layers[1:])
     # Reported as reading every prediction, not as reading none.
-    assert not set(s["prefetch_budget"]["lowest_score"]) & set(layers[1:])
+    assert not set(s["prefetch_bandwidth"]["lowest_score"]) & set(layers[1:])
     # The trace says so, for bench simulate to replay them alike.
     calls = decode_records(trace)
     assert all(c.ranked is not None and c.sigmoid_router
@@ -792,7 +792,7 @@ def test_prefetch_across_router_kinds(models, family):
     # A fixed budget: this tiny model's decode may read too little to measure
     # one; every prediction read, too few for a calibration to count.
     model = check_matches_resident(src, stream_dir, slots_per_layer=slots,
-                                   prefetch="next-layer", prefetch_budget=8,
+                                   prefetch="next-layer", prefetch_records=8,
                                    prefetch_precision=0)
     t = mlx_streaming.stats(model)["total"]
     assert t["prefetch_issued"] > 0 and t["routed"] > 0
@@ -802,7 +802,7 @@ def test_prefetch_across_router_kinds(models, family):
 def test_prefetch_adds_no_sync_and_reports_telemetry(models, io):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io, prefetch="next-layer",
-                                  prefetch_budget=8)
+                                  prefetch_records=8)
     steps = 12
     s = _stats_of_decode(model, steps)
     t = s["total"]
@@ -819,7 +819,7 @@ def test_first_layer_is_predicted_only_by_affinity(models):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     for affinity, predicted in ((False, False), (True, True)):
         model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, prefetch="next-layer",
-                                      prefetch_budget=8, prefetch_affinity=affinity)
+                                      prefetch_records=8, prefetch_affinity=affinity)
         cache = make_prompt_cache(model)
         token = mx.array([PROMPT])
         for _ in range(6):
@@ -842,7 +842,7 @@ def _stats_of_decode(model, steps: int) -> dict:
 
 
 def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):
-    import mlx_streaming.loader as loader
+    import mlx_streaming.io.choice as loader
 
     monkeypatch.setattr(loader, "load_extension", lambda: (None, "not built (test)"))
     with pytest.raises(mlx_streaming.StreamingError, match="io='python'"):
@@ -852,33 +852,28 @@ def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):
 
 
 def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):
-    """What prefetch learns (calls, routes, reads, stalls) reaches its
-    learners through ``PrefetchControl``: each learner gets only the hooks
-    it defines, and the stats observers carry none of it."""
-    from mlx_streaming.prefetch import Learner, PrefetchControl
+    """What prefetch learns (calls, routes, stalls) reaches its learners
+    through ``PrefetchControl``, each hook only where the factory wired it,
+    and the stats observers carry none of it."""
+    from mlx_streaming.runtime.prefetch.control import PrefetchControl
 
-    class Routes(Learner):
-        def __init__(self):
-            self.seen = []
-
-        def on_route(self, layer, ids, experts):
-            self.seen.append((layer, experts.tolist()))
-
-    routes = Routes()
-    control = PrefetchControl([routes, Learner()])
-    assert control._call == [] and len(control._route) == 1 and control._stall == []
+    seen = []
+    control = PrefetchControl(on_route=[lambda layer, ids, experts: seen.append(
+        (layer, experts.tolist()))])
     control.routed(3, 1, np.array([[4, 2]]), np.array([2, 4]))
     control.stalled(3, 0.5)
-    assert routes.seen == [(3, [2, 4])]
+    assert seen == [(3, [2, 4])]
 
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="auto")
     runtime = model.streaming
-    assert not any(isinstance(o, Learner) for o in runtime.events.observers)
-    assert all(s.control is runtime.prefetch_control for s in runtime.stores)
+    prefetch = runtime.prefetch
+    learners = (prefetch.switch, prefetch.bandwidth, prefetch.affinity, prefetch.calibration)
+    assert not any(o in learners for o in runtime.events.observers)
+    assert all(s.control is prefetch.control for s in runtime.stores)
     _stats_of_decode(model, 12)
-    assert runtime.prefetch_switch._seen == 12  # the switch counted each decode token
-    assert runtime.prefetch_affinity.seen(runtime.stores[0].layer) > 0
-    assert runtime.prefetch_budget.rate is not None  # reads and stalls reached the budget
+    assert prefetch.switch._seen == 12  # the switch counted each decode token
+    assert prefetch.affinity.seen(runtime.stores[0].layer) > 0
+    assert prefetch.bandwidth.rate is not None  # reads and stalls reached the bandwidth
 
 
 class FakeClock:
@@ -900,29 +895,28 @@ def _decode(switch, clock, tokens, seconds, stall):
 
 
 def test_auto_prefetch_stays_off_when_reads_do_not_stall():
-    from mlx_streaming.prefetch import PrefetchSwitch
+    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
 
     clock = FakeClock()
-    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=16, block=2, settle=0, warmup=2,
-                            clock=clock)
+    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=16, block=2, settle=0, warmup=2), clock=clock)
     _decode(switch, clock, 30, lambda on: 0.1, lambda on: 0.001)
     assert not switch.enabled and switch.decision.startswith("off: stall share 1.0%")
 
 
 def test_auto_prefetch_refuses_a_trial_it_cannot_time():
-    from mlx_streaming.prefetch import PrefetchSwitch
+    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
 
     # Fewer than two blocks, no warmup token (the first has no start to
     # time it from), or blocks that are all settling: a side of the trial
     # would have no token to judge.
-    for bad in (dict(trial=6, block=4), dict(warmup=0), dict(block=4, settle=4),
+    for bad in (dict(tokens=6, block=4), dict(warmup=0), dict(block=4, settle=4),
                 dict(settle=-1), dict(stop_after=0)):
         with pytest.raises(ValueError, match="two blocks"):
-            PrefetchSwitch(first_layer=0, max_tokens=8, **bad)
+            Trial(**bad)
 
 
 def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
-    from mlx_streaming.prefetch import PrefetchSwitch
+    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
 
     # A disk that lends (the blkio throttle): a token with prefetch takes
     # 0.08 s but leaves 0.04 s of reads that the token four later pays, so
@@ -932,8 +926,7 @@ def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
     # side its own cost.
     def trial(block, settle):
         clock = FakeClock()
-        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=64, block=block,
-                                settle=settle, warmup=2, clock=clock)
+        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=64, block=block, settle=settle, warmup=2), clock=clock)
         lent = [0.0] * 4
         for _ in range(80):
             switch.on_call(0, 1)
@@ -954,7 +947,7 @@ def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
 
 
 def test_auto_prefetch_stops_a_trial_it_clearly_loses():
-    from mlx_streaming.prefetch import PrefetchSwitch
+    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
 
     # The default trial (blocks of 16, the first 4 untimed): prefetch 10%
     # or more slower is dropped once 4 tokens with it are timed, 8 tokens
@@ -962,7 +955,7 @@ def test_auto_prefetch_stops_a_trial_it_clearly_loses():
     # or the end. Each token with prefetch that loses is paid for.
     def run(on_seconds):
         clock = FakeClock()
-        switch = PrefetchSwitch(first_layer=0, max_tokens=8, warmup=2, clock=clock)
+        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(warmup=2), clock=clock)
         with_it = 0
         for _ in range(80):
             switch.on_call(0, 1)
@@ -987,14 +980,13 @@ def test_auto_prefetch_stops_a_trial_it_clearly_loses():
 
 
 def test_auto_prefetch_does_not_time_a_prefill_as_a_token():
-    from mlx_streaming.prefetch import PrefetchSwitch
+    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
 
     # Prefetch is faster (0.06 against 0.1 s); a 5 s prefill of a new
     # request after every fourth token, with it or not, must not count as
     # a token's time.
     clock = FakeClock()
-    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=32, block=4, settle=0, warmup=2,
-                            clock=clock)
+    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=32, block=4, settle=0, warmup=2), clock=clock)
     for token in range(50):
         switch.on_call(0, 1)
         on = switch.enabled
@@ -1007,8 +999,7 @@ def test_auto_prefetch_does_not_time_a_prefill_as_a_token():
     assert switch.enabled and switch.decision.startswith("on")
     # Prefills after every token of one side leave it untimed: off, said so.
     clock = FakeClock()
-    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=16, block=2, settle=0, warmup=2,
-                            clock=clock)
+    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=16, block=2, settle=0, warmup=2), clock=clock)
     for token in range(30):
         switch.on_call(0, 1)
         clock.now += 0.1
@@ -1018,7 +1009,7 @@ def test_auto_prefetch_does_not_time_a_prefill_as_a_token():
 
 
 def test_auto_prefetch_keeps_what_measures_faster():
-    from mlx_streaming.prefetch import PrefetchSwitch
+    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
 
     # Faster with it: kept. Slower, or within the 2% margin: dropped. A
     # difference of 10% or more decides halfway (after token 10).
@@ -1026,8 +1017,7 @@ def test_auto_prefetch_keeps_what_measures_faster():
                                              (0.115, False, 10), (0.088, True, 10),
                                              (0.099, False, None), (0.095, True, None)):
         clock = FakeClock()
-        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=16, block=2, settle=0,
-                                warmup=2, clock=clock)
+        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=16, block=2, settle=0, warmup=2), clock=clock)
 
         def seconds(on, on_seconds=on_seconds):
             return on_seconds if on else 0.1

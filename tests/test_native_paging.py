@@ -10,11 +10,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from mlx_streaming import loader
-from mlx_streaming.block import NativePaged, Paged
+from mlx_streaming.runtime import residency
+from mlx_streaming.runtime.block import Paged
+from mlx_streaming.runtime.block import NativePaged
 from mlx_streaming.errors import CorruptExpertError
 from mlx_streaming.format import read_manifest
-from mlx_streaming.store import NativeStore
+from mlx_streaming.runtime.store import NativeStore
 
 from helpers import PROMPT, check_matches_resident, count_splits
 
@@ -25,7 +26,7 @@ def _residencies(model):
 
 def _load_reference(monkeypatch, stream_dir, **kwargs):
     with monkeypatch.context() as m:
-        m.setattr(loader, "native_store_fits", lambda *a: False)
+        m.setattr(residency, "native_store_fits", lambda *a: False)
         return mlx_streaming.load(stream_dir, **kwargs)
 
 
@@ -252,7 +253,7 @@ def test_a_layer_whose_reads_are_slow_syncs_to_overlap_them(qwen, monkeypatch, o
     # a nanosecond), its calls sync instead, computing their resident
     # experts while the misses are read; without overlap they never leave
     # the graph. Logits are mlx-lm's either way.
-    from mlx_streaming import block
+    from mlx_streaming.runtime import block
 
     src, stream_dir = qwen
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 1e-9)
@@ -301,7 +302,7 @@ class _GraphReads:
 def test_a_layer_changes_paths_only_past_the_bars(monkeypatch):
     # Out of the graph at the bar; back in only below OVERLAP_RETURN_SHARE
     # of it, so reads that hover at the bar do not flip the path per call.
-    from mlx_streaming import block
+    from mlx_streaming.runtime import block
 
     monkeypatch.setattr(block, "OVERLAP_SMOOTHING", 1.0)  # the mean is the last call
     store = _GraphReads()

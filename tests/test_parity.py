@@ -6,7 +6,7 @@ and the same greedy text."""
 
 import pytest
 
-from mlx_streaming.tiny_families import FAMILIES
+from mlx_streaming.testing.families import FAMILIES
 from helpers import check_matches_resident, pool_sizes
 
 

@@ -12,8 +12,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from mlx_streaming.pressure import PressureWatch
-from mlx_streaming.stats import stats
+from mlx_streaming.runtime.pressure import PressureWatch
+from mlx_streaming.runtime.stats import stats
 from helpers import PROMPT, assert_same_logits, logits_trace
 
 CGROUP = Path("/sys/fs/cgroup/memory")
@@ -65,7 +65,7 @@ import sys
 import mlx.core as mx
 import mlx_streaming
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_streaming.stats import stats
+from mlx_streaming.runtime.stats import stats
 from helpers import PROMPT
 
 model, _ = mlx_streaming.load(sys.argv[1], slots_per_layer=12, pressure_gb=2.0)
@@ -128,7 +128,7 @@ def test_lowering_a_cgroup_limit_mid_run_shrinks_the_pools(qwen, tmp_path):
 
 
 def test_the_default_budget_is_what_the_os_says_is_available(qwen):
-    from mlx_streaming import budget
+    from mlx_streaming.runtime import memory as budget
     from mlx_streaming.errors import BudgetError
     from mlx_streaming.format import read_manifest
 

@@ -397,23 +397,24 @@ def test_admission_is_free_once_the_last_token_is_out():
     """The place is given back when the token iterator ends, before mlx-lm
     writes the answer's last bytes: released after the write, a client that
     had its whole answer and asked again raced into a 429 with
-    ``--max-queue 0`` (CI, stop 29). The handler's own release after the
+    ``--max-queue 0`` (found in CI). The handler's own release after the
     write then gives nothing back twice."""
-    from mlx_streaming import server as srv
+    from mlx_streaming.server.admission import current_request
+    from mlx_streaming.server.service import Service, counting
 
     class Provider:
         cli_args = type("Args", (), {"model": "/m"})
 
-    service = srv.Service(Provider(), max_queue=0, memo_mb=0)
+    service = Service(Provider(), max_queue=0, memo_mb=0)
     ticket = service.admission.enter()
     assert service.admission.enter() is None  # the one place is taken
-    srv._request.ticket = ticket
+    current_request.ticket = ticket
     try:
-        wrapped = srv._counting(service, lambda request, args, cb: (None, iter("ab")))
+        wrapped = counting(service, lambda request, args, cb: (None, iter("ab")))
         _, tokens = wrapped(None, None)
         assert list(tokens) == ["a", "b"]
     finally:
-        srv._request.ticket = None
+        current_request.ticket = None
     again = service.admission.enter()
     assert again is not None  # free before the handler writes the answer
     ticket.release()  # the handler's release after the write
@@ -427,13 +428,14 @@ def test_admission_is_free_when_an_error_reply_is_written():
     back as the body goes out, as a finished generation does."""
     import io
 
-    from mlx_streaming import server as srv
+    from mlx_streaming.server.admission import Admission, current_request
+    from mlx_streaming.server.handler import OutputTap
 
-    admission = srv.Admission(max_queue=0)
-    srv._request.ticket = ticket = admission.enter()
-    srv._request.failure = None  # the request's, not a failure of the server
+    admission = Admission(max_queue=0)
+    current_request.ticket = ticket = admission.enter()
+    current_request.failure = None  # the request's, not a failure of the server
     try:
-        out = srv._Output(io.BytesIO(), record=False)
+        out = OutputTap(io.BytesIO(), record=False)
         out.write(b"HTTP/1.0 404 Not Found\r\nContent-Type: application/json\r\n\r\n")
         assert admission.enter() is None  # the status line alone is held
         out.write(b'{"error": "no"}')
@@ -441,7 +443,7 @@ def test_admission_is_free_when_an_error_reply_is_written():
         again = admission.enter()
         assert again is not None
     finally:
-        srv._request.ticket = None
+        current_request.ticket = None
     ticket.release()
     again.release()
     assert admission.active == 0
@@ -454,11 +456,10 @@ def test_admission_is_free_before_the_servers_own_error_reply_goes_out():
     import io
     from types import SimpleNamespace
 
-    import mlx_lm.server as mlx_server
+    from mlx_streaming.server.admission import Admission, current_request
+    from mlx_streaming.server.handler import StreamingAPIHandler
 
-    from mlx_streaming import server as srv
-
-    admission = srv.Admission(max_queue=0)
+    admission = Admission(max_queue=0)
     active = []
 
     class Out(io.BytesIO):
@@ -466,16 +467,43 @@ def test_admission_is_free_before_the_servers_own_error_reply_goes_out():
             active.append(admission.active)
             return super().write(b)
 
-    handler = object.__new__(srv.make_handler(mlx_server.APIHandler))
+    handler = object.__new__(StreamingAPIHandler)
     handler.wfile, handler.headers = Out(), {}
     handler.request_version, handler.requestline = "HTTP/1.1", "POST /v1/completions HTTP/1.1"
     handler.response_generator = SimpleNamespace(cli_args=SimpleNamespace(allowed_origins=[]))
-    srv._request.ticket = ticket = admission.enter()
+    current_request.ticket = ticket = admission.enter()
     try:
         handler._error(400, "the prompt is longer than the model's context")
     finally:
-        srv._request.ticket = None
+        current_request.ticket = None
     assert handler.wfile.getvalue().split(b" ", 2)[1] == b"400"
     assert active and set(active) == {0}
     ticket.release()
     assert admission.active == 0
+
+
+def test_the_servers_flags_are_mlx_lms():
+    """Every flag of mlx-lm's server is ours too, with its default (mlx-lm
+    builds its parser inside main: captured here by running that main with
+    its start replaced)."""
+    import argparse
+    from unittest import mock
+
+    import mlx_lm.server as mlx_server
+
+    from mlx_streaming.server.app import setup_arg_parser
+
+    captured = {}
+
+    def capture(self, args=None, namespace=None):
+        captured["parser"] = self
+        raise SystemExit(0)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), \
+            pytest.raises(SystemExit):
+        mlx_server.main()
+    theirs = {a.dest: a.default for a in captured["parser"]._actions if a.dest != "help"}
+    ours = {a.dest: a.default for a in setup_arg_parser()._actions}
+    missing = sorted(set(theirs) - set(ours))
+    assert not missing, f"mlx-lm server flags we do not take: {missing}"
+    assert {k: ours[k] for k in theirs} == theirs

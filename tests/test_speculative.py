@@ -10,15 +10,15 @@ from mlx_lm.generate import generate_step
 
 import mlx_streaming
 from mlx_streaming.errors import ConfigError
-from mlx_streaming.mtp import MtpDraft
-from mlx_streaming.speculative import (
+from mlx_streaming.decode.mtp import MtpDraft
+from mlx_streaming.decode.speculative import (
     ModelDraft,
     NgramDraft,
     SpecStats,
     accept_sampled,
     speculative_generate_step,
 )
-from mlx_streaming.stats import stats
+from mlx_streaming.runtime.stats import stats
 from helpers import PROMPT
 
 STEPS = 24
@@ -141,7 +141,7 @@ def test_verify_calls_prefetch_and_chunk_when_the_union_exceeds_the_pool(models)
     top_k = mlx_streaming.format.read_manifest(stream).layers[0].top_k
     # A pool of one token's experts: a verify call's union never fits at once.
     model, _ = mlx_streaming.load(stream, slots_per_layer=top_k, prefetch="next-layer",
-                                  prefetch_budget=8)
+                                  prefetch_records=8)
     reference, _ = mlx_lm.load(str(src))
     want = greedy_tokens(reference)
     spec = SpecStats()
@@ -271,7 +271,7 @@ def test_draft_models_are_reusable_and_may_have_a_larger_vocabulary(models):
         spec = SpecStats()
         assert speculative_tokens(model, draft, k=3, spec=spec) == want
         assert spec.accepted > 0.8 * spec.drafted
-    from mlx_streaming import tiny
+    from mlx_streaming.testing import tiny
 
     wide = tiny.build_model(tiny.tiny_config("qwen3_moe", 576))  # a vocabulary padded wider
     assert speculative_tokens(model, ModelDraft(wide), k=3) == want
@@ -283,7 +283,8 @@ def test_draft_models_are_reusable_and_may_have_a_larger_vocabulary(models):
 
 
 def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
-    from mlx_streaming import mtp, speculative
+    from mlx_streaming.decode import speculative
+    from mlx_streaming.models import mtp
 
     _, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)
     model, _ = mlx_streaming.load(stream, slots_per_layer=8, mtp=True)
@@ -307,8 +308,8 @@ def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
 
 
 def test_families_without_deepseek_style_mtp_convert_without_it(tmp_path, tokenizer_dir):
-    from mlx_streaming import tiny
-    from mlx_streaming.converter import convert
+    from mlx_streaming.testing import tiny
+    from mlx_streaming.conversion.local import convert
 
     config = tiny.tiny_config("kimi_vl", 512)
     config["text_config"] = dict(config["text_config"], num_nextn_predict_layers=1)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from mlx_streaming import budget, spine
-from mlx_streaming.loader import spine_bytes
+from mlx_streaming.runtime import memory as budget, spine
+from mlx_streaming.runtime.model_spine import spine_bytes
 from mlx_streaming.config import StreamConfig
 from mlx_streaming.errors import BudgetError, FormatError
 from mlx_streaming.format import dense_path, read_manifest
-from mlx_streaming.tiny_families import FAMILIES
+from mlx_streaming.testing.families import FAMILIES
 from helpers import (PROMPT, assert_same_logits, check_matches_resident, downgrade_to_v1,
                      logits_trace)
 

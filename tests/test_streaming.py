@@ -8,12 +8,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from mlx_streaming.native import load_extension
+from mlx_streaming.io.native import load_extension
 from mlx_streaming.errors import BudgetError
 from mlx_streaming.format import read_manifest
-from mlx_streaming.loader import spine_bytes
+from mlx_streaming.runtime.model_spine import spine_bytes
 from mlx_streaming.config import POLICY_CHOICES
-from mlx_streaming.policy import LRU, make_policy
+from mlx_streaming.runtime.policy import LRU, make_policy
 from helpers import (PROMPT, check_matches_resident, count_splits, logits_trace, pool_bytes,
                      record_bytes)
 
@@ -95,7 +95,7 @@ def test_prefill_beyond_the_pool_runs_in_chunks(qwen, tmp_path):
     x = mx.array([PROMPT])
     assert mx.array_equal(model(x), reference(x)).item()
     model.streaming.close()
-    from mlx_streaming.stats import read_trace
+    from mlx_streaming.runtime.trace import read_trace
 
     distinct = [len(np.unique(ids)) for _, ids in read_trace(str(trace))]
     assert max(distinct) > spec.top_k, "the prompt should need more experts than slots"
@@ -153,7 +153,7 @@ def test_cache_gb_sizes_the_pools(qwen):
     model, _ = mlx_streaming.load(stream_dir, cache_gb=(spine + 7.5 * per_slot) / 1e9)
     s = mlx_streaming.stats(model)
     assert s["slots_per_layer"] == 7
-    assert s["cache_bytes"] == 7 * per_slot
+    assert s["pool_bytes"] == 7 * per_slot
     assert s["memory"]["streamed_layers"] == [] and s["spine"] is None
 
 
@@ -184,7 +184,7 @@ def test_trace_writes_one_line_per_call(qwen, tmp_path):
     model, _ = mlx_streaming.load(stream_dir, slots_per_layer=1000, trace=str(trace))
     logits_trace(model, steps=3)
     model.streaming.close()
-    from mlx_streaming.stats import read_trace
+    from mlx_streaming.runtime.trace import read_trace
 
     lines = list(read_trace(str(trace)))
     layers = len(model.streaming.stores)
@@ -194,7 +194,7 @@ def test_trace_writes_one_line_per_call(qwen, tmp_path):
 
 
 def test_memory_cgroup_limits_are_read(tmp_path):
-    from mlx_streaming.budget import _cgroup_memory
+    from mlx_streaming.system import _cgroup_memory
 
     proc = tmp_path / "cgroup"
     v1 = tmp_path / "fs" / "memory" / "box"
@@ -229,7 +229,7 @@ def _synced(io, monkeypatch) -> dict:
     if io != "python" and load_extension()[0] is None:
         pytest.skip("the native extension is not built")
     if io == "native-synced":
-        monkeypatch.setattr("mlx_streaming.loader.calls_in_graph", lambda: False)
+        monkeypatch.setattr("mlx_streaming.runtime.residency.calls_in_graph", lambda: False)
         return dict(io="native", prefetch="off")
     return dict(io=io, prefetch="next-layer")
 
@@ -241,7 +241,7 @@ def test_overlap_computes_resident_experts_while_misses_are_read(qwen, io, monke
     # Both paths give mlx-lm's bits; only the overlapped one splits. This
     # model's reads take microseconds, under the bar where overlap pays:
     # it splits only with the bar at 0.
-    from mlx_streaming import block
+    from mlx_streaming.runtime import block
 
     src, stream_dir = qwen
     options = _synced(io, monkeypatch)
@@ -284,7 +284,7 @@ def test_overlap_splits_calls_of_several_tokens_exactly(qwen, monkeypatch, io):
     # A verify call's or a batch's tokens: the resident (token, expert)
     # pairs compute as rows while the misses are read, then the rest, put
     # back in order: mlx-lm's bits, and only with overlap do calls split.
-    from mlx_streaming import block
+    from mlx_streaming.runtime import block
 
     options = _synced(io, monkeypatch)
     src, stream_dir = qwen
@@ -312,8 +312,8 @@ def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):
     import threading
     import time
 
-    from mlx_streaming import block
-    from mlx_streaming.store import ExpertStore
+    from mlx_streaming.runtime import block
+    from mlx_streaming.runtime.store import ExpertStore, RecordSource
 
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
     src, stream_dir = qwen
@@ -356,7 +356,7 @@ def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):
 
 
 def test_a_closed_model_with_overlap_is_a_clear_error(qwen, monkeypatch):
-    from mlx_streaming import block
+    from mlx_streaming.runtime import block
     from mlx_streaming.errors import ExpertReadError
 
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)

@@ -2,7 +2,7 @@
 
 Records a routing trace from the model reading real text (teacher-forced,
 one token per call, as in decode), then replays each layer's decode calls
-through every live policy (``mlx_streaming.policy``), a few variants, a
+through every live policy (``mlx_streaming.runtime.policy``), a few variants, a
 global allocation of slots across layers, a next-call oracle and Belady's
 optimal MIN, at several pool sizes. Hits count (token, expert) pairs, as
 ``stats()`` does. Every policy starts empty.
@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from ..format import read_manifest
-from ..policy import ARC, LFU, LRU, LRUK, DecayedLFU, Policy, Predicted, RouterEMA
-from ..stats import read_trace_records
+from ..runtime.policy import ARC, LFU, LRU, LRUK, DecayedLFU, Policy, Predicted, RouterEMA
+from ..runtime.trace import read_trace_records
 from . import routing
 from .common import figure, finish
 

@@ -23,7 +23,7 @@ WARMUP_TOKENS = 4
 
 def _load(case):
     if case["kind"] == "streaming":
-        from ..loader import load
+        from ..runtime.loader import load
 
         return load(case["model"], **case.get("load", {}))
     import mlx_lm
@@ -36,14 +36,14 @@ def _greedy(logits):
 
 
 def _streaming_totals(model):
-    from ..stats import stats
+    from ..runtime.stats import stats
 
     return stats(model) if hasattr(model, "streaming") else None
 
 
 def _reset(model):
     if hasattr(model, "streaming"):
-        from ..stats import reset_stats
+        from ..runtime.stats import reset_stats
 
         reset_stats(model)
 
@@ -111,7 +111,7 @@ def speculative(case, model, tokenizer) -> dict:
     import mlx_lm
     from mlx_lm.generate import generate_step, speculative_generate_step as mlx_spec
 
-    from ..speculative import SpecStats, speculative_generate_step
+    from ..decode.speculative import SpecStats, speculative_generate_step
 
     n = case["tokens"]
     drafters = {d: mlx_lm.load(d.split(":", 1)[1])[0] for d in case["drafts"]
@@ -145,10 +145,10 @@ def speculative(case, model, tokenizer) -> dict:
 
 
 def _make_draft(name, model, drafters):
-    from ..speculative import ModelDraft, NgramDraft
+    from ..decode.speculative import ModelDraft, NgramDraft
 
     if name == "mtp":
-        from ..mtp import MtpDraft
+        from ..decode.mtp import MtpDraft
 
         return MtpDraft(model)
     return ModelDraft(drafters[name]) if name in drafters else NgramDraft()

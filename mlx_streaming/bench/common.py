@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import ON_OFF
 from ..errors import StreamingError
-from ..stats import read_trace
+from ..runtime.trace import read_trace
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
@@ -349,7 +349,7 @@ def routing_stats(trace_path: Path, top: int = 8) -> dict:
 
 def prompt_tokens(tokenizer, n: int, seed: int = 0) -> List[int]:
     """``n`` tokens of real text (the Python standard library) as a prompt."""
-    from ..tiny import corpus_text
+    from ..testing.tiny import corpus_text
 
     text = corpus_text(max(4 * n, 20_000) * 4)
     ids = tokenizer.encode(text)

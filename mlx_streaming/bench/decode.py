@@ -115,7 +115,7 @@ def _summary(name, r, pool=None):
             row["spine_wait_share"] = (s.get("spine") or {}).get("wait_s", 0) / r["decode_s"]
             row["syncs_per_token"] = t["syncs"] / r["decode_tokens"]
             row["prefetch_wasted_share"] = t.get("prefetch_wasted_read_share")
-            row["cache_gb"] = s["cache_bytes"] / 1e9
+            row["pool_gb"] = s["pool_bytes"] / 1e9
             row["spine_pool_gb"] = s["memory"]["total_gb"]
             row["memory"] = s["memory"]
             row["io"] = s["io"]
@@ -131,8 +131,8 @@ def _check_choices(args) -> None:
         if bad:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")
-    _config_values("--prefetch-precision", args.prefetch_precision, "prefetch_precision", float)
-    _config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
+    config_values("--prefetch-precision", args.prefetch_precision, "prefetch_precision", float)
+    config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
     if args.pace_mbps is not None:
         try:
             StreamConfig(read_pace_mbps=args.pace_mbps)
@@ -143,7 +143,7 @@ def _check_choices(args) -> None:
                              "disk: give one")
 
 
-def _config_values(flag: str, text, field: str, parse) -> list:
+def config_values(flag: str, text, field: str, parse) -> list:
     """A comma-separated list of values of a ``StreamConfig`` field to
     compare, each checked as load() would check it; [None] when not given
     (load()'s default)."""
@@ -199,9 +199,9 @@ def run(args) -> dict:
     modes = args.checksums.split(",")
     policies = args.policies.split(",") if args.policies else [None]
     prefetches = args.prefetch.split(",")
-    precisions = _config_values("--prefetch-precision", args.prefetch_precision,
+    precisions = config_values("--prefetch-precision", args.prefetch_precision,
                                 "prefetch_precision", float)
-    depths = _config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
+    depths = config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
     for pool, overlap in itertools.product(pools, overlaps):
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
@@ -315,7 +315,7 @@ def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
     case = dict(common, kind="streaming", model=str(stream_dir),
                 load=dict(slots_per_layer=spec.num_experts, trace=str(trace),
                           prefetch="next-layer", prefetch_depth=2,
-                          prefetch_budget=spec.num_experts))
+                          prefetch_records=spec.num_experts))
     r = run_case(case)
     if r["status"] != "ok":
         raise BenchError(f"recording the decode routing failed: {r.get('error', r['status'])}")

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from ..format import read_manifest
-from ..hub import records_nbytes
+from ..hub.repo import records_nbytes
 from .common import BenchError, figure, finish, median_run, pool_slots, run_case
 
 REPO = "bench/model"
@@ -54,10 +54,10 @@ def add_arguments(p) -> None:
 
 
 class RangeServer:
-    """``python -m mlx_streaming.hubserver`` in its own process."""
+    """``python -m mlx_streaming.testing.hubserver`` in its own process."""
 
     def __init__(self, stream_dir: Path, bandwidth_mbps: float, latency_ms: float):
-        cmd = [sys.executable, "-m", "mlx_streaming.hubserver", "--repo",
+        cmd = [sys.executable, "-m", "mlx_streaming.testing.hubserver", "--repo",
                f"{REPO}={stream_dir}", "--bandwidth-mbps", str(bandwidth_mbps),
                "--latency-ms", str(latency_ms)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

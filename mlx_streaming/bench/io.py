@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DIRECT_IO_CHOICES
-from ..native import NativeReader, load_extension
-from ..readers import PythonReader, aligned_empty
+from ..io.native import NativeReader, load_extension
+from ..io.python import PythonReader, aligned_empty
 from .common import (
     disk_read_gbps,
     drop_page_cache,
@@ -45,7 +45,7 @@ def add_arguments(p) -> None:
                    help="only the prefetch decode runs")
     p.add_argument("--model", help="stream directory for the prefetch decode runs")
     p.add_argument("--pools", default="0.25,0.5")
-    p.add_argument("--prefetch-budget", type=int, default=None,
+    p.add_argument("--prefetch-records", type=int, default=None,
                    help="records prefetched per layer at most (default: measured)")
     p.add_argument("--prefetch-width", type=int, default=None,
                    help="experts predicted per token (default: load()'s, 2 x top-k)")
@@ -186,7 +186,7 @@ def prefetch_decode(args) -> list:
                             max_tokens=args.max_tokens, prompt_tokens=16, temp=args.temp,
                             load=dict(slots_per_layer=slots, prefetch=prefetch,
                                       prefetch_width=args.prefetch_width,
-                                      prefetch_budget=args.prefetch_budget,
+                                      prefetch_records=args.prefetch_records,
                                       direct_io=DIRECT_IO_CHOICES[args.direct_io]))
                 runs[prefetch].append(run_case(case, cold=not args.no_cold))
         for prefetch in modes:

@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import DEFAULT_POLICY
-from ..discover import find_router, input_dims_of
+from ..models.discover import find_router, input_dims_of
 from ..format import read_manifest
 from .common import figure, finish, paired_ratio, prompt_tokens
 
@@ -217,7 +217,7 @@ def in_decode(models: dict, tokenizer, tokens: int, rounds: int) -> dict:
 
 
 def run(args) -> dict:
-    from ..loader import load
+    from ..runtime.loader import load
 
     args.out.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(args.model)
@@ -262,38 +262,28 @@ def run(args) -> dict:
 
 
 def _force_paged(model):
-    """Turn a resident model's blocks paged: the pool holds every expert in
-    the slot of its id, so every lookup hits and nothing is read."""
-    from ..block import NativePaged, Paged, calls_in_graph
-    from ..loader import _serialize_calls
-    from ..store import NativeStore, native_store_fits
+    """Turn a resident model's blocks paged, with the store and residency
+    the loader would choose for a paged pool: the pool holds every expert
+    in the slot of its id, so every lookup hits and nothing is read."""
+    from ..runtime.residency import make_paged, make_store
+    from ..runtime.wrap import one_pass_at_a_time
 
     runtime = model.streaming
     if runtime.residencies:
         return
+    runtime.paged = True
     for _, module in model.named_modules():
         residency = getattr(module, "residency", None)
         if residency is None:
             continue
-        i, store = next((i, s) for i, s in enumerate(runtime.stores)
-                        if s.layer == residency.layer)
-        if native_store_fits(store.reader, store.policy, None):
-            # The native step, as the loader would choose for a paged pool.
-            blob = store.watch.path if store.watch is not None else None
-            store = NativeStore(store.spec, store.pool, store.reader, store.file,
-                                runtime.events, store.checksums, None, blob, store.policy,
-                                store.control)
-            runtime.stores[i] = store
-        if isinstance(store, NativeStore):
-            paged = NativePaged(store, runtime.events, in_graph=calls_in_graph())
-        else:
-            paged = Paged(store, runtime.events)
-        module.residency = paged
-        runtime.residencies.append(paged)
-    runtime.paged = True
+        i, old = next((i, s) for i, s in enumerate(runtime.stores)
+                      if s.layer == residency.layer)
+        store = make_store(old.spec, old.pool, old.source, old.policy, runtime)
+        runtime.stores[i] = store
+        module.residency = make_paged(store, runtime)
     # Calls as a loaded paged model makes them (the lock, the pending
     # readers evaluated at the end of each).
-    _serialize_calls(model)
+    one_pass_at_a_time(model, runtime)
 
 
 def _plot(rows, path, title):

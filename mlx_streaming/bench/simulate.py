@@ -50,13 +50,14 @@ from typing import Dict, List
 
 import numpy as np
 
-from ..block import OVERLAP_MIN_READ_S
-from ..budget import staging_records
+from ..runtime.block import OVERLAP_MIN_READ_S
+from ..runtime.memory import staging_records
 from ..config import (DEFAULT_POLICY, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_PRECISION,
                       StreamConfig)
 from ..format import read_manifest
-from ..policy import make_policy
-from ..prefetch import PrefetchCalibration, ReadEveryPrediction, rank_order, within_budget
+from ..runtime.policy import make_policy
+from ..runtime.prefetch.calibration import PrefetchCalibration, ReadEveryPrediction
+from ..runtime.prefetch.predict import rank_order, within_bandwidth
 from .cache import Call, decode_records, replay_misses
 from .case import WARMUP_TOKENS
 from .common import BenchError, figure, finish, paired_ratio, run_case
@@ -235,8 +236,8 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     the next call's non-resident candidates held to the calibration's bar
     (``precision``, the live ``PrefetchCalibration`` replayed; 0 reads every
     one), at most the budget (the records the disk reads in a layer's
-    compute, latency included, as ``PrefetchBudget`` measures it, and one
-    more that the compute partly covers where ``within_budget`` takes it),
+    compute, latency included, as ``PrefetchBandwidth`` measures it, and one
+    more that the compute partly covers where ``within_bandwidth`` takes it),
     then with depth 2 the call after next's with the room left, held to
     their own bar (``PrefetchCalibration.bar``). Reads ahead run
     while the layer computes; a call takes what its layer's reads ahead
@@ -252,7 +253,7 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
     # A read ahead is a read of its own: its latency each time.
     ahead_s = scale * ssd_latency_s + record_s
     cover = layer_compute / ahead_s
-    budget, spare = int(cover), cover - int(cover)
+    records, partial_share = int(cover), cover - int(cover)
     misses, resident = _replay_pools(calls, layers, tokens, fraction, policy)
     # A sigmoid router's layer reads every prediction, as the loader gives it.
     sigmoid = {l for l in layers if any(c.sigmoid_router for c in calls[l])}
@@ -281,7 +282,7 @@ def project_case(calls: Dict[int, List[Call]], fraction: float, policy: str, pre
             lookups += call.ids.size
         clock += stall
         if prefetch:
-            _issue(disk, judges, calls, resident, order[i + 1:i + 1 + prefetch], budget, spare,
+            _issue(disk, judges, calls, resident, order[i + 1:i + 1 + prefetch], records, partial_share,
                    clock)
         clock += span
     per_token = moe_layers / len(layers) / max(1, tokens - skip)  # traced calls -> a token's
@@ -354,19 +355,19 @@ def _call(disk: Disk, clock: float, layer: int, call: Call, missed, scale: float
     return max(0.0, read - hidden), read, len(from_stage)
 
 
-def _issue(disk: Disk, judges, calls, resident, ahead, budget: int, spare: float,
+def _issue(disk: Disk, judges, calls, resident, ahead, records: int, partial_share: float,
            now: float) -> None:
-    """A call's reads ahead: the next call's predictions within the budget
-    (``within_budget``), then (depth 2) the one after's with the room left,
+    """A call's reads ahead: the next call's predictions within the bandwidth
+    (``within_bandwidth``), then (depth 2) the one after's with the room left,
     as ``NextLayerPrefetch.issue``; ``judges`` holds each layer's
     calibration."""
-    room = budget
+    room = records
     for distance, (t, layer) in enumerate(ahead, 1):
         call = calls[layer][t]
         ranked, scores = ((call.ranked, call.scores) if distance == 1
                           else (call.ranked2, call.scores2))
-        partial = distance == 1 and spare > 0  # a record the compute partly covers
-        if ranked is None or (room <= 0 and not partial):
+        partly = distance == 1 and partial_share > 0  # a record the compute partly covers
+        if ranked is None or (room <= 0 and not partly):
             return
         if scores is None:
             scores = np.ones(ranked.shape)
@@ -374,10 +375,10 @@ def _issue(disk: Disk, judges, calls, resident, ahead, budget: int, spare: float
         rows = len(call.ids)
         if distance == 1:
             picked = judges[layer].select(layer, order, order_scores, rows)
-            order = within_budget(picked, budget, spare,
+            order = within_bandwidth(picked, records, partial_share,
                                   lambda e: judges[layer].used_share(layer, e, rows))
         else:
-            order = judges[layer].bar(layer, order, order_scores, rows)[:room]
+            order = judges[layer].select_two_ahead(layer, order, order_scores, rows)[:room]
         room -= disk.stage(layer, order, now, t)
 
 
@@ -575,9 +576,9 @@ def project(args) -> dict:
         raise BenchError(f"no routing trace at {trace}: bench cache --model STREAM records one "
                          "(routing-trace-w*.jsonl in its --out)")
     calls = _read_trace(Path(trace))
-    from .decode import _config_values
+    from .decode import config_values
 
-    policies = _config_values("--policies", args.policies, "policy", str)
+    policies = config_values("--policies", args.policies, "policy", str)
     settings = _project_prefetch(args, calls)
     rows = []
     for key, prof in PROFILES.items():
@@ -658,10 +659,10 @@ def _project_prefetch(args, calls) -> list:
     """(label, depth, precision) of each projected setting, checked as
     bench decode checks them; prefetch needs the predictions of a decode
     trace."""
-    from .decode import _config_values
+    from .decode import config_values
 
-    depths = _config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
-    precision = _config_values("--prefetch-precision", None if args.prefetch_precision is None
+    depths = config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
+    precision = config_values("--prefetch-precision", None if args.prefetch_precision is None
                                else str(args.prefetch_precision), "prefetch_precision", float)[0]
     if precision is None:
         precision = DEFAULT_PREFETCH_PRECISION

@@ -50,6 +50,7 @@ from .files import (  # noqa: F401
     experts_dir,
     manifest_path,
     VOCABULARY_FILES,
+    TOKENIZER_PATTERNS,
     has_vocabulary,
     write_json_atomic,
     fsync_path,

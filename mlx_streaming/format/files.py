@@ -27,6 +27,10 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.model.*", "v
                     "spiece.model", "tekken.json", "*tiktoken*")
 
 
+# Files of a source model that the tokenizer may read, copied by convert.
+TOKENIZER_PATTERNS = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.jsonl")
+
+
 def has_vocabulary(path: Path) -> bool:
     """Whether a model directory holds a tokenizer's vocabulary."""
     return any(f.is_file() for pattern in VOCABULARY_FILES for f in path.glob(pattern))

@@ -1,0 +1,88 @@
+"""``python -m mlx_streaming.convert``: the command line of ``convert``.
+
+    python -m mlx_streaming.convert --model SRC --out DST [-q --q-bits 4 --q-group-size 64]
+        [--upload ORG/NAME]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+from ..errors import ConversionError, first_line
+from ..format import (
+    CONVERT_STATE_NAME,
+    manifest_path,
+)
+from .local import DTYPES, convert
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming convert",
+        description="Convert an mlx-lm MoE model into a stream directory.",
+    )
+    p.add_argument("--model", required=True, help="local mlx-lm model dir or HF repo id")
+    p.add_argument("--out", required=True, help="stream directory to write")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize while converting")
+    p.add_argument("--q-bits", type=int, default=4)
+    p.add_argument("--q-group-size", type=int, default=64)
+    p.add_argument("--q-mode", default="affine", choices=["affine", "mxfp4", "nvfp4", "mxfp8"])
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="cast floating weights before quantizing (float32 scales "
+                        "are fastest on MLX's CPU backend)")
+    p.add_argument("--force", action="store_true", help="overwrite another converted model")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--upload", default=None, metavar="ORG/REPO",
+                   help="then publish the stream directory to this Hub model repo, which "
+                        "`mlx_streaming.load('ORG/REPO')` streams by HTTP range")
+    p.add_argument("--private", action="store_true", help="create the --upload repo private")
+    p.add_argument("--endpoint", default=None,
+                   help="the Hub's URL for --upload (default: huggingface_hub's, HF_ENDPOINT)")
+    return p
+
+
+def upload(out: Path, repo_id: str, endpoint: Optional[str] = None,
+           private: bool = False) -> str:
+    """Publish the stream directory ``out`` to the Hub model repo ``repo_id``
+    (created if needed) in one commit. Returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    if not manifest_path(out).is_file():
+        raise ConversionError(f"{out} is not a complete stream directory; convert it first")
+    api = HfApi(endpoint=endpoint)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(out),
+                                 commit_message="Upload mlx_streaming stream directory",
+                                 ignore_patterns=[CONVERT_STATE_NAME, "*.tmp*"])
+    except Exception as e:
+        raise ConversionError(
+            f"cannot upload {out} to {repo_id} ({type(e).__name__}: "
+            f"{first_line(e)}); log in with `hf auth login` or set HF_TOKEN, "
+            "and check the repo id") from None
+    return str(info)
+
+
+def main(argv=None) -> int:
+    from ..cli import run_main
+
+    args = setup_arg_parser().parse_args(argv)
+
+    def body():
+        out = convert(
+            args.model,
+            args.out,
+            quantize=args.quantize,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            q_mode=args.q_mode,
+            dtype=args.dtype,
+            force=args.force,
+            progress=not args.no_progress,
+        )
+        print(f"wrote {out}", file=sys.stderr)
+        if args.upload:
+            url = upload(Path(out), args.upload, args.endpoint, args.private)
+            print(f"uploaded to {args.upload}: {url}", file=sys.stderr)
+
+    return run_main(body)

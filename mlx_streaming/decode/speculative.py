@@ -1,0 +1,372 @@
+"""Speculative decoding through a streamed model: drafts checked K at a time.
+
+A verify call of K drafted tokens needs the union of their experts, read
+once, where plain decoding reads each token's misses in its own call; every
+accepted draft saves a call. Drafts come from
+
+- ``NgramDraft``: prompt lookup, the tokens that followed the latest earlier
+  occurrence of the last few tokens (no second model);
+- ``ModelDraft``: a small mlx-lm model sharing the tokenizer.
+
+Lossless: at temperature 0 a draft is kept while it equals the target's
+argmax, so the tokens are greedy decoding's; with sampling, the standard
+rule (keep draft ``x`` with probability ``min(1, p(x) / q(x))``, else sample
+from ``max(p - q, 0)`` normalised) keeps the target's distribution.
+
+Caches: a call that is partly rejected is undone. Trimmable caches (KV) are
+trimmed; recurrent states (``ArraysCache``: GatedDeltaNet, Mamba, delta
+attention), which cannot be trimmed, are restored from a snapshot taken
+before the call and the accepted tokens are fed again.
+"""
+
+import time
+from typing import Generator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from ..errors import ConfigError
+from ..runtime.stats import SpecStats
+
+DEFAULT_NUM_DRAFT = 3
+MAX_NUM_DRAFT = 64
+DEFAULT_NGRAM = 3
+PREFILL_STEP = 512
+
+
+# -- drafts ------------------------------------------------------------------
+
+
+class NgramDraft:
+    """Prompt-lookup drafts: find the latest earlier occurrence of the last
+    ``n`` tokens (``n`` from ``max_n`` down to 1) and propose what followed it.
+    Deterministic, so its draft distribution ``q`` is one-hot."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = DEFAULT_NGRAM):
+        self.max_n = max_n
+        self.tokens: List[int] = []
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.tokens = list(prompt)
+
+    def propose(self, k: int) -> Tuple[List[int], Optional[np.ndarray]]:
+        seq = self.tokens
+        for n in range(min(self.max_n, len(seq) - 1), 0, -1):
+            tail = seq[-n:]
+            # Latest earlier occurrence first: recent text predicts best.
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == tail:
+                    return seq[start + n:start + n + k], None
+        return [], None
+
+    def commit(self, drafts: List[int], n: int, nxt: int) -> None:
+        """The text gained ``drafts[:n]`` and then ``nxt``."""
+        self.tokens.extend([*drafts[:n], nxt])
+
+
+class ModelDraft:
+    """Drafts from a small mlx-lm model (same tokenizer), with its own cache.
+
+    Its cache holds the text but ``pending`` (tokens it has not been fed);
+    ``propose`` returns the drafted tokens and, when sampling, the draft's
+    probabilities at each (``[k, vocab]``)."""
+
+    name = "model"
+
+    def __init__(self, model, temp: float = 0.0):
+        self.model = model
+        self.temp = temp
+        self.cache = None
+        self.vocab: Optional[int] = None
+        self.pending: List[int] = []
+        self._fed: Optional[List[int]] = None
+        self._checkpoint = None
+
+    def limit_vocab(self, vocab: Optional[int]) -> None:
+        """Draft only ids the target has (vocabularies padded differently)."""
+        self.vocab = vocab
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.cache = make_prompt_cache(self.model)
+        _prefill(self.model, self.cache, list(prompt[:-1]))
+        self.pending = [int(prompt[-1])]
+
+    def propose(self, k: int) -> Tuple[List[int], Optional[np.ndarray]]:
+        self._checkpoint = Checkpoint(self.cache, len(self.pending) + k - 1)
+        fed = list(self.pending)
+        y = mx.array(fed)
+        drafts, probs = [], []
+        for i in range(k):
+            logits = self.model(y[None], cache=self.cache)[0, -1][: self.vocab]
+            if self.temp > 0:
+                p = mx.softmax(logits.astype(mx.float32) / self.temp)
+                token = mx.random.categorical(mx.log(p))
+                if self.vocab is not None and p.shape[-1] < self.vocab:
+                    p = mx.concatenate([p, mx.zeros((self.vocab - p.shape[-1],))])
+                probs.append(p)
+            else:
+                token = mx.argmax(logits)
+            drafts.append(token.item())
+            if i < k - 1:
+                y = mx.array(drafts[-1:])
+                fed.append(drafts[-1])
+        self._fed = fed
+        return drafts, (np.array(mx.stack(probs)) if probs else None)
+
+    def commit(self, drafts: List[int], n: int, nxt: int) -> None:
+        """The text gained ``drafts[:n]`` and then ``nxt``."""
+        if not drafts:
+            self.pending.append(nxt)
+            return
+        if n == len(drafts):
+            # All kept: the last draft was never fed to the draft model.
+            self.pending = [drafts[-1], nxt]
+        else:
+            self._checkpoint.undo(self.model, self._fed, len(self.pending) + n)
+            self.pending = [nxt]
+
+
+def _prefill(model, cache, tokens: List[int]) -> None:
+    for i in range(0, len(tokens), PREFILL_STEP):
+        model(mx.array(tokens[i:i + PREFILL_STEP])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def _forward(model, tokens: List[int], cache, hidden: bool):
+    """Logits of ``tokens`` (and, with ``hidden``, the final hidden states
+    mlx-lm's ``model.model`` returns, before the head)."""
+    if not hidden:
+        return model(mx.array(tokens)[None], cache=cache)[0], None
+    runtime = model.streaming
+    with runtime.call():  # as the model's own __call__ (loader.serialize_calls)
+        h = model.model(mx.array(tokens)[None], cache)
+        logits = model.lm_head(h)
+        mx.eval(logits, h)
+    return logits[0], h[0]
+
+
+def _prefill_hidden(model, cache, tokens: List[int]) -> Optional[mx.array]:
+    states = [_forward(model, tokens[i:i + PREFILL_STEP], cache, True)[1]
+              for i in range(0, len(tokens), PREFILL_STEP)]
+    return mx.concatenate(states, axis=0) if states else None
+
+
+def _vocab_size(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if size is None and isinstance(getattr(args, "text_config", None), dict):
+        size = args.text_config.get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
+# -- undoing a call ------------------------------------------------------------
+
+
+class Checkpoint:
+    """The caches before a call of ``n`` tokens that may be partly undone.
+
+    A cache that stays trimmable through the call is trimmed. The others
+    are restored from a snapshot, then the kept tokens are fed again:
+    recurrent states (``ArraysCache``, which replaces its arrays and never
+    writes into them) by reference, any other cache (a sliding window that
+    fills up, whose one-token updates write in place) by copy.
+    """
+
+    def __init__(self, cache, n: int):
+        self.cache = cache
+        self.saved = [None if _stays_trimmable(c, n) else _snapshot(c) for c in cache]
+        self.trimmable = all(s is None for s in self.saved)
+
+    def undo(self, model, fed: Sequence[int], keep: int) -> bool:
+        """``fed`` tokens went in since the checkpoint; keep the first ``keep``.
+        Returns whether tokens were fed again."""
+        if keep >= len(fed):
+            return False
+        if self.trimmable:
+            for c in self.cache:
+                _trim(c, len(fed) - keep)
+            return False
+        for c, saved in zip(self.cache, self.saved):
+            if saved is None:
+                _trim(c, len(fed))
+            else:
+                c.state = saved
+        if keep:
+            model(mx.array(list(fed[:keep]))[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        return True
+
+
+def _stays_trimmable(c, n: int) -> bool:
+    if not c.is_trimmable():
+        return False
+    # A sliding window is trimmable only until it is full.
+    window = getattr(c, "max_size", None)
+    return window is None or c.offset + n < window
+
+
+def _snapshot(c):
+    if isinstance(c, ArraysCache):
+        return tree_map(lambda x: x, c.state)  # copies the lists, shares the arrays
+    state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
+    mx.eval([x for _, x in tree_flatten(state) if isinstance(x, mx.array)])
+    return state
+
+
+def _trim(c, n: int) -> None:
+    if c.trim(n) != n:
+        raise RuntimeError(f"a {type(c).__name__} could not take back {n} tokens")
+
+
+# -- the acceptance rule ---------------------------------------------------------
+
+
+def accept_greedy(target: np.ndarray, drafts: Sequence[int]) -> Tuple[int, int]:
+    """``target``: ``[k + 1]`` argmax tokens of the verify call. Returns
+    (drafts accepted, the next token)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return n, int(target[n])
+
+
+def accept_sampled(p: np.ndarray, drafts: Sequence[int], q: Optional[np.ndarray],
+                   rng: np.random.Generator) -> Tuple[int, int]:
+    """Speculative sampling. ``p``: ``[k + 1, V]`` target probabilities;
+    ``q``: ``[k, V]`` draft probabilities, or None for deterministic drafts
+    (one-hot). Returns (drafts accepted, the next token), the next token
+    distributed as the target's at that position."""
+    for i, x in enumerate(drafts):
+        qx = 1.0 if q is None else float(q[i, x])
+        if rng.random() * qx < p[i, x]:  # keep with probability min(1, p/q)
+            continue
+        residual = p[i].astype(np.float64).copy()
+        if q is None:
+            residual[x] = 0.0
+        else:
+            residual = np.maximum(residual - q[i], 0.0)
+        total = residual.sum()
+        if total <= 0:  # p == q at this position: any rejection is measure zero
+            residual, total = p[i].astype(np.float64), p[i].sum()
+        return i, int(rng.choice(len(residual), p=residual / total))
+    last = p[len(drafts)].astype(np.float64)
+    return len(drafts), int(rng.choice(len(last), p=last / last.sum()))
+
+
+# -- the loop ------------------------------------------------------------------
+
+
+def speculative_generate_step(
+    prompt: Sequence[int], model, draft, *, num_draft_tokens: int = DEFAULT_NUM_DRAFT,
+    max_tokens: int = 256, temp: float = 0.0, seed: int = 0,
+    prompt_cache=None, stats: Optional[SpecStats] = None,
+) -> Generator[Tuple[int, bool], None, None]:
+    """Yield ``(token, from_draft)`` of the target ``model``'s decoding of
+    ``prompt``, drafting ``num_draft_tokens`` at a time with ``draft``.
+
+    Args:
+        draft: an ``NgramDraft`` or ``ModelDraft``.
+        temp: 0 for greedy (token-identical to plain greedy decoding), else
+            the sampling temperature (the target's distribution is kept).
+        seed: of the acceptance rule's random numbers.
+        stats: counters to update (default: the streamed model's, which
+            ``stats(model)["speculative"]`` reports).
+    """
+    if not 1 <= num_draft_tokens <= MAX_NUM_DRAFT:
+        raise ConfigError(f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT}, "
+                          f"got {num_draft_tokens}")
+    prompt = [int(t) for t in prompt]
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if stats is None:
+        runtime = getattr(model, "streaming", None)
+        stats = runtime.speculative if runtime is not None else SpecStats()
+    rng = np.random.default_rng(seed)
+    if hasattr(draft, "limit_vocab"):
+        draft.limit_vocab(_vocab_size(model))
+    # MTP drafts read the target's hidden states (mtp.MtpDraft).
+    hidden = getattr(draft, "needs_hidden", False)
+    if hidden:
+        draft.start(prompt, _prefill_hidden(model, cache, prompt[:-1]))
+    else:
+        _prefill(model, cache, prompt[:-1])
+        draft.start(prompt)
+    y = prompt[-1]
+    produced = 0
+    while max_tokens < 0 or produced < max_tokens:
+        k = num_draft_tokens if max_tokens < 0 else min(num_draft_tokens,
+                                                        max_tokens - produced - 1)
+        drafts, q = draft.propose(k) if k > 0 else ([], None)
+        fed = [y, *drafts]
+        checkpoint = Checkpoint(cache, len(fed))
+        logits, states = _forward(model, fed, cache, hidden)  # [len(fed), V], [len(fed), H]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if temp > 0:
+            p = np.array(mx.softmax(logits.astype(mx.float32) / temp, axis=-1))
+            n, nxt = accept_sampled(p, drafts, q, rng)
+        else:
+            n, nxt = accept_greedy(np.array(mx.argmax(logits, axis=-1)), drafts)
+        stats.calls += 1
+        stats.drafted += len(drafts)
+        stats.accepted += n
+        # The cache holds fed; keep y and the accepted drafts.
+        stats.refeeds += checkpoint.undo(model, fed, n + 1)
+        if hidden:
+            draft.commit(drafts, n, nxt, states[: n + 1])
+        else:
+            draft.commit(drafts, n, nxt)
+        for i, t in enumerate(drafts[:n]):
+            yield t, logprobs[i], True
+            produced += 1
+        yield nxt, logprobs[n], False
+        produced += 1
+        y = nxt
+
+
+def stream_generate(model, tokenizer, prompt, draft, *, max_tokens: int = 256,
+                    num_draft_tokens: int = DEFAULT_NUM_DRAFT, temp: float = 0.0,
+                    seed: int = 0, stats: Optional[SpecStats] = None
+                    ) -> Generator[GenerationResponse, None, None]:
+    """``mlx_lm.stream_generate`` with drafts: the same ``GenerationResponse``
+    stream (``from_draft`` says which tokens were accepted drafts)."""
+    if isinstance(prompt, str):
+        # As mlx-lm: no second BOS when the text already starts with one.
+        bos = getattr(tokenizer, "bos_token", None)
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None
+                                  or not prompt.startswith(bos))
+    prompt = [int(t) for t in prompt]
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    prompt_tps, n, token, logprobs, from_draft = 0.0, 0, None, None, False
+    steps = speculative_generate_step(prompt, model, draft, num_draft_tokens=num_draft_tokens,
+                                      max_tokens=max_tokens, temp=temp, seed=seed,
+                                      stats=stats)
+    finish = "length"
+    for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
+        if n == 1:
+            prompt_tps = len(prompt) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            finish = "stop"
+            break
+        detokenizer.add_token(token)
+        if n == max_tokens:
+            break
+        yield _response(detokenizer.last_segment, token, logprobs, from_draft, len(prompt),
+                        prompt_tps, n, tic, None)
+    detokenizer.finalize()
+    yield _response(detokenizer.last_segment, token, logprobs, from_draft, len(prompt),
+                    prompt_tps, n, tic, finish)
+
+
+def _response(text, token, logprobs, from_draft, prompt_tokens, prompt_tps, n, tic, finish):
+    return GenerationResponse(
+        text=text, token=token, logprobs=logprobs, from_draft=from_draft,
+        prompt_tokens=prompt_tokens, prompt_tps=prompt_tps, generation_tokens=n,
+        generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+        peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)

@@ -1,0 +1,199 @@
+"""``load()``: a stream directory becomes a normal mlx-lm model whose routed
+experts are streamed from SSD through per-layer slot pools.
+"""
+
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Dict, Optional
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import load_tokenizer
+from .. import hub
+from . import spine
+from ..config import StreamConfig, config_fields, renamed_options
+from ..errors import ConfigError, FormatError, first_line
+from ..format import check_spine_files, has_vocabulary, read_manifest
+from ..format import Manifest
+from ..io.choice import make_reader, choose_direct_io
+from ..io.python import PythonReader
+from ..models.discover import get_module
+from .memory import GB, bytes_per_slot, min_slots, plan_memory
+from .model_spine import attach_mtp, load_spine, spine_bytes
+from .pressure import PressureWatch
+from .residency import install_blocks
+from .runtime import Runtime
+from .wrap import one_pass_at_a_time
+
+
+def load(
+    path_or_hf_repo,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    adapter_path: Optional[str] = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: Optional[str] = None,
+    trust_remote_code: bool = False,
+    *,
+    config: Optional[StreamConfig] = None,
+    **options,
+):
+    """Load a stream directory (made by ``mlx_streaming.convert``).
+
+    The positional parameters are ``mlx_lm.load``'s, so a tool that calls
+    mlx-lm's ``load`` can call this one.
+
+    Args:
+        path_or_hf_repo: the stream directory (``~`` is expanded), or a
+            Hugging Face repo id: a stream directory uploaded there (its
+            experts fetched on first use into a disk cache) or a plain
+            mlx-lm model (converted once, shard by shard, into
+            ``disk_cache_dir``).
+        tokenizer_config: passed to mlx-lm's tokenizer loader.
+        model_config: overrides of the model's config.json, as in mlx-lm.
+        adapter_path: not supported (LoRA adapters on streamed experts);
+            fuse them with ``mlx_lm.fuse`` and convert the fused model.
+        lazy: leave the spine's weights to load when first used.
+        return_config: also return the model's config dict.
+        revision: of a repo id: a branch, tag or commit (default main).
+        trust_remote_code: passed to mlx-lm's model loader.
+        config: a ready ``StreamConfig`` (then no other options).
+        **options: ``StreamConfig`` fields, e.g. ``cache_gb=8``,
+            ``slots_per_layer=16``, ``prefetch="next-layer"``,
+            ``checksums="always"`` (see ``StreamConfig``).
+
+    Returns:
+        ``(model, tokenizer)`` or, with ``return_config``, ``(model,
+        tokenizer, config)``: an mlx-lm model that works with
+        ``mlx_lm.generate``, ``stream_generate`` and ``make_prompt_cache``.
+        ``model.streaming.close()`` releases its files and threads (as
+        does garbage collection of the model).
+
+    Raises:
+        FormatError: not a complete stream directory of a known version.
+        BudgetError: the budget holds less than one call's experts, or more
+            than the memory that is available.
+        ConfigError: an option is unknown or out of range.
+    """
+    config = _make_config(config, options)
+    for name, value in (("tokenizer_config", tokenizer_config), ("model_config", model_config)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a dict, got {type(value).__name__}")
+    if adapter_path is not None:
+        raise ConfigError(
+            "adapter_path is not supported on streamed models: fuse the adapters with "
+            "`mlx_lm.fuse` and convert the fused model"
+        )
+    path, repo = _locate(str(path_or_hf_repo), revision, config)
+    if config.trace is not None and Path(config.trace).resolve().is_relative_to(path.resolve()):
+        raise ConfigError(f"the trace {config.trace} would be written into the model's own "
+                          "directory; write it elsewhere")
+    manifest = read_manifest(path, blobs=repo is None)
+    if repo is not None:
+        hub.check_remote_blobs(repo, manifest)
+    check_spine_files(path, manifest, checksums=config.checksums == "always")
+    model, model_config = load_spine(path, manifest, model_config, trust_remote_code)
+    # Before the runtime and the weights: a broken tokenizer is known
+    # without waiting for a large model to load.
+    tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
+    if config.mtp:
+        manifest = attach_mtp(model, path, manifest, model_config, config)
+    runtime = _build_runtime(path, manifest, config, repo)
+    try:
+        _install_spine(model, path, manifest, runtime)
+        install_blocks(model, path, manifest, runtime)
+        mx.eval(model.parameters() if not lazy else [s.pool.arrays for s in runtime.stores])
+    except BaseException:
+        runtime.close()
+        raise
+    runtime.stats.reset()
+    model.streaming = runtime
+    weakref.finalize(model, runtime.close)
+    if runtime.paged and config.pressure_gb > 0:
+        runtime.pressure = PressureWatch(runtime, int(config.pressure_gb * GB),
+                                         bytes_per_slot(manifest),
+                                         min_slots(manifest))
+    if runtime.paged or runtime.ring is not None:
+        one_pass_at_a_time(model, runtime)
+    if return_config:
+        return model, tokenizer, model_config
+    return model, tokenizer
+
+
+def _load_tokenizer(path: Path, tokenizer_config, model_config: dict):
+    try:
+        return load_tokenizer(path, tokenizer_config,
+                              eos_token_ids=model_config.get("eos_token_id"))
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        hint = "" if has_vocabulary(path) else ("; copy the source model's tokenizer files "
+                                                "(tokenizer.json, ...) into it")
+        raise FormatError(f"cannot load the tokenizer in {path} ({first_line(e)}){hint}") \
+            from None
+
+
+def _locate(name: str, revision: Optional[str], config: StreamConfig):
+    """``(stream directory, Hub repo whose blobs are fetched, or None)``."""
+    if hub.is_repo_id(name):
+        return hub.open_model(name, revision, config)
+    hub.check_revision_use(name, revision)
+    return Path(name).expanduser(), None
+
+
+def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
+    options = renamed_options(options)
+    unknown = sorted(set(options) - set(config_fields()))
+    if unknown:
+        raise ConfigError(
+            f"unknown option {unknown[0]!r}; load() takes {', '.join(config_fields())}"
+        )
+    if config is not None:
+        if options:
+            raise ConfigError("pass either config= or options, not both")
+        if not isinstance(config, StreamConfig):
+            raise ConfigError(f"config must be a StreamConfig, got {type(config).__name__}; "
+                              "or pass the options as keywords")
+        return config
+    # None means "the default" for every option, as on the command line.
+    return StreamConfig(**{k: v for k, v in options.items() if v is not None})
+
+
+def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig,
+                   repo: Optional["hub.HubRepo"] = None) -> Runtime:
+    plan = plan_memory(manifest, config, spine_bytes(path))
+    if repo is not None:
+        reader = hub.make_remote_reader(repo, path, manifest, config)
+        reasons = (f"HTTP range requests to {repo.repo_id}",
+                   "records come from the network and the disk cache")
+        return Runtime(config, manifest, plan, reader, reasons)
+    direct, direct_reason = choose_direct_io(config, path, manifest, plan.total)
+    reader, reason = make_reader(config, direct)
+    return Runtime(config, manifest, plan, reader, (reason, direct_reason))
+
+
+def _install_spine(model: nn.Module, path: Path, manifest: Manifest, runtime: Runtime) -> None:
+    """Pinned spine layers read once into arrays of their own; the others
+    streamed through a ring of layer buffers (``spine.py``)."""
+    if not manifest.dense:
+        if runtime.config.pinned_layers is not None:
+            warnings.warn(
+                f"mlx_streaming: {path} (format version {manifest.version}) keeps its whole "
+                "spine in safetensors, so pinned_layers and spine_ring have no effect; "
+                "convert it again with `mlx_streaming convert` to stream its layers",
+                RuntimeWarning, stacklevel=3)
+        return
+    reader = runtime.reader
+    if not reader.local:  # the dense records were downloaded with the spine
+        reader = runtime.spine_reader = PythonReader(runtime.config.io_threads)
+    plan = runtime.plan
+    for spec in manifest.dense:
+        if spec.layer in plan.pinned:
+            spine.load_pinned(model, path, spec, reader, runtime.config.checksums)
+    streamed = [d for d in manifest.dense if d.layer not in plan.pinned]
+    if not streamed:
+        return
+    ring = spine.SpineRing(model, path, streamed, plan.ring_buffers, reader,
+                           runtime.config.checksums)
+    runtime.ring = ring
+    for spec in streamed:
+        spine.stream_layer(get_module(model, spec.prefix), ring, spec.layer)

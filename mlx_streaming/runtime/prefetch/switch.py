@@ -1,0 +1,129 @@
+"""``prefetch="auto"``: a trial decides whether prefetch pays.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Trial:
+    """How ``prefetch="auto"`` times prefetch against no prefetch: after
+    ``warmup`` decode tokens (a cold pool stalls on every first read), a
+    trial of ``tokens`` tokens turns prefetch off and on every ``block``
+    tokens, the first ``settle`` of each block not timed (a disk that lends
+    and banks, as the cgroup blkio throttle does, bills a block's reads
+    ahead to the block after it). Prefetch stays on only if the median
+    timed token with it was at least ``margin`` faster, and the tokens
+    without it spent at least ``min_stall_share`` of their time stalled on
+    reads. A difference of ``early`` or more decides halfway; a prefetch at
+    ``1 - early`` of the speed without it, or less, ends the trial once
+    ``stop_after`` tokens with it are timed (docs/prefetch.md, "auto")."""
+
+    tokens: int = 64
+    block: int = 16
+    settle: int = 4
+    warmup: int = 8
+    min_stall_share: float = 0.05
+    margin: float = 0.02
+    early: float = 0.1
+    stop_after: int = 4
+
+    def __post_init__(self):
+        # Each block of the trial must be timed: the first token has no
+        # start to time it from, so it is warmup.
+        if (self.tokens < 2 * self.block or self.warmup < 1
+                or not 0 <= self.settle < self.block or self.stop_after < 1):
+            raise ValueError(
+                f"a trial of {self.tokens} tokens needs two blocks of {self.block} or more, "
+                f"a warmup of one token or more (got {self.warmup}), fewer settling tokens "
+                f"than a block (got {self.settle}) and a stop after one timed token or more "
+                f"(got {self.stop_after})")
+
+
+class PrefetchSwitch:
+    """``prefetch="auto"``: decides from a ``Trial`` whether prefetch pays.
+    Slow spells of a shared machine and changes in the text hit both sides
+    of the trial alike, since it alternates in blocks."""
+
+    def __init__(self, first_layer: int, max_tokens: int, trial: Trial = Trial(),
+                 clock=time.perf_counter):
+        self.first_layer = first_layer
+        self.max_tokens = max_tokens
+        self.trial = trial.tokens
+        self.block = trial.block
+        self.settle = trial.settle
+        self.warmup = trial.warmup
+        self.min_stall_share = trial.min_stall_share
+        self.margin = trial.margin
+        self.early = trial.early
+        self.stop_after = trial.stop_after
+        self.clock = clock
+        self.enabled = False
+        self.decision = "measuring"
+        self._last = None
+        self._seen = 0
+        self._stall = 0.0
+        self._tokens = {True: [], False: []}  # seconds of each trial token
+        self._off_stall = 0.0  # stalled seconds of the tokens without it
+
+    def on_call(self, layer, tokens):
+        if layer != self.first_layer or self.decision != "measuring":
+            return
+        if tokens > self.max_tokens:
+            # A prefill (a new request) between decode tokens: the next
+            # token is timed from its own start, not across the prefill.
+            self._last = None
+            return
+        now = self.clock()
+        step = self._seen - self.warmup  # the trial step of the token that just ended
+        timed = self._last is not None and step >= 0 and step % self.block >= self.settle
+        if timed:
+            # The token that just ended ran with the state set at its start.
+            self._tokens[self.enabled].append(now - self._last)
+            if not self.enabled:
+                self._off_stall += self._stall
+        self._last, self._stall = now, 0.0
+        self._seen += 1
+        trial_step = self._seen - self.warmup
+        if trial_step >= self.trial or self._clear(trial_step, timed):
+            self._decide()
+        elif trial_step >= 0:
+            self.enabled = (trial_step // self.block) % 2 == 1
+
+    def on_stall(self, layer, seconds):
+        self._stall += seconds
+
+    def _clear(self, trial_step: int, timed: bool) -> bool:
+        """Whether the trial so far already decides: halfway, with a
+        difference of ``early`` or more; or once ``stop_after`` tokens with
+        prefetch are timed, at ``1 - early`` of the speed without it or
+        less (checked once, as the last of them is timed)."""
+        if not all(self._tokens.values()):
+            return False
+        speedup = self._speedup()
+        if timed and self.enabled and len(self._tokens[True]) == self.stop_after \
+                and speedup <= 1 - self.early:
+            return True
+        return trial_step == self.trial // 2 and abs(speedup - 1) >= self.early
+
+    def _speedup(self) -> float:
+        """Median token without prefetch over median token with it."""
+        return float(np.median(self._tokens[False]) / np.median(self._tokens[True]))
+
+    def _decide(self):
+        if not all(self._tokens.values()):  # prefills cut every timed token of a side
+            self._finish(False, "off: the trial timed no decode token on one side")
+            return
+        share = self._off_stall / sum(self._tokens[False])
+        if share < self.min_stall_share:
+            self._finish(False, f"off: stall share {share:.1%} too small to pay")
+            return
+        speedup = self._speedup()
+        keep = bool(speedup >= 1 + self.margin)
+        self._finish(keep, f"{'on' if keep else 'off'}: {speedup:.2f}x decode speed with it")
+
+    def _finish(self, enabled, decision):
+        self.enabled = enabled
+        self.decision = decision

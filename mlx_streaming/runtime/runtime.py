@@ -1,0 +1,148 @@
+"""What a streaming model carries besides its modules (``model.streaming``).
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+import threading
+from contextlib import contextmanager
+from typing import List, Optional, Tuple
+import mlx.core as mx
+from ..config import StreamConfig
+from ..format import Manifest
+from .block import Paged
+from .events import Events
+from .memory import MemoryPlan, max_slots
+from .store import NativeStore
+from .pressure import NoWatch
+from .stats import SpecStats, Stats
+from .store import ExpertStore
+from .trace import TraceWriter
+from .prefetch.factory import make_prefetch
+
+
+class Runtime:
+    """What a streaming model carries besides its modules: the config, the
+    reader, the stores, prefetch's shared parts and the observers.
+    ``model.streaming`` holds it. It owns the lock that makes forward
+    passes run one at a time, the end of each pass (``finish_pending``),
+    resizing the pools, and releasing everything (``close``)."""
+
+    def __init__(self, config: StreamConfig, manifest: Manifest, plan: MemoryPlan, reader,
+                 reasons: Tuple[str, str]):
+        self.config = config
+        self.manifest = manifest
+        self.plan = plan
+        self.reader = reader
+        # Why this reader, and why (not) uncached reads.
+        self.io_reason, self.direct_io_reason = reasons
+        self.slots = plan.slots
+        # A trace needs each call's ids, which only paged blocks sync for.
+        self.paged = plan.slots < max_slots(manifest) or config.trace is not None
+        # Paged pools are rewritten in place: one forward pass at a time.
+        self.lock = threading.RLock()
+        self.closed = False
+        self.stores: List[ExpertStore] = []
+        self.residencies: List[Paged] = []
+        self.ring = None  # the SpineRing of streamed spine layers, if any
+        self.spine_reader = None  # the ring's own reader, when the experts' is remote
+        self._overlap = None  # the thread that reads misses while experts compute
+        self.stats = Stats([l.layer for l in manifest.layers])
+        self.speculative = SpecStats()  # drafts through this model
+        self.trace = TraceWriter(config.trace) if config.trace else None
+        self.events = Events([self.stats] + ([self.trace] if self.trace else []))
+        self.prefetch = make_prefetch(config, manifest, reader, self.paged)
+        self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
+
+    def overlap_reads(self) -> Optional[ThreadPoolExecutor]:
+        """The paged blocks' worker for reads overlapped with compute (one
+        thread for every layer: calls run one at a time), or None when
+        ``overlap`` is off."""
+        if self.config.overlap and self._overlap is None:
+            self._overlap = ThreadPoolExecutor(1, thread_name_prefix="mlx_streaming-reads")
+        return self._overlap
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(s.pool.nbytes for s in self.stores)
+
+    def close(self) -> None:
+        """Release the model's files, reader threads and staging; waits for
+        prefetch reads in flight. Idempotent; also runs when the model is
+        garbage collected."""
+        with self.lock:  # never under a forward pass of another thread
+            if self.closed:
+                return
+            self.closed = True
+            if self.trace is not None:
+                self.trace.close()
+            if self.ring is not None:
+                self.ring.close()
+            if self.spine_reader is not None:
+                self.spine_reader.close()
+            if self._overlap is not None:
+                for residency in self.residencies:
+                    residency.overlap = None  # later calls fail as a closed model's do
+                self._overlap.shutdown(wait=True)
+            for store in self.stores:
+                if isinstance(store, NativeStore):
+                    store.index.unbind()  # a lazy graph left behind reads nothing
+            self.reader.close()
+
+    @contextmanager
+    def call(self):
+        """One forward pass over the pools, from any thread: under the lock,
+        after the pressure watch, and with every pool reader evaluated at
+        the end (the model's ``__call__``, and MTP and hidden-state calls
+        that bypass it, run in this)."""
+        with self.lock:
+            self.pressure.between_calls()
+            try:
+                yield
+            except BaseException:
+                # A pass that raised may leave pool readers (and remaps) in
+                # its graph: finish them now, so nothing later runs them out
+                # of order; their own failures are not the one to report.
+                self.finish_pending(report=False)
+                raise
+            self.finish_pending()
+
+    def resize(self, slots: int) -> None:
+        """Give every paged pool ``slots`` slots (``pressure.py``)."""
+        with self.lock:  # the native step writes the tables without the GIL
+            self._resize(slots)
+
+    def _resize(self, slots: int) -> None:
+        self.finish_pending()
+        if self.prefetch.staging is not None:
+            for store in self.stores:
+                store.drop_staged()
+        for store in self.stores:
+            store.resize(slots)
+        self.slots = slots
+        mx.clear_cache()  # hand the freed buffers back to the OS
+
+    def finish_pending(self, report: bool = True) -> None:
+        """Evaluate every computation that still reads a pool, so that the
+        next call, from any thread, may overwrite slots; then report the
+        calls made inside the graph and raise the first failure of any
+        (``report=False``: drop them)."""
+        pending = [y for p in self.residencies for y in p.pending]
+        for p in self.residencies:
+            p.pending = []
+        try:
+            mx.eval(pending)
+        except Exception:
+            if report:
+                raise
+        if self.ring is not None:
+            self.ring.finish()
+        failure = None
+        for store in self.stores:
+            if isinstance(store, NativeStore):
+                # Every store, even after a failure: none may keep an error
+                # or counters for a later pass.
+                try:
+                    store.flush()
+                except Exception as e:
+                    failure = failure or e
+        if failure is not None and report:
+            raise failure

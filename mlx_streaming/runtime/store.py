@@ -1,0 +1,345 @@
+"""The expert store of one MoE layer: brings experts into its slot pool.
+
+``ensure(experts)`` makes a set of experts resident: hits are touched, misses
+take the least valuable slots (never one of ``experts``) and are filled from
+the staging area when prefetch already read them, else from the blob.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..errors import CorruptExpertError
+from ..format import LayerSpec
+from .events import Events
+from .policy import LRU, Policy
+from .pool import SlotPool
+from .prefetch.control import NO_CONTROL, PrefetchControl
+from ..errors import ExpertReadError
+from .policy import DecayedLFU
+
+
+class BlobWatch:
+    """Notices a blob rewritten or replaced on disk after it was opened."""
+
+    def __init__(self, path):
+        self.path = path
+        self.identity = self._identity()
+
+    def _identity(self):
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def changed(self) -> bool:
+        """True once per change (the new state becomes the reference)."""
+        now = self._identity()
+        if now == self.identity:
+            return False
+        self.identity = now
+        return True
+
+
+@dataclass(frozen=True)
+class RecordSource:
+    """Where a layer's records come from: the reader and the blob's handle
+    in it, prefetch's staging area (None without prefetch), and the blob's
+    path to watch for changes (None where the reader checks what it
+    fetches)."""
+
+    reader: object
+    file: int
+    staging: object = None
+    blob: Optional[Path] = None
+
+
+class ExpertStore:
+    """Brings experts of one layer into its pool, checking their CRC-32 as
+    ``checksums`` says: ``"first-read"`` checks an expert's first read and,
+    once the blob changes on disk, every read again until each expert is
+    re-checked; ``"always"`` checks every read; ``"off"`` never checks.
+    ``control`` is what prefetch learns from this layer's reads."""
+
+    def __init__(self, spec: LayerSpec, pool: SlotPool, source: RecordSource,
+                 policy: Optional[Policy] = None, checksums: str = "first-read",
+                 events: Events = Events(()), control: PrefetchControl = NO_CONTROL):
+        self.spec = spec
+        self.layer = spec.layer
+        self.pool = pool
+        self.source = source
+        self.policy = (policy or LRU(spec.num_experts)).bind(pool.expert_of_slot)
+        self.reader = source.reader
+        self.file = source.file
+        self.staging = source.staging
+        self.events = events
+        self.control = control
+        self.crcs = np.array(spec.checksums, dtype=np.uint32)
+        self.expert_nbytes = spec.expert_nbytes
+        self.checksums = checksums
+        # Experts whose checksum still has to be checked on their next read.
+        self.unverified = np.full(spec.num_experts, checksums != "off", dtype=bool)
+        # The stat after each read: a blob rewritten in place (or replaced)
+        # mid-run must give an error, never bytes that were checked before.
+        self.watch = (BlobWatch(source.blob)
+                      if source.blob is not None and checksums == "first-read" else None)
+
+    def resize(self, slots: int) -> None:
+        """Give the pool ``slots`` slots, keeping the experts the policy
+        values most (between calls: nothing may read the pool)."""
+        slots = min(slots, self.spec.num_experts)
+        held = np.nonzero(self.pool.expert_of_slot >= 0)[0]
+        if self.pool.slots > slots:
+            # Empty slots go first, then the least valuable experts.
+            drop = self.policy.victims(self.pool.slots - slots, np.array([], np.int64))
+            held = np.setdiff1d(held, drop)
+        self.pool.resize(slots, held)
+        self.policy.bind(self.pool.expert_of_slot)
+
+    def resident(self, experts: np.ndarray) -> np.ndarray:
+        return self.pool.slot_of_expert[experts] >= 0
+
+    def ensure(self, experts: np.ndarray, last: bool = True) -> float:
+        """Make the distinct ``experts`` resident (the policy has observed
+        the call they come from); returns the seconds spent bringing them
+        in (0 when all were resident). The caller reports how much of that
+        the device waited (``Events.on_stall``): with ``Paged``'s overlap it
+        computes the resident experts meanwhile.
+
+        The caller guarantees that no pending computation reads the slots
+        that misses take: never those of ``experts`` (the layer's host sync
+        evaluated every earlier reader).
+        """
+        slots = self.pool.slot_of_expert[experts]
+        hit = slots >= 0
+        missing = experts[~hit]
+        if not len(missing):
+            return 0.0
+        victims = self.policy.victims(len(missing), protected=slots[hit])
+        return self.load(missing, victims, last)
+
+    def load(self, experts: np.ndarray, slots: np.ndarray, last: bool = True) -> float:
+        """Read ``experts`` into ``slots`` and map them in the table; returns
+        the seconds it took."""
+        start = time.perf_counter()
+        # Until the bytes are in and checked, the slots hold nothing valid:
+        # if anything below raises, the table maps nothing to them.
+        self.pool.evict(slots)
+        want_crc = self._want_crc(experts)
+        crcs = self._fill(experts, slots, want_crc, last)
+        if self.watch is not None and self.watch.changed():
+            # These bytes may come from the new file: check them, and
+            # every later first read from it.
+            self.unverified[:] = True
+            want_crc = self._want_crc(experts)
+            crcs = self._fill(experts, slots, want_crc)
+        self._check(experts, want_crc, crcs)
+        self.pool.assign(experts, slots)
+        self.policy.filled(experts)
+        return time.perf_counter() - start
+
+    def _want_crc(self, experts: np.ndarray) -> np.ndarray:
+        if self.checksums == "always":
+            return np.ones(len(experts), dtype=bool)
+        return self.unverified[experts]
+
+    def preload(self) -> None:
+        """Read every expert into the slot of the same index (all resident)."""
+        experts = np.arange(self.spec.num_experts)
+        self.events.on_stall(self.layer, self.load(experts, experts))  # at load
+
+    def _fill(self, experts, slots, want_crc, last=True) -> np.ndarray:
+        if self.staging is None:
+            return self._read(experts, slots, want_crc)
+        crcs = np.zeros(len(experts), dtype=np.uint32)
+        from_disk = np.ones(len(experts), dtype=bool)
+        useful = self._take_staged(experts, slots, want_crc, crcs, from_disk)
+        self.events.on_prefetch(self.layer, useful=useful)
+        if last:
+            # The rest of this layer's prefetch is wasted: cancel what has not
+            # started before the demand reads queue behind it. (A chunked call
+            # keeps it for its later groups.)
+            self.drop_staged()
+        if from_disk.any():
+            crcs[from_disk] = self._read(
+                experts[from_disk], slots[from_disk], want_crc[from_disk]
+            )
+        return crcs
+
+    def _read(self, experts, slots, want_crc) -> np.ndarray:
+        start = time.perf_counter()
+        crcs = self.reader.read(
+            self.file,
+            self._offsets(experts),
+            self.pool.segments,
+            self.pool.addresses[slots],
+            want_crc,
+            self.spec.stride,
+        )
+        nbytes = len(experts) * self.expert_nbytes
+        self.events.on_read(self.layer, len(experts), nbytes, time.perf_counter() - start)
+        return crcs
+
+    def stage(self, experts: np.ndarray) -> int:
+        """Start reading ``experts`` ahead into the staging area (prefetch);
+        returns how many reads were issued."""
+        return self.staging.stage(self.layer, self.file, experts, self._offsets(experts))
+
+    def _offsets(self, experts: np.ndarray) -> np.ndarray:
+        return self.spec.record_offset(experts.astype(np.int64))
+
+    def _take_staged(self, experts, slots, want_crc, crcs, from_disk) -> int:
+        useful = 0
+        for i, (e, s) in enumerate(zip(experts.tolist(), slots.tolist())):
+            crc = self.staging.take(
+                self.layer, e, self.pool.segments, self.pool.addresses[s], bool(want_crc[i])
+            )
+            if crc is not None:
+                crcs[i] = crc
+                from_disk[i] = False
+                useful += 1
+        return useful
+
+    def _check(self, experts, want_crc, crcs) -> None:
+        if not want_crc.any():
+            return
+        bad = want_crc & (crcs != self.crcs[experts])
+        if bad.any():
+            raise CorruptExpertError(
+                self.layer, int(experts[bad][0]), "checksum mismatch"
+            )
+        self.unverified[experts] = False
+
+    def drain_counters(self) -> None:
+        """Forget counts not yet reported (the native store's graph calls)."""
+
+    def drop_staged(self) -> None:
+        if self.staging is not None:
+            dropped = self.staging.drop(self.layer)
+            if dropped:
+                self.events.on_prefetch(self.layer, wasted=dropped)
+
+
+# The policies the native step implements, and its code for each checksums mode.
+NATIVE_POLICIES = (LRU, DecayedLFU)
+
+
+_CHECKSUM_CODES = {"off": 0, "first-read": 1, "always": 2}
+
+
+def native_store_fits(reader, policy: Policy, staging) -> bool:
+    """Whether ``NativeStore`` can stand in for ``ExpertStore``: the C++
+    reader, a policy the step implements, and no prefetch staging (whose
+    records ``ensure`` takes one by one in Python)."""
+    return reader.native_handle is not None and type(policy) in NATIVE_POLICIES and staging is None
+
+
+class NativeStore(ExpertStore):
+    """``ExpertStore`` with a call's bookkeeping in C++ (native/paged.cpp):
+    ``route`` (distinct experts, hits, the policy's update) and ``ensure``
+    (victims, reads, checks, the blob watch, tables) are one native step
+    each instead of some twenty numpy calls, which cost more than the
+    compute of a small layer. ``remap`` runs both inside the graph (see
+    ``block.NativePaged``). It updates the same arrays as the reference
+    (the pool's tables, the policy's scores), so either may run any call;
+    tests/test_native_paging.py checks that both make the same choices."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reader = self.reader
+        # The native step watches the blob (after its reads, as load() does).
+        blob = str(self.watch.path) if self.watch is not None else ""
+        self.watch = None
+        self.ext = reader.ext
+        self.index = reader.native_handle.paged_index(
+            self.file, self.spec.stride, self.pool.segments,
+            getattr(self.policy, "decay", 1.0), _CHECKSUM_CODES[self.checksums], blob)
+        self.index.clock = self.policy.clock
+        # (calls, records read, seconds) of the calls made inside the graph
+        # since ``take_graph_reads``: whether a layer's calls should sync to
+        # overlap their reads instead (``block.NativePaged``).
+        self._graph_reads = (0, 0, 0.0)
+        self._bind()
+
+    def _bind(self) -> None:
+        pool, policy = self.pool, self.policy
+        self.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
+                        policy.last_use, getattr(policy, "score", None), self.crcs,
+                        self.unverified)
+
+    def resize(self, slots: int) -> None:
+        try:
+            super().resize(slots)
+        finally:
+            self._bind()  # the pool's arrays were reallocated (or kept, if it failed)
+
+    def route(self, ids: np.ndarray):
+        """``(hits, distinct experts)`` of a call's ``ids``, which the
+        policy observes."""
+        if ids.dtype != np.uint32:
+            ids = ids.astype(np.uint32)
+        try:
+            out = self.index.route(ids)
+        except self.ext.ReadError as e:
+            raise self._read_error(str(e)) from None
+        self.policy.clock = self.index.clock
+        return out
+
+    def ensure(self, experts: np.ndarray, last: bool = True) -> float:
+        try:
+            read, bad, read_s, load_s = self.index.ensure(experts)
+        except self.ext.ReadError as e:
+            raise self._read_error(str(e)) from None
+        if not read:
+            return 0.0
+        self.events.on_read(self.layer, read, read * self.expert_nbytes, read_s)
+        if bad >= 0:
+            raise CorruptExpertError(self.layer, bad, "checksum mismatch")
+        return load_s
+
+    def _read_error(self, message: str) -> ExpertReadError:
+        if self.reader.closed:
+            return ExpertReadError("this model was closed; load it again to use it")
+        return ExpertReadError(message)
+
+    def remap(self, indices):
+        """The slots of ``indices`` (at most ``pool.slots`` of them) as an
+        array of the graph, computed when the ids are: no host sync. What
+        the calls did is reported, and their failures raised, by ``flush``
+        after the forward pass."""
+        return self.ext.paged_remap(indices, self.pool.table, self.index)
+
+    def take_graph_reads(self):
+        """(calls, records, seconds) of the graph's calls since the last take."""
+        reads, self._graph_reads = self._graph_reads, (0, 0, 0.0)
+        return reads
+
+    def drain_counters(self) -> None:
+        """Forget the calls made inside the graph not yet reported."""
+        self.index.take_counters()
+
+    def flush(self) -> None:
+        """After a forward pass (every remap evaluated): report the calls
+        made in the graph and raise the first failure."""
+        calls, tokens, hits, misses, distinct, records, read_s, stall_s = \
+            self.index.take_counters()
+        self.policy.clock = self.index.clock
+        done = self._graph_reads
+        self._graph_reads = (done[0] + calls, done[1] + records, done[2] + stall_s)
+        if calls:
+            self.events.on_graph_calls(self.layer, calls, tokens, hits, misses, distinct,
+                                       records, records * self.expert_nbytes, read_s, stall_s)
+        error = self.index.take_error()
+        if error is None:
+            return
+        kind, expert, message = error
+        if kind == 2:
+            raise CorruptExpertError(self.layer, expert, message)
+        if kind == 1:
+            raise self._read_error(message)
+        raise ExpertReadError(f"layer {self.layer}: {message}")

@@ -1,0 +1,4 @@
+from ..cli import leave
+from .app import main
+
+leave(main())

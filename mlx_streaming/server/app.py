@@ -1,0 +1,141 @@
+"""``python -m mlx_streaming.server`` (and ``mlx_streaming serve``): the
+command line, and the server's start-up checks.
+"""
+import argparse
+import logging
+import socket
+import sys
+from http.server import ThreadingHTTPServer
+from ..cli import run_main
+from ..config import add_config_flags, config_from_args
+from ..errors import ConfigError
+from .handler import make_handler
+from .mlx_flags import add_mlx_lm_server_flags
+from .provider import make_provider
+from .service import Service, counting
+from .validation import check_sampling, is_int, is_number
+
+
+DEFAULT_MAX_QUEUE = 4
+
+
+# Connections the kernel holds before they are accepted (socketserver's 5
+# reset clients that arrive together, before admission can answer 429).
+LISTEN_BACKLOG = 128
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming serve", description=__doc__, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait while one runs; more get HTTP 429")
+    p.add_argument("--memo-mb", type=float, default=0,
+                   help="memory for memoised greedy responses, in MB (0: off)")
+    add_mlx_lm_server_flags(p)
+    add_config_flags(p)
+    return p
+
+
+def serve(args) -> None:
+    """Load the model and serve it until interrupted; ``args`` are
+    ``setup_arg_parser``'s (ours, mlx-lm's server flags and every load
+    option)."""
+    import mlx_lm.server as mlx_server
+    from mlx_lm.models.cache import LRUPromptCache
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if not 0 <= args.memo_mb <= 1e6:
+        raise ConfigError(f"--memo-mb must be between 0 and 1e6, got {args.memo_mb}")
+    if args.adapter_path or args.draft_model:
+        raise ConfigError("--adapter-path and --draft-model are not supported on a streamed "
+                          "model")
+    config = config_from_args(args)
+    _check_defaults(args)
+    _check_address(args.host, args.port)
+    configure_logging(args.log_level)
+    provider = make_provider(args, config)
+    provider.load_default()  # load errors are one line, before the port opens
+    limit = getattr(getattr(provider.model, "args", None), "max_position_embeddings", None)
+    if limit is not None and args.max_tokens > limit:
+        raise ConfigError(f"--max-tokens {args.max_tokens} exceeds the model's context "
+                          f"of {limit} tokens")
+    vocab = getattr(getattr(provider.model, "args", None), "vocab_size", None)
+    # Any request may sample with the default top_k.
+    problem = check_sampling({"top_k": args.top_k}, vocab, temperature=1.0)
+    if problem is not None:
+        raise ConfigError(f"--top-k: {problem[1]}")
+    service = Service(provider, args.max_queue, args.memo_mb)
+    generator = mlx_server.ResponseGenerator(
+        provider, LRUPromptCache(args.prompt_cache_size))
+    try:
+        generator.generate = counting(service, generator.generate)
+        handler = make_handler(service)
+        print(f"[mlx_streaming] serving {service.model_id} on http://{args.host}:"
+              f"{args.port} (reader: {provider.model.streaming.reader.name}, "
+              f"max queue {args.max_queue})", file=sys.stderr, flush=True)
+        mlx_server._run_http_server(args.host, args.port, generator,
+                                    server_class=_Server, handler_class=handler)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} "
+                          f"({e.strerror or e}); choose another --host or --port") from None
+    finally:
+        # Its thread is not a daemon: the process would otherwise never exit.
+        generator.stop_and_join()
+
+
+# Libraries that log a line per HTTP request they make (a Hub repo's range
+# requests): quiet unless DEBUG is asked for.
+CHATTY_LOGGERS = ("httpx", "httpcore", "huggingface_hub", "urllib3", "filelock")
+
+
+def configure_logging(level: str) -> None:
+    """mlx-lm's log format at ``level``; the per-request logs of the HTTP
+    libraries at WARNING or above unless ``level`` is DEBUG."""
+    logging.basicConfig(level=getattr(logging, level),
+                        format="%(asctime)s - %(levelname)s - %(message)s")
+    quiet = logging.DEBUG if level == "DEBUG" else max(logging.WARNING, getattr(logging, level))
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG
+
+
+def _check_defaults(args) -> None:
+    """The request defaults the server's flags set: checked as a request's
+    would be, so that a bad flag is the operator's error at start, not
+    every client's."""
+    if not (is_int(args.max_tokens) and args.max_tokens >= 1):
+        raise ConfigError(f"--max-tokens must be 1 or more, got {args.max_tokens}")
+    if not (is_number(args.temp) and args.temp >= 0):
+        raise ConfigError(f"--temp must be a number of 0 or more, got {args.temp}")
+    flags = {name: getattr(args, name) for name in ("top_p", "min_p", "top_k")}
+    problem = check_sampling(flags, None, args.temp)
+    if problem is not None:
+        raise ConfigError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
+
+
+def _check_address(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on, before the model
+    loads and the generation thread starts (which would keep the process)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be from 0 to 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
+                          "choose another --host or --port") from None
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+
+    return run_main(lambda: serve(args))

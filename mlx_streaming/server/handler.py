@@ -1,0 +1,363 @@
+"""The request handler: mlx-lm's ``APIHandler`` with admission, validation,
+the memo and the extra endpoints.
+"""
+
+import io
+import json
+import sys
+from typing import Optional
+
+import mlx_lm.server as mlx_server
+
+from .admission import release_admission, current_request
+from .memo import MEMO_HEADER, fresh, without_request_headers
+from .service import Service
+from .validation import check_fields, is_number
+
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+
+
+MAX_BODY_BYTES = 32 << 20
+
+
+CLIENT_TIMEOUT_S = 120
+
+
+class OutputTap:
+    """What a handler writes, passed through. It turns mlx-lm's own error
+    responses (``{"error": "text"}``, a 404 for any request it cannot
+    serve) into OpenAI-style 400s, and keeps a copy for the memo."""
+
+    def __init__(self, out, record: bool):
+        self.out = out
+        self.copy = io.BytesIO() if record else None
+        self.held = None
+        self.started = False
+
+    def write(self, b):
+        b = bytes(b)
+        self.started = True
+        if self.held is None and b.startswith(b"HTTP/") and b.split(b" ", 2)[1][:1] == b"4":
+            self.held = b  # an error's status line and headers: wait for its body
+            return len(b)
+        if self.held is not None:
+            b, self.held = _openai_error(self.held, b), None
+            release_admission()
+        if self.copy is not None:
+            self.copy.write(b)
+        return self.out.write(b)
+
+    def flush(self):
+        return self.out.flush()
+
+    @property
+    def closed(self):
+        return self.out.closed
+
+    def close(self):
+        return self.out.close()
+
+
+def _openai_error(head: bytes, body: bytes) -> bytes:
+    try:
+        message = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip()
+    if not isinstance(message, str):
+        return head + body
+    status_line, _, rest = head.partition(b"\r\n")
+    version = status_line.split(b" ", 1)[0]
+    if current_request.failure is not None:
+        status, kind = b"503 Service Unavailable", "server_error"
+    else:  # the model was already checked: what mlx-lm refuses is the request
+        status, kind = b"400 Bad Request", "invalid_request_error"
+    head = version + b" " + status + b"\r\n" + rest
+    return head + json.dumps({"error": {"message": message, "type": kind,
+                                        "param": None, "code": None}}).encode()
+
+
+class StreamingAPIHandler(mlx_server.APIHandler):
+    """mlx-lm's ``APIHandler`` with admission, validation, the memo and the
+    extra endpoints; ``make_handler`` gives it the service it serves."""
+
+    service: Service = None
+
+    def do_GET(self):
+        try:
+            self._get()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # the client left before the answer
+
+    def _get(self):
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/v1/stats":
+            return self._json(200, self.service.stats())
+        if path == "/v1/models":
+            return self._json(200, {"object": "list", "data": [self._model_card()]})
+        if path.startswith("/v1/models/"):
+            if self.service.known_model(path[len("/v1/models/"):]):
+                return self._json(200, self._model_card())
+            return self._error(404, "no such model", "model_not_found")
+        return super().do_GET()
+
+    def _model_card(self):
+        return {"id": self.service.model_id, "object": "model", "created": self.created,
+                "owned_by": "mlx_streaming"}
+
+    def do_POST(self):
+        if self.path not in COMPLETION_PATHS:
+            return super().do_POST()
+        try:
+            self._post()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # the client left; mlx-lm stops a generation it was streaming
+        except Exception as e:  # a read error mid-generation, say
+            self._failed(e)
+
+    def _failed(self, error: Exception):
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"[mlx_streaming] request failed: {message}", file=sys.stderr, flush=True)
+        out = self.wfile
+        try:
+            if isinstance(out, OutputTap) and out.started:
+                # Headers went out: end the stream with an error event.
+                release_admission()
+                event = {"error": {"message": message, "type": "server_error"}}
+                out.write(f"data: {json.dumps(event)}\n\n".encode())
+                out.flush()
+            else:
+                self._headers_buffer = []  # a 200 may be pending in it
+                self._error(500, message, "server_error")
+        except OSError:
+            pass
+
+    def _post(self):
+        raw = self._read_body()
+        if raw is None:
+            return
+        body = self._parse(raw)
+        if body is None or not self._valid(body):
+            return
+        memo = self.service.memo
+        key = self._memo_key(body) if memo is not None else None
+        cached = memo.get(key) if key is not None else None
+        if cached is not None:  # answered without the model, so without queueing
+            self._headers_buffer = []
+            self._set_cors_headers()  # this request's origin, not the first one's
+            extra = f"{MEMO_HEADER}: hit\r\n".encode() + b"".join(self._headers_buffer)
+            self._headers_buffer = []
+            reply = fresh(cached)
+            self.wfile.write(reply.replace(b"\r\n", b"\r\n" + extra, 1))
+            self.wfile.flush()
+            return
+        ticket = self.service.admission.enter()
+        if ticket is None:
+            return self._error(429, "the server is busy: too many requests are waiting; "
+                               "retry later", "rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+        current_request.ticket = ticket
+        try:
+            # Tokenizing a long prompt is work: only admitted requests do it.
+            field = "prompt" if self.path == "/v1/completions" else "messages"
+            if self._fits_context(body, field):
+                self._generate(raw, key)
+        finally:
+            current_request.ticket = None
+            ticket.release()
+
+    def _generate(self, raw: bytes, key: Optional[str]):
+        self.memo_status = "miss" if key is not None else "off"
+        self.rfile = io.BytesIO(raw)
+        out = self.wfile = OutputTap(self.wfile, record=key is not None)
+        super().do_POST()
+        if key is not None:
+            data = out.copy.getvalue()
+            if data.split(b" ", 2)[1:2] == [b"200"] and self._complete(data):
+                self.service.memo.put(key, without_request_headers(data))
+
+    def _complete(self, data: bytes) -> bool:
+        """A whole answer, not one cut short by a failure mid-stream."""
+        if b"text/event-stream" in data.split(b"\r\n\r\n", 1)[0]:
+            return data.rstrip().endswith(b"data: [DONE]")
+        return True
+
+    def _memo_key(self, body: dict) -> Optional[str]:
+        default = self.response_generator.cli_args.temp
+        if float(body.get("temperature", default)) != 0:
+            return None  # sampled: never memoised
+        return self.path + "\n" + json.dumps(body, sort_keys=True)
+
+    def _set_completion_headers(self, status_code: int = 200):
+        super()._set_completion_headers(status_code)
+        self._memo_header()
+
+    def _set_stream_headers(self, status_code: int = 200):
+        super()._set_stream_headers(status_code)
+        self._memo_header()
+
+    def _memo_header(self):
+        status = getattr(self, "memo_status", "off")
+        if status != "off":
+            self.send_header(MEMO_HEADER, status)
+
+    # -- validation: OpenAI-style 4xx errors -----------------------------
+
+    def _read_body(self) -> Optional[bytes]:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._error(411, "a Content-Length header with the body size is required")
+            return None
+        if length < 0:
+            self._error(400, "Content-Length must not be negative")
+            return None
+        if length > MAX_BODY_BYTES:
+            self._error(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MB")
+            return None
+        raw = self.rfile.read(length)
+        return raw if len(raw) == length else None  # the client left mid-body
+
+    def _parse(self, raw: bytes) -> Optional[dict]:
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            self._error(400, f"the request body is not valid JSON ({e})")
+            return None
+        if not isinstance(body, dict):
+            self._error(400, "the request body must be a JSON object")
+            return None
+        return body
+
+    def _valid(self, body: dict) -> bool:
+        model = body.get("model", "default_model")
+        if not isinstance(model, str) or not self.service.known_model(model):
+            self._error(404, f"the model {model!r} does not exist; this server serves "
+                        f"{self.service.model_id!r}", "model_not_found", param="model")
+            return False
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                self._error(400, f"{name} must be a positive integer, got {value!r}",
+                            param=name)
+                return False
+        temperature = body.get("temperature", 0)
+        if not is_number(temperature) or temperature < 0:
+            self._error(400, f"temperature must be a number of 0 or more, got "
+                        f"{temperature!r}", param="temperature")
+            return False
+        problem = check_fields(
+            body, self.path == "/v1/completions", self._vocab_size(),
+            body.get("temperature", self.response_generator.cli_args.temp),
+            images=self.service.provider.processor is not None)
+        if problem is not None:
+            self._error(400, problem[1], param=problem[0])
+            return False
+        for name in ("draft_model", "adapters"):
+            if body.get(name, "default_model") != "default_model":
+                self._error(400, f"'{name}' is not supported on a streamed model",
+                            param=name)
+                return False
+        limit = self.service.context_length()
+        for name in ("max_tokens", "max_completion_tokens"):
+            if limit is not None and (body.get(name) or 0) > limit:
+                self._error(400, f"{name} {body[name]} exceeds the model's context of "
+                            f"{limit} tokens", "context_length_exceeded", param=name)
+                return False
+        return True
+
+    def _vocab_size(self) -> Optional[int]:
+        args = getattr(self.service.provider.model, "args", None)
+        return getattr(args, "vocab_size", None)
+
+    def _fits_context(self, body: dict, field: str) -> bool:
+        tokenizer = self.service.provider.tokenizer
+        limit = self.service.context_length()
+        if tokenizer is None or limit is None:
+            return True
+        try:
+            text = self._prompt_text(tokenizer, body, field)
+            longest = self.service.longest_token_chars()
+            # Longer than any tokenization of it could fit: refused
+            # without spending seconds tokenizing it.
+            if longest is not None and len(text) > limit * longest:
+                self._error(400, f"the prompt has {len(text)} characters, more than the "
+                            f"model's context of {limit} tokens can hold; shorten it",
+                            "context_length_exceeded", param=field)
+                return False
+            n = len(self._tokens(tokenizer, body, field, text))
+        except Exception:
+            return True  # mlx-lm's own parsing reports what is wrong
+        if n > limit:
+            self._error(400, f"the prompt has {n} tokens, more than the model's context of "
+                        f"{limit}; shorten it", "context_length_exceeded", param=field)
+            return False
+        return True
+
+    # The prompt as mlx-lm's ``_tokenize`` makes it.
+
+    def _prompt_text(self, tokenizer, body: dict, field: str) -> str:
+        if field == "prompt":
+            return body["prompt"]
+        if not tokenizer.has_chat_template:
+            from mlx_lm.server import convert_chat
+
+            return convert_chat(body["messages"], body.get("role_mapping"))
+        return tokenizer.apply_chat_template(
+            self._messages(body), add_generation_prompt=True,
+            **dict(self._template_args(body), tokenize=False))
+
+    def _tokens(self, tokenizer, body: dict, field: str, text: str) -> list:
+        if field == "prompt" or not tokenizer.has_chat_template:
+            return tokenizer.encode(text)
+        return tokenizer.apply_chat_template(
+            self._messages(body), add_generation_prompt=True,
+            **dict(self._template_args(body), tokenize=True))
+
+    def _messages(self, body: dict) -> list:
+        import copy
+
+        from mlx_lm.server import process_message_content
+
+        messages = copy.deepcopy(body["messages"])  # converted in place
+        process_message_content(
+            messages, keep_images=self.service.provider.processor is not None)
+        return messages
+
+    def _template_args(self, body: dict) -> dict:
+        args = dict(self.response_generator.cli_args.chat_template_args or {})
+        args.update(body.get("chat_template_kwargs") or {})
+        return dict(args, tools=body.get("tools") or None)
+
+    def _error(self, status: int, message: str, code: Optional[str] = None,
+               param: Optional[str] = None, headers: Optional[dict] = None):
+        kind = "server_error" if status >= 500 else {429: "rate_limit_error"}.get(
+            status, "invalid_request_error")
+        release_admission()
+        self._json(status, {"error": {"message": message, "type": kind, "param": param,
+                                      "code": code}}, headers)
+
+    def _json(self, status: int, obj, headers: Optional[dict] = None):
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self._set_cors_headers()
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def log_message(self, format, *args):
+        pass  # one line per request on stderr is noise for a local tool
+
+    # A client that stops sending is dropped instead of holding a thread.
+    timeout = CLIENT_TIMEOUT_S
+
+
+def make_handler(service: Service) -> type:
+    """The handler class of a server of ``service``."""
+    return type("StreamingAPIHandler", (StreamingAPIHandler,), {"service": service})
+

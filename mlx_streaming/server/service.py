@@ -1,0 +1,113 @@
+"""What the request handlers share: the served model, admission, the memo
+and the record of recent requests.
+"""
+
+import collections
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+from ..errors import StreamingError
+from .admission import Admission, current_request
+from .memo import Memo
+
+
+RECENT_REQUESTS = 32
+
+
+# /v1/stats waits this long for the forward pass in flight to end.
+STATS_WAIT_S = 1.0
+
+
+class Service:
+    """What the handlers share: the served model's identity, admission,
+    the memo and the record of recent requests."""
+
+    def __init__(self, provider, max_queue: int, memo_mb: float):
+        self.provider = provider
+        self.path = str(provider.cli_args.model)
+        self.model_id = Path(self.path).name
+        self.admission = Admission(max_queue)
+        self.memo = Memo(int(memo_mb * 1e6)) if memo_mb > 0 else None
+        self.recent = collections.deque(maxlen=RECENT_REQUESTS)
+        self.lock = threading.Lock()
+        self._longest_token = None
+
+    def known_model(self, name) -> bool:
+        return name in ("default_model", self.model_id, self.path)
+
+    def context_length(self) -> Optional[int]:
+        args = getattr(self.provider.model, "args", None)
+        return getattr(args, "max_position_embeddings", None)
+
+    def longest_token_chars(self) -> Optional[int]:
+        """The most characters of text one token stands for, or None where
+        the tokenizer does not list its vocabulary: a token's vocabulary
+        entry is at least that long (a byte-level token holds one character
+        per byte of text; a byte-fallback one, ``<0xE2>``, one byte)."""
+        if self._longest_token is None:
+            try:
+                vocab = self.provider.tokenizer.get_vocab()
+                self._longest_token = max(map(len, vocab), default=0) or False
+            except Exception:
+                self._longest_token = False  # asked once
+        return self._longest_token or None
+
+    def record(self, tokens: int, seconds: float, first_token_s: Optional[float]) -> None:
+        with self.lock:
+            self.recent.append(dict(tokens=tokens, seconds=seconds, ttft_s=first_token_s))
+
+    def stats(self) -> dict:
+        from ..runtime.stats import stats
+
+        with self.lock:
+            recent = list(self.recent)
+        tokens = sum(r["tokens"] for r in recent)
+        seconds = sum(r["seconds"] for r in recent)
+        # A long pass (a prefill, a slow remote read) must not hold a poller.
+        model = self.provider.model
+        report = stats(model, wait=STATS_WAIT_S) if model is not None else {}
+        return dict(
+            model=self.model_id,
+            streaming=report,
+            recent_requests=len(recent),
+            recent_tokens_per_s=tokens / seconds if seconds else None,
+            memo=None if self.memo is None else dict(
+                entries=len(self.memo.entries), bytes=self.memo.nbytes, hits=self.memo.hits),
+            queue=dict(active=self.admission.active, limit=self.admission.limit),
+        )
+
+
+def counting(service: Service, generate):
+    """Wrap ``ResponseGenerator.generate`` to record each request's tokens,
+    time to first token and duration, and to give back the request's
+    admission when its last token is out."""
+
+    def wrapped(request, args, progress_callback=None):
+        start = time.perf_counter()
+        ticket = current_request.ticket
+        current_request.failure = None
+        try:
+            ctx, response = generate(request, args, progress_callback)
+        except (StreamingError, RuntimeError) as e:
+            # mlx-lm answers any failure here with a 404; these are ours
+            # (a read error, a dead generation thread), not the request's.
+            current_request.failure = e
+            raise
+
+        def tokens():
+            n, first = 0, None
+            try:
+                for item in response:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    n += 1
+                    yield item
+            finally:
+                if ticket is not None:
+                    ticket.release()
+                service.record(n, time.perf_counter() - start, first)
+
+        return ctx, tokens()
+
+    return wrapped

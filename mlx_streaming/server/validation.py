@@ -1,0 +1,119 @@
+"""Request fields checked before mlx-lm sees them: OpenAI-style 400s for
+what mlx-lm would accept and then fail on, or hold the queue for.
+"""
+
+from typing import Optional
+
+
+# mlx-lm builds and keeps a matcher per set of stop strings, ~4 KB per
+# character: long ones are memory a request could pin.
+MAX_STOP_CHARS = 512
+
+
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+# The largest magnitude a number field may have (float32 holds ~3.4e38).
+MAX_NUMBER = 1e30
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """A finite number MLX can take as a float32 (JSON integers have no
+    bound)."""
+    return (is_int(v) or isinstance(v, float)) and abs(v) <= MAX_NUMBER
+
+
+def _has_image(message: dict) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES for part in content)
+
+
+# Sampling fields: (lowest, highest) allowed, None for no bound; NaN
+# poisons the logits.
+_SAMPLING = {
+    "top_p": (0, 1), "min_p": (0, 1), "xtc_probability": (0, 1), "xtc_threshold": (0, 1),
+    "repetition_penalty": (0, None), "presence_penalty": (None, None),
+    "frequency_penalty": (None, None),
+}
+
+
+def check_sampling(body: dict, vocab: Optional[int], temperature: float):
+    """As mlx-lm's checks, plus what its samplers raise on where they run
+    (at a temperature above 0): a top_k of the vocabulary or more, XTC with
+    a threshold above 0.5. Raised inside a sampler compiled with the random
+    state, these left the state without a value: every later sampled
+    request failed."""
+    for name, (low, high) in _SAMPLING.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not is_number(value) or (low is not None and value < low) or (
+                high is not None and value > high):
+            bounds = {(0, 1): " from 0 to 1", (0, None): " of 0 or more"}.get((low, high), "")
+            return name, f"'{name}' must be a finite number{bounds}, got {value!r}"
+    top_k = body.get("top_k")
+    if top_k is not None and not (is_int(top_k) and top_k >= 0):
+        return "top_k", f"'top_k' must be an integer of 0 (off) or more, got {top_k!r}"
+    if temperature > 0 and vocab and (top_k or 0) >= vocab:
+        return "top_k", f"'top_k' must be below the vocabulary of {vocab}, got {top_k!r}"
+    if temperature > 0 and (body.get("xtc_probability") or 0) > 0 and \
+            body.get("xtc_threshold", 0.1) > 0.5:
+        return "xtc_threshold", "'xtc_threshold' must be at most 0.5 where XTC applies"
+    return None
+
+
+def check_fields(body: dict, completion: bool, vocab: Optional[int], temperature: float,
+                  images: bool = False):
+    """The first problem with the request's fields as ``(field, message)``,
+    or None. Checked here because mlx-lm lets some through to a crash, or to
+    work that holds the queue. ``temperature``: the request's, or the
+    server's default; ``images``: the model takes image parts."""
+    if completion:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) and prompt):
+            # mlx-lm encodes the prompt as text: a list of token ids cannot run.
+            return "prompt", "'prompt' must be a non-empty string (lists, of strings or " \
+                             "token ids, are not supported)"
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            return "messages", "'messages' must be a non-empty list of objects with a 'role'"
+        if not images and any(_has_image(m) for m in messages):
+            # mlx-lm would download the image (from any URL) for nothing.
+            return "messages", "this model takes text only: remove the image parts"
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and len(stop) <= 16 and all(isinstance(x, str) for x in stop)):
+        return "stop", "'stop' must be a string or a list of at most 16 strings"
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if sum(len(x) for x in stops) > MAX_STOP_CHARS:
+        return "stop", f"'stop' strings may hold {MAX_STOP_CHARS} characters in all"
+    problem = check_sampling(body, vocab, temperature)
+    if problem is not None:
+        return problem
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(
+                isinstance(k, str) and k.lstrip("-").isdigit() and is_number(v)
+                for k, v in bias.items()):
+            return "logit_bias", "'logit_bias' must map token ids to numbers"
+        if vocab and not all(0 <= int(k) < vocab for k in bias):
+            return "logit_bias", f"'logit_bias' token ids must be from 0 to {vocab - 1}"
+    seed = body.get("seed")
+    if seed is not None and not (is_int(seed) and 0 <= seed < 2**63):
+        return "seed", "'seed' must be an integer from 0 to 2**63 - 1"
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(
+            options.get("include_usage", False), bool)):
+        return "stream_options", "'stream_options' must be an object like {\"include_usage\": true}"
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        value = body.get(name)
+        if value is not None and not (is_int(value) and 0 <= value <= 1 << 20):
+            return name, f"'{name}' must be an integer from 0 to {1 << 20}"
+    return None

@@ -1,0 +1,1 @@
+"""What the tests, the benchmarks and the demo build: tiny models of every\nfamily, synthetic large ones, and a local stand-in for the Hugging Face Hub."""

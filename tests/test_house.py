@@ -1,0 +1,144 @@
+"""The shape of the package, checked: imports go one way through its
+layers, no module imports another's private name, modules stay small, one
+place swaps a module's class, and the code carries no lab diary."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mlx_streaming"
+
+# Each unit (a top-level module or subpackage) may import from its own layer
+# and those before it, never from a later one.
+LAYERS = [
+    {"errors", "config", "system", "cli"},
+    {"format"},
+    {"models"},
+    {"io"},
+    {"conversion"},
+    {"hub"},
+    {"runtime"},
+    {"decode"},
+    {"generate", "server", "check", "convert", "demo", "testing", "bench", "__init__",
+     "__main__"},
+]
+MAX_LINES = 450
+# Tables of model families, long by nature.
+LONG_MODULES = {"testing/families.py"}
+# Model code names, stop numbers and sessions belong in docs/results.md.
+DIARY = re.compile(r"\b(stop \d+|this stop|a later stop|session|T\d*W?\d*|TW\d*|S3)\b")
+DIARY_NAMES = {"T", "T2", "T12", "TW", "TW12", "S3"}
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def _unit(module: str) -> str:
+    """The top-level unit of a dotted module name inside the package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts)
+
+
+def _imports(path: Path):
+    """``(line, imported module, names)`` of every import in ``path``,
+    relative ones resolved, lazy ones (inside functions) included."""
+    module = _name(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    if path.name == "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names]
+            if not node.module and node.level:
+                # ``from . import x``: x is a module of the package.
+                for n in names:
+                    yield node.lineno, f"{target}.{n}", []
+            else:
+                yield node.lineno, target, names
+
+
+def _layer(unit: str) -> int:
+    for i, units in enumerate(LAYERS):
+        if unit in units:
+            return i
+    raise AssertionError(f"unit {unit!r} is in no layer of tests/test_house.py")
+
+
+def test_imports_go_one_way_through_the_layers():
+    wrong = []
+    for path in _modules():
+        unit = _unit(_name(path))
+        for line, target, _ in _imports(path):
+            if not target.startswith("mlx_streaming.") or target == "mlx_streaming._ext":
+                continue
+            other = _unit(target)
+            if other != unit and _layer(other) > _layer(unit):
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_no_module_imports_another_modules_private_name():
+    private = []
+    for path in _modules():
+        for line, target, names in _imports(path):
+            if not target.startswith("mlx_streaming"):
+                continue
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and n != "_ext":
+                    private.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}.{n}")
+            if re.search(r"\._[a-z]", target.replace("mlx_streaming._ext", "")):
+                private.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
+    assert not private, "\n".join(private)
+
+
+def test_modules_stay_small():
+    long = [f"{p.relative_to(PACKAGE)}: {n} lines" for p in _modules()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES
+            and str(p.relative_to(PACKAGE)) not in LONG_MODULES]
+    assert not long, "\n".join(long)
+
+
+def test_one_place_swaps_a_modules_class():
+    swaps = [str(p.relative_to(PACKAGE)) for p in _modules()
+             if re.search(r"\.__class__ = ", p.read_text())]
+    assert swaps == ["runtime/wrap.py"], swaps
+
+
+def _comments_and_docstrings(path: Path):
+    text = path.read_text()
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield node.lineno if hasattr(node, "lineno") else 1, doc
+    for i, line in enumerate(text.splitlines(), 1):
+        if "#" in line:
+            yield i, line[line.index("#"):]
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_lab_diary_in_the_code(path):
+    found = []
+    for line, text in _comments_and_docstrings(path):
+        for m in re.finditer(r"\b(stop \d+|this stop|a later stop|earlier session|"
+                             r"this session)\b|\b([A-Z]{1,2}\d{0,2})\b", text):
+            if m.group(1) or m.group(2) in DIARY_NAMES:
+                found.append(f"{line}: {m.group(0)!r}")
+    assert not found, f"{path.relative_to(PACKAGE)} mentions " + ", ".join(found)
