@@ -27,16 +27,15 @@ DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 ON_OFF = {"on": True, "off": False}
 
 DEFAULT_RESERVE_GB = 2.0
-# Streamed spine layers: one computing, one being read (spine.py).
+# Streamed spine layers: one computing, one being read (runtime.spine).
 DEFAULT_SPINE_RING = 2
 MAX_SPINE_RING = 8
-# Below this much available memory the pools give memory back (pressure.py).
+# Below this much available memory the pools give memory back (runtime.pressure).
 DEFAULT_PRESSURE_GB = 0.5
 DEFAULT_PREFETCH_MAX_TOKENS = 8
 DEFAULT_PREFETCH_PRECISION = 0.7
-# Reads for the layer after next too: on the padded 12-layer model with reads
-# paced to 700 MB/s it cut the stalled seconds by 59% where one layer ahead
-# cut them by 52% (README).
+# Reads for the layer after next too: it hid more of the stall than one
+# layer ahead where measured (docs/results.md, prefetch depth).
 DEFAULT_PREFETCH_DEPTH = 2
 # A bound on sizes in GB: beyond it float arithmetic on bytes loses meaning.
 MAX_GB = 1e6
@@ -59,9 +58,8 @@ MAX_FETCH_RETRIES = 20
 
 
 def default_io_threads() -> int:
-    # Reads mostly wait on the device: queue depth, not cores, sets the pace.
-    # 8 read 256 KiB experts 1.3x faster than 4 on the 2-core machine we
-    # measured (bench io), and SSDs want deep queues.
+    # Reads mostly wait on the device: queue depth, not cores, sets the pace
+    # (SSDs want deep queues; docs/results.md, "bench io").
     return min(MAX_IO_THREADS, max(8, os.cpu_count() or 1))
 
 

@@ -415,7 +415,7 @@ def test_simulate_says_which_trace_is_missing(tmp_path, capsys):
 
 
 def test_simulator_measures_a_paged_call_without_its_reads():
-    from mlx_streaming.bench.simulate import _call_cost, _host_per_miss
+    from mlx_streaming.bench.simulate.validate import _call_cost, _host_per_miss
 
     def reads(stall_seconds, tokens=4, records_read=0, misses=0):
         return dict(stall_seconds=stall_seconds, tokens=tokens, records_read=records_read,
@@ -612,7 +612,7 @@ def test_simulator_reads_a_record_the_compute_partly_covers():
 
 
 def test_projection_mixes_the_two_whole_pools_around_a_fraction_of_a_slot():
-    from mlx_streaming.bench.simulate import _project_pool, project_case
+    from mlx_streaming.bench.simulate.model import project_case, project_pool
 
     from mlx_streaming.bench.cache import Call
 
@@ -624,11 +624,11 @@ def test_projection_mixes_the_two_whole_pools_around_a_fraction_of_a_slot():
     common = dict(_ONE_MS, compute_s=0.004, moe_layers=1, prefetch=0)
     three, four = (project_case(calls, n / 4, **common) for n in (3, 4))
     assert three["seconds"] > four["seconds"] and four["hit_rate"] == 1
-    between = _project_pool(calls, 3.25 / 4, **common)
+    between = project_pool(calls, 3.25 / 4, **common)
     assert between["seconds"] == pytest.approx(0.75 * three["seconds"] + 0.25 * four["seconds"])
     assert between["tps"] == pytest.approx(1 / between["seconds"])
     assert between["hit_rate"] == pytest.approx(0.75 * three["hit_rate"] + 0.25)
-    assert _project_pool(calls, 3 / 4, **common) == three
+    assert project_pool(calls, 3 / 4, **common) == three
 
 
 def test_simulator_reads_every_prediction_of_a_sigmoid_routers_layer():

@@ -27,9 +27,10 @@ LAYERS = [
 MAX_LINES = 450
 # Tables of model families, long by nature.
 LONG_MODULES = {"testing/families.py"}
-# Model code names, stop numbers and sessions belong in docs/results.md.
-DIARY = re.compile(r"\b(stop \d+|this stop|a later stop|session|T\d*W?\d*|TW\d*|S3)\b")
-DIARY_NAMES = {"T", "T2", "T12", "TW", "TW12", "S3"}
+# Stop numbers, sessions and the code names of measured models belong in
+# docs/results.md, not in the code.
+DIARY = re.compile(r"\b(stop \d+|this stop|a later stop|earlier session|this session|"
+                   r"T2|T12|TW|TW12|S3|models? T)\b")
 
 
 def _modules():
@@ -115,8 +116,9 @@ def test_modules_stay_small():
 
 
 def test_one_place_swaps_a_modules_class():
+    # (convert.py makes its own module callable: a module, not a layer.)
     swaps = [str(p.relative_to(PACKAGE)) for p in _modules()
-             if re.search(r"\.__class__ = ", p.read_text())]
+             if re.search(r"(?<!\])\.__class__ = ", p.read_text())]
     assert swaps == ["runtime/wrap.py"], swaps
 
 
@@ -137,8 +139,5 @@ def _comments_and_docstrings(path: Path):
 def test_no_lab_diary_in_the_code(path):
     found = []
     for line, text in _comments_and_docstrings(path):
-        for m in re.finditer(r"\b(stop \d+|this stop|a later stop|earlier session|"
-                             r"this session)\b|\b([A-Z]{1,2}\d{0,2})\b", text):
-            if m.group(1) or m.group(2) in DIARY_NAMES:
-                found.append(f"{line}: {m.group(0)!r}")
+        found += [f"{line}: {m.group(0)!r}" for m in DIARY.finditer(text)]
     assert not found, f"{path.relative_to(PACKAGE)} mentions " + ", ".join(found)

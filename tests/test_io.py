@@ -904,7 +904,7 @@ def test_auto_prefetch_stays_off_when_reads_do_not_stall():
 
 
 def test_auto_prefetch_refuses_a_trial_it_cannot_time():
-    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
+    from mlx_streaming.runtime.prefetch.switch import Trial
 
     # Fewer than two blocks, no warmup token (the first has no start to
     # time it from), or blocks that are all settling: a side of the trial

@@ -313,7 +313,7 @@ def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):
     import time
 
     from mlx_streaming.runtime import block
-    from mlx_streaming.runtime.store import ExpertStore, RecordSource
+    from mlx_streaming.runtime.store import ExpertStore
 
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
     src, stream_dir = qwen

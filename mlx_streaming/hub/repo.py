@@ -3,9 +3,9 @@
 - A repo holding a stream directory (``mlx_streaming convert --upload``):
   config, tokenizer, spine and manifest are downloaded (huggingface_hub's
   ``snapshot_download``); expert records are fetched on first use by HTTP
-  range (``remote.RemoteReader``) into a bounded disk cache.
+  range (``reader.RemoteReader``) into a bounded disk cache.
 - A plain mlx-lm model repo: converted once, shard by shard
-  (``hubconvert``), into a local stream directory that later runs reuse.
+  (``conversion.shards``), into a local stream directory that later runs reuse.
 
 Everything about URLs, revisions, the endpoint and tokens is
 huggingface_hub's; this module only decides what to fetch.

@@ -37,10 +37,10 @@ def choose_direct_io(config: StreamConfig, path: Path, manifest: Manifest,
                      resident_bytes: int) -> Tuple[bool, str]:
     """Uncached reads or not, and why.
 
-    Measured (bench io): uncached reads are as fast or faster than cached
-    ones when the page cache is cold, but a warm page cache serves experts
-    3-7x faster. So cached reads win while the blobs fit in the memory the
-    pools and the spine leave; beyond that they would only be read twice.
+    A warm page cache serves experts several times faster than uncached
+    reads, which are as fast when it is cold (docs/results.md, "bench io").
+    So cached reads win while the blobs fit in the memory the pools and the
+    spine leave; beyond that they would only be read twice.
     """
     if config.direct_io is not None:
         return config.direct_io, "asked for"

@@ -31,10 +31,8 @@ from .store import ExpertStore
 
 
 # An overlapped call costs the host more than a plain one (a hand-off to the
-# read worker, a second sync, a second expert call: 0.3-0.4 ms a call on this
-# machine's CPU backend; always on, it made prefetch on the trained model T,
-# whose small experts are read from the page cache in microseconds, 18%
-# slower), so a call overlaps only when its misses are expected to take
+# read worker, a second sync, a second expert call; docs/results.md,
+# "overlap"), so a call overlaps only when its misses are expected to take
 # longer than this to read (a decayed mean per layer of what they took).
 # On the CPU backend it is also the bar at which a layer's decode calls
 # leave the graph, where they cannot overlap (``NativePaged``).

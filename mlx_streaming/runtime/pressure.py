@@ -3,7 +3,7 @@ memory, grow them back when it returns, instead of being killed.
 
 Between two calls of the model (nothing then reads a pool), every
 ``CHECK_EVERY`` calls the watch reads the memory the OS says is available
-(``budget.available_memory_bytes``: MemAvailable, or what the memory
+(``system.available_memory_bytes``: MemAvailable, or what the memory
 cgroup has left). Below ``pressure_gb`` it drops as many slots per layer as
 free the shortfall, down to one call's minimum, keeping the experts the
 eviction policy values most. Once available memory is back above the

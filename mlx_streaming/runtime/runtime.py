@@ -106,7 +106,7 @@ class Runtime:
             self.finish_pending()
 
     def resize(self, slots: int) -> None:
-        """Give every paged pool ``slots`` slots (``pressure.py``)."""
+        """Give every paged pool ``slots`` slots (``pressure.PressureWatch``)."""
         with self.lock:  # the native step writes the tables without the GIL
             self._resize(slots)
 

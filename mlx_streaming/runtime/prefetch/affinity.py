@@ -10,10 +10,9 @@ class Affinity:
 
     The next layer's router applied one layer early misses what this
     layer's experts add to the hidden state; which experts this layer chose
-    carries part of that. On the trained model it raised the share of the
-    first prediction of the second MoE layer that is routed from 41% to
-    56%, and left the later layers' (95-97%) as they were. Counts start at
-    ``prior`` so that an expert never seen is not ruled out.
+    carries part of that, most for the early layers (docs/prefetch.md).
+    Counts start at ``prior`` so that an expert never seen is not ruled
+    out.
     """
 
     def __init__(self, pairs, prior: float = 1.0):
