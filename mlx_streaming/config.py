@@ -94,7 +94,8 @@ class StreamConfig:
         None, "uncached expert reads (O_DIRECT / F_NOCACHE); auto: when the experts "
         "cannot stay in the page cache", choices=DIRECT_IO_CHOICES)
     io_threads: int = _option(default_io_threads(), f"reader threads (1-{MAX_IO_THREADS})",
-                              type=int, bounds=dict(low=1, high=MAX_IO_THREADS))
+                              type=int, bounds=dict(low=1, high=MAX_IO_THREADS),
+                              shown_default="CPU count, at least 8")
     read_pace_mbps: Optional[float] = _option(
         None, "benchmarks: emulate a slower disk; every read of the model's reader (experts, "
         "streamed spine layers, page-cache hits too) ends no earlier than on a disk that "
@@ -258,6 +259,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(StreamConfig):
         meta = dict(f.metadata)
         meta.pop("bounds", None)
+        meta.pop("shown_default", None)
         flag = "--" + f.name.replace("_", "-")
         choices = meta.pop("choices", None)
         if isinstance(choices, dict):
@@ -287,3 +289,54 @@ def config_from_args(args: argparse.Namespace) -> StreamConfig:
         choices = f.metadata.get("choices")
         options[f.name] = choices[value] if isinstance(choices, dict) else value
     return StreamConfig(**options)
+
+
+def options_doc() -> str:
+    """docs/options.md, made from the ``StreamConfig`` table (``python
+    scripts/options_doc.py`` writes it; a test checks it is current)."""
+    lines = [
+        "# Options",
+        "",
+        "Every option is a keyword of `mlx_streaming.load` and a flag of `generate`, the",
+        "server and `bench` (`cache_gb` is `--cache-gb`). This page is generated from",
+        "`StreamConfig` by `python scripts/options_doc.py`; the topic docs explain the",
+        "mechanisms ([design](design.md), [prefetch](prefetch.md), [spine](spine.md),",
+        "[Hub](hub.md)).",
+        "",
+        "| option | flag | default | values | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for f in fields(StreamConfig):
+        meta = f.metadata
+        choices = meta.get("choices")
+        if isinstance(choices, dict):
+            values = ", ".join(f"`{k}`" for k in choices)
+        elif choices:
+            values = ", ".join(f"`{c}`" for c in choices)
+        elif "bounds" in meta:
+            b = meta["bounds"]
+            low = f"> {_shown(b['low'])}" if b.get("open_low") else f">= {_shown(b['low'])}"
+            values = low + ("" if b.get("high") is None else f", <= {_shown(b['high'])}")
+        elif meta.get("action") == "store_true":
+            values = "`True`, `False`"
+        else:
+            values = "a path or URL"
+        default = meta.get("shown_default")
+        if default is None:
+            known = f.default is not None or isinstance(choices, dict)
+            default = f"`{_doc_value(f)}`" if known else "-"
+        flag = "--" + f.name.replace("_", "-")
+        help_text = " ".join(meta["help"].split())
+        lines.append(f"| `{f.name}` | `{flag}` | {default} | {values} | {help_text} |")
+    lines += ["", "Renamed options, still taken with a warning: "
+              + ", ".join(f"`{old}` (now `{new}`)" for old, new in RENAMED.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def _doc_value(f) -> str:
+    """A field's default as its flag takes it (``on``/``off`` for choices
+    given as a map)."""
+    choices = f.metadata.get("choices")
+    if isinstance(choices, dict):
+        return next(k for k, v in choices.items() if v == f.default)
+    return f.default
