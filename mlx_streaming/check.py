@@ -4,21 +4,21 @@ its checksum.
     python -m mlx_streaming.check DIR
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 from .cli import run_main
 from .errors import FormatError
+from .flags import Parser
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mlx_streaming check", description=__doc__)
+    p = Parser(prog="mlx_streaming check", description=__doc__)
     p.add_argument("model", help="stream directory")
-    args = p.parse_args(argv)
-    args.model = str(Path(args.model).expanduser())
 
     def body():
+        args = p.parse_args(argv)
+        args.model = str(Path(args.model).expanduser())
         from tqdm import tqdm
 
         from .format import damaged_records, damaged_spine, read_manifest

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .cli import run_main
 from .format import manifest_path
+from .flags import MAX_TOKENS, Parser, count, number
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlx_streaming" / "demo-v2"
 DEFAULT_PROMPT = "Beautiful is better than"
@@ -106,20 +107,21 @@ def _stdout_to_stderr():
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mlx_streaming demo", description=__doc__,
+    p = Parser(prog="mlx_streaming demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--rebuild", action="store_true", help="rebuild the demo model")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS)
-    p.add_argument("--temp", type=float, default=DEMO_TEMPERATURE,
+    p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=DEMO_MAX_TOKENS)
+    p.add_argument("--temp", type=number(0), default=DEMO_TEMPERATURE,
                    help="sampling temperature (0: greedy, which recites the passage)")
-    p.add_argument("--train-steps", type=int, default=DEMO_TRAIN_STEPS,
+    p.add_argument("--train-steps", type=count(1, 100_000), default=DEMO_TRAIN_STEPS,
                    help="training steps when the model is built")
-    args = p.parse_args(argv)
 
     def body():
         from . import generate
+
+        args = p.parse_args(argv)
 
         # mlx-lm and the tokenizer trainer print while the model is built:
         # stdout is for the generated text.

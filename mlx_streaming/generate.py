@@ -17,6 +17,8 @@ from pathlib import Path
 from .cli import run_main, write_out
 from .config import add_config_flags, config_from_args
 from .errors import ConfigError, first_line
+from .flags import Parser
+from .flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count, number, temperature
 
 # Heavy imports (mlx, mlx-lm) happen inside main's body, where an
 # interrupt during start-up is one line, not a traceback.
@@ -28,7 +30,7 @@ DEFAULT_MAX_TOKENS = 100
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming generate", description=__doc__,
+    p = Parser(prog="mlx_streaming generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help="stream directory (mlx_streaming convert) or Hugging Face repo id")
@@ -36,11 +38,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="of a repo id: branch, tag or commit (default main)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt; - reads it from "
                    "standard input (as mlx-lm's generate)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (1 or more)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temp", type=temperature, default=0.0,
+                   help=f"sampling temperature: 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    p.add_argument("--top-p", type=number(0, 1, open_low=True), default=1.0)
+    p.add_argument("--seed", type=count(0, 2**63 - 1), default=0)
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--echo-prompt", action="store_true",
                    help="print the prompt before the text generated after it")
@@ -51,37 +54,27 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding with this mlx-lm model (same tokenizer) as the "
                         "drafter")
-    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT,
+    p.add_argument("--num-draft-tokens", type=count(1, MAX_NUM_DRAFT), default=DEFAULT_NUM_DRAFT,
                    help="tokens drafted per verify call")
     add_config_flags(p)
     return p
 
 
 def check_args(args) -> None:
-    """Generation flags out of range are one-line errors."""
-    if args.max_tokens < 1:
-        raise ConfigError(f"--max-tokens must be 1 or more, got {args.max_tokens}")
+    """What the flags' own types cannot check: the prompt, and flags that
+    go together."""
     if not args.prompt:
         raise ConfigError("the prompt is empty; pass some text with --prompt")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # bytes the locale could not decode, as surrogates
         raise ConfigError("the prompt is not valid UTF-8 text") from None
-    if not 0 <= args.temp < float("inf"):
-        raise ConfigError(f"--temp must be 0 or a positive number, got {args.temp}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.seed < 2**63:
-        raise ConfigError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
     if args.draft and args.draft_model:
         raise ConfigError("pass either --draft or --draft-model, not both")
     if args.stats_json:
         _check_writable(Path(args.stats_json))
     if (args.draft or args.draft_model) and args.top_p < 1:
         raise ConfigError("--top-p is not supported with drafts; use --temp alone")
-    if not 1 <= args.num_draft_tokens <= 64:
-        raise ConfigError(f"--num-draft-tokens must be from 1 to 64, got "
-                          f"{args.num_draft_tokens}")
 
 
 def _check_writable(out: Path) -> None:
@@ -195,9 +188,8 @@ def _read_stdin() -> str:
 
 
 def main(argv=None) -> int:
-    args = setup_arg_parser().parse_args(argv)
-
     def body():
+        args = setup_arg_parser().parse_args(argv)
         check_args(args)
         if args.prompt == "-":
             args.prompt = _read_stdin()

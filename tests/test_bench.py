@@ -3,6 +3,7 @@ live pool, Belady is optimal) and every bench subcommand runs end to end,
 writing its JSON and plot. Speed itself is never asserted here."""
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -726,3 +727,46 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     base = project_case(**common)
     assert base["stall_s"] == pytest.approx(2e-3)
     assert project_case(**dict(common, top_k=4))["stall_s"] == pytest.approx(4e-3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode", "--max-tokens", "0"], "--max-tokens: must be an integer from 1"),
+    (["decode", "--repeats", "0"], "--repeats: must be an integer from 1"),
+    (["decode", "--temp", "-1"], "--temp: must be a finite number at least 0"),
+    (["cache", "--tokens", "0"], "--tokens: must be an integer from 1"),
+    (["cache", "--trace", "/no/such/trace"], "--trace: no such file"),
+    (["verify", "--max-k", "0"], "--max-k: must be an integer from 1 to 64"),
+    (["verify", "--drafts", "bogus"], "--drafts: must be ngram, mtp or model:PATH"),
+    (["prefill", "--lengths", "abc"], "--lengths: must be an integer"),
+    (["io", "--sizes", "4Q"], "--sizes: must be a size like 256K"),
+    (["io", "--sizes", "5000"], "a multiple of 4096"),
+    (["io", "--blob-gb", "-1"], "--blob-gb: must be a finite number above 0"),
+    (["io", "--batch", "0"], "--batch: must be an integer from 1 to 1024"),
+    (["io", "--batch", "100000"], "--batch: must be an integer from 1 to 1024"),
+    (["io", "--threads", "100000"], "--threads: must be an integer from 1 to 64"),
+    (["overhead", "--tokens", "0"], "--tokens: must be an integer from 1"),
+    (["overhead", "--rounds", "0"], "--rounds: must be an integer from 1"),
+    (["serve", "--clients", "0"], "--clients: must be an integer from 1 to 64"),
+    (["serve", "--requests", "0"], "--requests: must be an integer from 1"),
+    (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number above 0"),
+    (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number above 0"),
+    (["fetch", "--latency-ms", "-100"], "--latency-ms: must be a finite number at least 0"),
+])
+def test_bench_arguments_are_one_line_errors(qwen, argv, message, capsys):
+    """Every bench argument is checked as it is parsed: a one-line error
+    naming the flag, before anything runs (no traceback, no 32,000
+    threads, no 24 GiB allocation)."""
+    model = ["--model", str(qwen[1])] if argv[0] not in ("io", "cache") or "--trace" not in argv \
+        else []
+    rc = bench_main([argv[0], *model, *argv[1:]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(message, err[0]), err[0]
+
+
+def test_a_bench_run_whose_every_case_fails_is_an_error(qwen, tmp_path, capsys):
+    # A memory limit nothing fits in: every case fails.
+    rc = bench_main(["prefill", "--model", str(qwen[1]), "--lengths", "8", "--memory-limit-gb",
+                     "0.001", "--out", str(tmp_path)])
+    assert rc == 1
+    assert "every case failed" in capsys.readouterr().err

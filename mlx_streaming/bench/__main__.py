@@ -18,13 +18,15 @@ import argparse
 import importlib
 
 from ..cli import run_main
+from ..flags import Parser
+from .common import BenchError
 
 SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "verify", "prefill", "io", "serve",
                "fetch")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming bench", description=__doc__,
+    p = Parser(prog="mlx_streaming bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
@@ -38,8 +40,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = setup_arg_parser().parse_args(argv)
-    return run_main(lambda: args.module.run(args) and 0)
+    return run_main(lambda: _run(setup_arg_parser().parse_args(argv)))
+
+
+def _run(args) -> int:
+    """Run the subcommand; a run whose every case failed is an error."""
+    result = args.module.run(args) or {}
+    statuses = [r["status"] for r in result.get("rows", []) if "status" in r]
+    if statuses and "ok" not in statuses:
+        raise BenchError(f"every case failed ({', '.join(sorted(set(statuses)))}); "
+                         "see the table above")
+    return 0
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ from ..runtime.policy import ARC, LFU, LRU, LRUK, DecayedLFU, Policy, Predicted,
 from ..runtime.trace import read_trace_records
 from . import routing
 from .common import figure, finish
+from ..flags import MAX_TOKENS, count, existing_file, fractions
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", help="stream directory whose routing is recorded")
-    p.add_argument("--trace", type=Path, help="replay this trace instead of recording one")
-    p.add_argument("--tokens", type=int, default=512, help="tokens of text to record")
-    p.add_argument("--capacities", default="0.125,0.25,0.375,0.5,0.75",
+    p.add_argument("--trace", type=existing_file, help="replay this trace instead of recording one")
+    p.add_argument("--tokens", type=count(1, MAX_TOKENS), default=512, help="tokens of text to record")
+    p.add_argument("--capacities", type=fractions, default="0.125,0.25,0.375,0.5,0.75",
                    help="pool sizes as fractions of each layer's experts")
     p.add_argument("--out", type=Path, default=Path("bench-results/cache"))
 
@@ -258,7 +259,7 @@ def run(args) -> dict:
     num_experts = read_manifest(args.model).layers[0].num_experts if args.model else \
         1 + max(int(c.experts.max()) for seq in calls.values() for c in seq)
     rows = []
-    for frac in [float(c) for c in args.capacities.split(",")]:
+    for frac in args.capacities:
         capacity = max(max(len(c.experts) for c in seq) for seq in calls.values())
         capacity = max(capacity, round(frac * num_experts))
         per_layer = [replay(seq, capacity, num_experts) for seq in calls.values()]

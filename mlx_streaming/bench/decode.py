@@ -30,6 +30,7 @@ from .common import (
     pool_slots,
     run_case,
 )
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number
 
 COLUMNS = [
     ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),
@@ -51,15 +52,15 @@ def add_arguments(p) -> None:
     p.add_argument("--mlx-model", help="the same model as an mlx-lm directory, for (a) and (b)")
     p.add_argument("--pools", default="0.25,0.5",
                    help="pool sizes as fractions of each layer's experts")
-    p.add_argument("--memory-limit-gb", type=float, default=None)
-    p.add_argument("--cache-gb", type=float, default=None,
+    p.add_argument("--memory-limit-gb", type=number(0, open_low=True), default=None)
+    p.add_argument("--cache-gb", type=number(0, open_low=True), default=None,
                    help="streaming cases load with this whole-model budget instead of "
                         "--pools: the spine layers that do not fit are streamed")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each case")
-    p.add_argument("--temp", type=float, default=0.0,
+    p.add_argument("--temp", type=number(0), default=0.0,
                    help="sampling temperature of the decode runs (0: greedy)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
+    p.add_argument("--prompt-tokens", type=count(1, MAX_TOKENS), default=32)
     p.add_argument("--io", default="auto")
     p.add_argument("--prefetch", default="off")
     p.add_argument("--prefetch-precision", default=None,
@@ -80,18 +81,18 @@ def add_arguments(p) -> None:
     p.add_argument("--policies", default=None,
                    help="eviction policies to compare side by side, comma-separated "
                         "(default: load()'s default)")
-    p.add_argument("--read-mbps", type=float, default=None,
+    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
                    help="throttle the cases' disk reads to this many MB/s (cgroup v1 blkio; "
                         "emulates a slower disk, e.g. a Mac's read/compute ratio; use with "
                         "--direct-io on or --cold)")
-    p.add_argument("--pace-mbps", type=float, default=None,
+    p.add_argument("--pace-mbps", type=number(0, open_low=True), default=None,
                    help="emulate a disk of this many MB/s in the model's reader "
                         "(read_pace_mbps): reads one after another, with no credit for the "
                         "disk's idle time, which --read-mbps's cgroup throttle banks and "
                         "spends on the next reads. Page-cache hits are paced too; the bounds "
                         "take the slower of this rate and the disk's direct rate")
-    p.add_argument("--routing-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--routing-tokens", type=count(1, MAX_TOKENS), default=64)
+    p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
 

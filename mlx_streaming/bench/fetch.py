@@ -24,6 +24,7 @@ from pathlib import Path
 from ..format import read_manifest
 from ..hub.repo import records_nbytes
 from .common import BenchError, figure, finish, median_run, pool_slots, run_case
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
 
 REPO = "bench/model"
 COLUMNS = [
@@ -37,18 +38,18 @@ COLUMNS = [
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="stream directory to serve")
-    p.add_argument("--pool", type=float, default=0.25,
+    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25,
                    help="pool size as a fraction of each layer's experts")
-    p.add_argument("--disk-cache", default="0,0.25,1",
+    p.add_argument("--disk-cache", type=listed(number(0, 1)), default="0,0.25,1",
                    help="disk-cache sizes as fractions of the experts' bytes")
-    p.add_argument("--bandwidth-mbps", type=float, default=100.0,
+    p.add_argument("--bandwidth-mbps", type=number(0, open_low=True), default=100.0,
                    help="the emulated link's MB/s (shared by parallel requests)")
-    p.add_argument("--latency-ms", type=float, default=20.0, help="before each answer")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--temp", type=float, default=0.8,
+    p.add_argument("--latency-ms", type=number(0), default=20.0, help="before each answer")
+    p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=64)
+    p.add_argument("--prompt-tokens", type=count(1, MAX_TOKENS), default=32)
+    p.add_argument("--temp", type=number(0), default=0.8,
                    help="sampling temperature (seeded; 0: greedy)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
     p.add_argument("--out", type=Path, default=Path("bench-results/fetch"))
 
@@ -102,7 +103,7 @@ def run(args) -> dict:
     manifest = read_manifest(stream_dir)
     slots = pool_slots(manifest.layers[0], args.pool)
     records = records_nbytes(manifest)
-    fractions = [float(f) for f in args.disk_cache.split(",")]
+    fractions = args.disk_cache
     common = dict(kind="streaming", op="decode", max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, temp=args.temp)
     server = RangeServer(stream_dir, args.bandwidth_mbps, args.latency_ms)

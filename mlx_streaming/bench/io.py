@@ -18,6 +18,7 @@ from ..config import DIRECT_IO_CHOICES
 from ..io.native import NativeReader, load_extension
 from ..io.python import PythonReader, aligned_empty
 from .common import (
+    BenchError,
     disk_read_gbps,
     drop_page_cache,
     figure,
@@ -27,33 +28,34 @@ from .common import (
     run_case,
     save_json,
 )
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, fractions, listed, number, size
+from ..config import MAX_BUDGET, MAX_COUNT, MAX_IO_THREADS
 
-SIZES = {"256K": 256 << 10, "1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--dir", type=Path, default=Path("bench-results/io-blobs"),
                    help="where the test blobs are written (an SSD, not tmpfs)")
-    p.add_argument("--sizes", default="256K,1M,4M,16M")
-    p.add_argument("--blob-gb", type=float, default=1.0)
-    p.add_argument("--batch", type=int, default=8, help="records per read call")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--sizes", type=listed(size(4096, 1 << 30, multiple=4096)), default="256K,1M,4M,16M")
+    p.add_argument("--blob-gb", type=number(0, 1024, open_low=True), default=1.0)
+    p.add_argument("--batch", type=count(1, 1024), default=8, help="records per read call")
+    p.add_argument("--threads", type=count(1, MAX_IO_THREADS), default=None)
+    p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=3,
                    help="cold measurements per reader, interleaved with dd; medians reported")
     p.add_argument("--no-cold", action="store_true", help="skip cold reads (needs root)")
     p.add_argument("--no-throughput", action="store_true",
                    help="only the prefetch decode runs")
     p.add_argument("--model", help="stream directory for the prefetch decode runs")
-    p.add_argument("--pools", default="0.25,0.5")
-    p.add_argument("--prefetch-records", type=int, default=None,
+    p.add_argument("--pools", type=fractions, default="0.25,0.5")
+    p.add_argument("--prefetch-records", type=count(0, MAX_BUDGET), default=None,
                    help="records prefetched per layer at most (default: measured)")
-    p.add_argument("--prefetch-width", type=int, default=None,
+    p.add_argument("--prefetch-width", type=count(1, MAX_COUNT), default=None,
                    help="experts predicted per token (default: load()'s, 2 x top-k)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=3,
                    help="rounds of the prefetch decode cases, interleaved; medians reported")
-    p.add_argument("--temp", type=float, default=0.0,
+    p.add_argument("--temp", type=number(0), default=0.0,
                    help="sampling temperature of the decode runs (0: greedy)")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=24)
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="uncached reads in the decode runs ('on': every miss goes to the "
                         "disk, as when the blobs are far larger than memory)")
@@ -117,9 +119,12 @@ def throughput(args) -> list:
     threads = args.threads or default_io_threads()
     readers = _readers(threads)
     rows = []
-    for name in args.sizes.split(","):
-        stride = SIZES[name]
+    for stride in args.sizes:
+        name = f"{stride >> 20}M" if stride >= 1 << 20 else f"{stride >> 10}K"
         nbytes = int(args.blob_gb * 1e9) // stride * stride
+        if nbytes < stride * args.batch:
+            raise BenchError(f"--blob-gb {args.blob_gb:g} holds fewer than --batch "
+                             f"{args.batch} records of {name}: give a larger --blob-gb")
         path = make_blob(args.dir / f"bench-io-{name}.blob", nbytes)
         row = dict(size=name, stride=stride, threads=threads)
         cold = {}
@@ -176,7 +181,7 @@ def prefetch_decode(args) -> list:
 
     spec = read_manifest(args.model).layers[0]
     rows = []
-    for pool in [float(p) for p in args.pools.split(",")]:
+    for pool in args.pools:
         slots = pool_slots(spec, pool)
         modes = ("off", "next-layer", "auto")
         runs = {m: [] for m in modes}

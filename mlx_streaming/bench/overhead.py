@@ -41,17 +41,18 @@ from ..config import DEFAULT_POLICY
 from ..models.discover import find_router, input_dims_of
 from ..format import read_manifest
 from .common import figure, finish, paired_ratio, prompt_tokens
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="stream directory")
-    p.add_argument("--repeats", type=int, default=2000, help="calls per timed piece")
-    p.add_argument("--tokens", type=int, default=64, help="decode tokens per round")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved decode rounds")
+    p.add_argument("--repeats", type=count(1, 10**7), default=2000, help="calls per timed piece")
+    p.add_argument("--tokens", type=count(1, MAX_TOKENS), default=64, help="decode tokens per round")
+    p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=3, help="interleaved decode rounds")
     p.add_argument("--policy", default=DEFAULT_POLICY)
-    p.add_argument("--pool", type=float, default=0.25,
+    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25,
                    help="pool of the partial case, a fraction of each layer's experts")
-    p.add_argument("--prefetch-precision", type=float, default=None,
+    p.add_argument("--prefetch-precision", type=number(0, 1), default=None,
                    help="the prefetch case's prefetch_precision (default: load()'s)")
     p.add_argument("--out", type=Path, default=Path("bench-results/overhead"))
 

@@ -6,14 +6,15 @@ from pathlib import Path
 from ..format import read_manifest
 from . import routing
 from .common import figure, finish, pool_slots, run_case
+from ..flags import MAX_TOKENS, count, listed, number
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="stream directory")
     p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (resident)")
-    p.add_argument("--lengths", default="128,1024,4096")
-    p.add_argument("--pool", type=float, default=0.25)
-    p.add_argument("--memory-limit-gb", type=float, default=None)
+    p.add_argument("--lengths", type=listed(count(1, MAX_TOKENS)), default="128,1024,4096")
+    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25)
+    p.add_argument("--memory-limit-gb", type=number(0, open_low=True), default=None)
     p.add_argument("--cold", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench-results/prefill"))
 
@@ -22,7 +23,7 @@ def run(args) -> dict:
     stream_dir = Path(args.model)
     spec = read_manifest(stream_dir).layers[0]
     slots = pool_slots(spec, args.pool)
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = args.lengths
     common = dict(op="prefill", lengths=lengths)
     cases = []
     if args.mlx_model:

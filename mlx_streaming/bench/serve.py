@@ -20,6 +20,7 @@ import numpy as np
 
 from ..format import read_manifest
 from .common import BenchError, figure, finish, pool_slots
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
 
 PROMPTS = ["def main(", "import os\n", "class Parser:", "for i in range(", "while True:",
            "# Read the file", "return self.", "if __name__ =="]
@@ -33,11 +34,11 @@ COLUMNS = [("server", "server", "s"), ("clients", "clients", "d"),
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="stream directory")
     p.add_argument("--mlx-model", required=True, help="the same weights as an mlx-lm model")
-    p.add_argument("--pool", type=float, default=0.25, help="share of experts resident")
-    p.add_argument("--clients", default="1,4", help="concurrent clients, comma-separated")
-    p.add_argument("--requests", type=int, default=8, help="requests per client count")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (median kept)")
+    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25, help="share of experts resident")
+    p.add_argument("--clients", type=listed(count(1, 64)), default="1,4", help="concurrent clients, comma-separated")
+    p.add_argument("--requests", type=count(1, 100_000), default=8, help="requests per client count")
+    p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
+    p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=2, help="interleaved rounds (median kept)")
     p.add_argument("--out", type=Path, default=Path("bench-results/serve"))
 
 
@@ -133,7 +134,7 @@ def run(args) -> dict:
     stream_dir = Path(args.model)
     manifest = read_manifest(stream_dir)
     slots = pool_slots(manifest.layers[0], args.pool)
-    clients = [int(c) for c in args.clients.split(",")]
+    clients = args.clients
     queue = str(max(clients))
     ports = [_free_port(), _free_port()]
     servers = {

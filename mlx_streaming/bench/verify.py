@@ -15,6 +15,8 @@ from ..config import DIRECT_IO_CHOICES, ON_OFF
 from ..format import read_manifest
 from . import routing
 from .common import BenchError, figure, finish, on_off, pool_slots, run_case
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, draft, fractions, listed, number
+from ..flags import MAX_NUM_DRAFT
 
 ACCEPTANCE = (0.5, 0.7, 0.9)
 
@@ -22,28 +24,28 @@ ACCEPTANCE = (0.5, 0.7, 0.9)
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="stream directory")
     p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (resident)")
-    p.add_argument("--pool", type=float, default=0.25,
+    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25,
                    help="pool size as a fraction of each layer's experts")
-    p.add_argument("--max-k", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=8,
+    p.add_argument("--max-k", type=count(1, MAX_NUM_DRAFT), default=8)
+    p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=8,
                    help="calls per K (the sweep), or interleaved rounds (--drafts)")
-    p.add_argument("--memory-limit-gb", type=float, default=None)
+    p.add_argument("--memory-limit-gb", type=number(0, open_low=True), default=None)
     p.add_argument("--cold", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench-results/verify"))
-    p.add_argument("--drafts", default=None,
+    p.add_argument("--drafts", type=listed(draft), default=None,
                    help="real drafts instead of the K sweep, comma-separated: ngram, mtp "
                         "(the model's MTP layers), model:PATH (an mlx-lm draft model with the "
                         "same tokenizer)")
-    p.add_argument("--draft-tokens", default="2,4", help="K values for --drafts")
-    p.add_argument("--pools", default="0.25,0.5,1.0", help="pool sizes for --drafts")
-    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt")
+    p.add_argument("--draft-tokens", type=listed(count(1, MAX_NUM_DRAFT)), default="2,4", help="K values for --drafts")
+    p.add_argument("--pools", type=fractions, default="0.25,0.5,1.0", help="pool sizes for --drafts")
+    p.add_argument("--tokens", type=count(1, MAX_TOKENS), default=64, help="tokens decoded per prompt")
     p.add_argument("--overlap", default=None,
                    help="--drafts: on, off or on,off: synced calls compute their resident "
                         "experts while their misses are read (default: load()'s)")
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="--drafts: uncached expert reads (auto: as load() decides; on "
                         "with --read-mbps)")
-    p.add_argument("--read-mbps", type=float, default=None,
+    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
                    help="--drafts: throttle the streamed cases' reads to this many MB/s "
                         "(cgroup v1 blkio, uncached reads), e.g. a Mac's read/compute ratio")
 
@@ -87,10 +89,10 @@ def run_drafts(args) -> dict:
         raise BenchError("--read-mbps throttles uncached reads: drop --direct-io off")
     stream_dir = Path(args.model)
     spec = read_manifest(stream_dir).layers[0]
-    common = dict(op="speculative", tokens=args.tokens, drafts=args.drafts.split(","),
-                  ks=[int(k) for k in args.draft_tokens.split(",")])
+    common = dict(op="speculative", tokens=args.tokens, drafts=args.drafts,
+                  ks=args.draft_tokens)
     cases = []
-    for pool in [float(p) for p in args.pools.split(",")]:
+    for pool in args.pools:
         slots = pool_slots(spec, pool)
         for overlap in overlaps:
             load = dict(slots_per_layer=slots, mtp="mtp" in common["drafts"],

@@ -14,10 +14,11 @@ from ..format import (
     manifest_path,
 )
 from .local import DTYPES, convert
+from ..flags import Parser
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="mlx_streaming convert",
         description="Convert an mlx-lm MoE model into a stream directory.",
     )
@@ -66,9 +67,8 @@ def upload(out: Path, repo_id: str, endpoint: Optional[str] = None,
 def main(argv=None) -> int:
     from ..cli import run_main
 
-    args = setup_arg_parser().parse_args(argv)
-
     def body():
+        args = setup_arg_parser().parse_args(argv)
         out = convert(
             args.model,
             args.out,

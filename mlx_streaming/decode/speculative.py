@@ -29,10 +29,10 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..errors import ConfigError
+from ..flags import MAX_NUM_DRAFT
 from ..runtime.stats import SpecStats
 
 DEFAULT_NUM_DRAFT = 3
-MAX_NUM_DRAFT = 64
 DEFAULT_NGRAM = 3
 PREFILL_STEP = 512
 

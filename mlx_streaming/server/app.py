@@ -14,6 +14,7 @@ from .mlx_flags import add_mlx_lm_server_flags
 from .provider import make_provider
 from .service import Service, counting
 from .validation import check_sampling, is_int, is_number
+from ..flags import Parser
 
 
 DEFAULT_MAX_QUEUE = 4
@@ -25,7 +26,7 @@ LISTEN_BACKLOG = 128
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="mlx_streaming serve", description=__doc__, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
@@ -136,6 +137,4 @@ def _check_address(host: str, port: int) -> None:
 
 
 def main(argv=None) -> int:
-    args = setup_arg_parser().parse_args(argv)
-
-    return run_main(lambda: serve(args))
+    return run_main(lambda: serve(setup_arg_parser().parse_args(argv)))

@@ -48,6 +48,7 @@ from .model import project_case  # noqa: F401  (the tests and scripts replay wit
 from .machines import SHAPES  # noqa: F401
 from .project import project
 from .validate import validate
+from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number
 
 
 def add_arguments(p) -> None:
@@ -58,24 +59,24 @@ def add_arguments(p) -> None:
                         "or --model for hit rates)")
     p.add_argument("--model", help="stream directory (validate: the model run)")
     p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (validate)")
-    p.add_argument("--trace", type=Path, help="routing trace for --project hit rates")
+    p.add_argument("--trace", type=existing_file, help="routing trace for --project hit rates")
     p.add_argument("--pools", default="0.25,0.5")
     p.add_argument("--policies", default=DEFAULT_POLICY)
     p.add_argument("--prefetch", default="off", help="off, next-layer, or both comma-separated")
-    p.add_argument("--prefetch-precision", type=float, default=None,
+    p.add_argument("--prefetch-precision", type=number(0, 1), default=None,
                    help="prefetch_precision of the decode and overhead cases (validate) or "
                         "of the projection (default: load()'s)")
     p.add_argument("--prefetch-depth", default=None,
                    help="prefetch_depth, comma-separated to compare (e.g. 1,2; default: "
                         "load()'s)")
-    p.add_argument("--read-mbps", type=float, default=None,
+    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
                    help="validate with reads throttled (cgroup blkio), as bench decode")
-    p.add_argument("--pace-mbps", type=float, default=None,
+    p.add_argument("--pace-mbps", type=number(0, open_low=True), default=None,
                    help="validate with the reader emulating a disk of this rate "
                         "(read_pace_mbps), as bench decode")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
+    p.add_argument("--temp", type=number(0), default=0.0)
+    p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1)
     p.add_argument("--out", type=Path, default=Path("bench-results/simulate"))
 
 
