@@ -462,3 +462,22 @@ def test_conversions_of_one_repo_run_one_at_a_time(qwen, tmp_path):
             t.join()
     assert not errors and out == [tmp_path / "c"] * 2
     assert read_manifest(tmp_path / "c").layers
+
+
+def test_a_server_on_a_hub_repo_logs_a_line_per_request(served, tmp_path):
+    """Not one per range request (huggingface_hub's and httpx's INFO lines:
+    808 for 32 tokens), nor mlx-lm's progress lines: start-up, then one
+    line per request, at the default --log-level INFO."""
+    from test_server import Server
+
+    s = Server(REPO, "--endpoint", served.url, "--disk-cache-dir", str(tmp_path / "c"),
+               "--slots-per-layer", "4", "--disk-cache-gb", "0")
+    try:
+        for _ in range(2):
+            assert s.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 16})[0] == 200
+    finally:
+        err = s.stop()
+    requests = [l for l in err.splitlines() if "POST /v1/completions 200" in l]
+    assert len(requests) == 2, err
+    assert len(served.ranged()) > 10  # the experts did come by range request
+    assert len(err.splitlines()) <= 8, err

@@ -107,9 +107,9 @@ def test_greedy_token_ids_equal_mlx_lm_resident(server, models):
     prompt = "class Foo:"
     expected = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=12)]
     status, _, body = server.post("/v1/completions", dict(
-        prompt=prompt, max_tokens=12, temperature=0, logprobs=True, seed=1))
+        prompt=prompt, max_tokens=12, temperature=0, logprobs=0, seed=1))
     assert status == 200
-    assert [t["id"] for t in body["choices"][0]["logprobs"]["content"]] == expected
+    assert body["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in expected]
 
 
 def test_stop_strings(server, models):
@@ -117,10 +117,9 @@ def test_stop_strings(server, models):
     greedy continuation."""
     _, tokenizer = mlx_lm.load(str(models.get("qwen3_moe", quantized=True)[0]))
     request = dict(prompt="for i in range(", max_tokens=16, temperature=0)
-    _, _, body = server.post("/v1/completions", dict(request, logprobs=True))
+    _, _, body = server.post("/v1/completions", dict(request, logprobs=0))
     full = body["choices"][0]["text"]
-    ids = [t["id"] for t in body["choices"][0]["logprobs"]["content"]]
-    pieces = [tokenizer.decode([i]) for i in ids]
+    pieces = body["choices"][0]["logprobs"]["tokens"]
     at = next(i for i, p in enumerate(pieces)
               if i >= 2 and p.strip() and p.isascii() and p.isprintable())
     cut = server.client.completions.create(model="default_model", stop=[pieces[at]],
@@ -155,6 +154,14 @@ def test_stop_strings(server, models):
     ({"prompt": [1, 2, 3]}, None, 400, None),  # mlx-lm encodes the prompt as text
     ({"prompt": "x", "presence_penalty": 10**400}, None, 400, None),  # not a 500
     ({"prompt": "x", "stop": ["ab" * 300]}, None, 400, None),  # memory mlx-lm keeps
+    # Found by a hostile probe: each was a 200 of the wrong kind, a 500 or a
+    # 400 quoting a Python exception.
+    ({"prompt": "x", "temperature": 1e-38}, None, 400, None),  # 1/temp overflowed: noise
+    ({"prompt": "x", "n": 2}, None, 400, None),  # answered with one choice
+    (None, b'{"prompt": "x", "a": ' + b"[" * 3000 + b"]" * 3000 + b"}", 400, None),
+    ({"prompt": "x" * 100, "max_tokens": 1000}, None, 400, "context_length_exceeded"),
+    ({"prompt": "x", "logprobs": 2, "stream": True}, None, 400, None),
+    ({"prompt": "x", "logprobs": 99}, None, 400, None),
 ])
 def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
     got, _, reply = server.post("/v1/completions", body, raw)
@@ -162,6 +169,37 @@ def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
     error = reply["error"]
     assert isinstance(error["message"], str) and error["type"] == "invalid_request_error"
     assert error["code"] == code
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"tools": 5}, "tools", "must be a list of objects"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "may not set"),
+    ({"chat_template_kwargs": 5}, "chat_template_kwargs", "must be an object"),
+    ({"role_mapping": 5}, "role_mapping", "must be an object of strings"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "not valid Unicode"),
+])
+def test_chat_fields_get_messages_of_their_own(server, extra, param, words):
+    """Each was a 400 quoting a Python exception ("'int' object is not
+    iterable", "got multiple values for keyword argument")."""
+    body = dict({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, **extra)
+    got, _, reply = server.post("/v1/chat/completions", body)
+    assert got == 400 and reply["error"]["param"] == param, reply
+    assert words in reply["error"]["message"]
+
+
+def test_completions_take_logprobs_as_openai_does(server):
+    """``logprobs: n`` (the completions API's integer): the chosen tokens'
+    log probabilities and the top n of each, in the completions format."""
+    reply = server.client.completions.create(model="default_model", prompt="import os",
+                                             max_tokens=4, temperature=0, logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert all(len(top) == 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    # Greedy: the chosen token is the likeliest.
+    assert all(max(top.values()) == pytest.approx(c) for top, c in
+               zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
 
 
 @pytest.mark.parametrize("messages", ["hi", [], [{"content": "no role"}], None])

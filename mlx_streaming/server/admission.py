@@ -48,6 +48,7 @@ class _Request(threading.local):
 
     ticket: Optional[Ticket] = None
     failure: Optional[Exception] = None
+    tokens: int = 0  # generated for the request (its log line)
 
 
 current_request = _Request()

@@ -89,17 +89,27 @@ def serve(args) -> None:
 
 # Libraries that log a line per HTTP request they make (a Hub repo's range
 # requests): quiet unless DEBUG is asked for.
-CHATTY_LOGGERS = ("httpx", "httpcore", "huggingface_hub", "urllib3", "filelock")
+CHATTY_LOGGERS = ("httpx", "httpx2", "httpcore", "huggingface_hub", "urllib3", "filelock")
 
 
 def configure_logging(level: str) -> None:
-    """mlx-lm's log format at ``level``; the per-request logs of the HTTP
-    libraries at WARNING or above unless ``level`` is DEBUG."""
+    """mlx-lm's log format at ``level``, one line per request: below DEBUG,
+    the HTTP libraries' per-request lines and mlx-lm's own progress lines
+    are left out (the handler logs each request once)."""
     logging.basicConfig(level=getattr(logging, level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
-    quiet = logging.DEBUG if level == "DEBUG" else max(logging.WARNING, getattr(logging, level))
+    if level == "DEBUG":
+        return
     for name in CHATTY_LOGGERS:
-        logging.getLogger(name).setLevel(quiet)
+        logging.getLogger(name).setLevel(max(logging.WARNING, getattr(logging, level)))
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_quiet_mlx_lm_progress)
+
+
+def _quiet_mlx_lm_progress(record: logging.LogRecord) -> bool:
+    """mlx-lm's server logs through the root logger: its INFO lines (prompt
+    progress, prompt cache sizes) are per request step."""
+    return not (record.levelno < logging.WARNING and "mlx_lm" in record.pathname)
 
 
 class _Server(ThreadingHTTPServer):

@@ -4,16 +4,22 @@ the memo and the extra endpoints.
 
 import io
 import json
+import logging
 import sys
+import time
 from typing import Optional
 
 import mlx_lm.server as mlx_server
 
 from .admission import release_admission, current_request
 from .memo import MEMO_HEADER, fresh, without_request_headers
+from .prompt import prompt_text, prompt_tokens
 from .service import Service
-from .validation import check_fields, is_number
+from ..flags import MIN_TEMPERATURE
+from .validation import check_fields, completion_logprobs, is_number
 
+
+log = logging.getLogger(__name__)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
@@ -108,12 +114,27 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def do_POST(self):
         if self.path not in COMPLETION_PATHS:
             return super().do_POST()
+        start, self.status = time.perf_counter(), None
+        current_request.tokens = 0
         try:
             self._post()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            pass  # the client left; mlx-lm stops a generation it was streaming
+            self.status = "client left"  # mlx-lm stops a generation it was streaming
         except Exception as e:  # a read error mid-generation, say
             self._failed(e)
+        self._log_request(time.perf_counter() - start)
+
+    def send_response(self, code, message=None):
+        self.status = code
+        super().send_response(code, message)
+
+    def _log_request(self, seconds: float) -> None:
+        """One line per request: what was asked, its status, its tokens."""
+        memo = getattr(self, "memo_status", "off")
+        status = getattr(self, "status", None)
+        level = logging.WARNING if isinstance(status, int) and status >= 500 else logging.INFO
+        log.log(level, "%s %s %s, %d tokens, %.2f s%s", self.command, self.path, status,
+                current_request.tokens, seconds, "" if memo == "off" else f", memo {memo}")
 
     def _failed(self, error: Exception):
         message = " ".join(str(error).split()) or type(error).__name__
@@ -150,6 +171,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             reply = fresh(cached)
             self.wfile.write(reply.replace(b"\r\n", b"\r\n" + extra, 1))
             self.wfile.flush()
+            self.status, self.memo_status = 200, "hit"
             return
         ticket = self.service.admission.enter()
         if ticket is None:
@@ -161,6 +183,8 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             # Tokenizing a long prompt is work: only admitted requests do it.
             field = "prompt" if self.path == "/v1/completions" else "messages"
             if self._fits_context(body, field):
+                if field == "prompt" and body != completion_logprobs(body):
+                    raw = json.dumps(completion_logprobs(body)).encode()
                 self._generate(raw, key)
         finally:
             current_request.ticket = None
@@ -169,6 +193,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def _generate(self, raw: bytes, key: Optional[str]):
         self.memo_status = "miss" if key is not None else "off"
         self.rfile = io.BytesIO(raw)
+        self.headers.replace_header("Content-Length", str(len(raw)))
         out = self.wfile = OutputTap(self.wfile, record=key is not None)
         super().do_POST()
         if key is not None:
@@ -187,6 +212,17 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         if float(body.get("temperature", default)) != 0:
             return None  # sampled: never memoised
         return self.path + "\n" + json.dumps(body, sort_keys=True)
+
+    def generate_response(self, text, finish_reason, *args, **kwargs):
+        """mlx-lm's response; a completion's log probabilities in the
+        OpenAI completions format (tokens, token_logprobs, top_logprobs,
+        text_offset) instead of the chat one."""
+        response = super().generate_response(text, finish_reason, *args, **kwargs)
+        if self.object_type == "text_completion" and "logprobs" in response["choices"][0]:
+            response["choices"][0]["logprobs"] = completion_logprobs_of(
+                self.service.provider.tokenizer, kwargs.get("tokens") or [],
+                kwargs.get("token_logprobs") or [], kwargs.get("top_tokens") or [])
+        return response
 
     def _set_completion_headers(self, status_code: int = 200):
         super()._set_completion_headers(status_code)
@@ -224,6 +260,9 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         except (UnicodeDecodeError, ValueError) as e:
             self._error(400, f"the request body is not valid JSON ({e})")
             return None
+        except RecursionError:
+            self._error(400, "the request body is nested too deeply")
+            return None
         if not isinstance(body, dict):
             self._error(400, "the request body must be a JSON object")
             return None
@@ -243,9 +282,9 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                             param=name)
                 return False
         temperature = body.get("temperature", 0)
-        if not is_number(temperature) or temperature < 0:
-            self._error(400, f"temperature must be a number of 0 or more, got "
-                        f"{temperature!r}", param="temperature")
+        if not is_number(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+            self._error(400, f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                        f"got {temperature!r}", param="temperature")
             return False
         problem = check_fields(
             body, self.path == "/v1/completions", self._vocab_size(),
@@ -272,12 +311,16 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         return getattr(args, "vocab_size", None)
 
     def _fits_context(self, body: dict, field: str) -> bool:
+        """Whether the prompt and the tokens asked for fit the model's
+        context (else a 400 is written)."""
         tokenizer = self.service.provider.tokenizer
         limit = self.service.context_length()
         if tokenizer is None or limit is None:
             return True
+        images = self.service.provider.processor is not None
+        template = self.response_generator.cli_args.chat_template_args
         try:
-            text = self._prompt_text(tokenizer, body, field)
+            text = prompt_text(tokenizer, body, field, template, images)
             longest = self.service.longest_token_chars()
             # Longer than any tokenization of it could fit: refused
             # without spending seconds tokenizing it.
@@ -286,49 +329,18 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                             f"model's context of {limit} tokens can hold; shorten it",
                             "context_length_exceeded", param=field)
                 return False
-            n = len(self._tokens(tokenizer, body, field, text))
+            n = prompt_tokens(tokenizer, body, field, text, template, images)
         except Exception:
             return True  # mlx-lm's own parsing reports what is wrong
-        if n > limit:
-            self._error(400, f"the prompt has {n} tokens, more than the model's context of "
-                        f"{limit}; shorten it", "context_length_exceeded", param=field)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or \
+            self.response_generator.cli_args.max_tokens
+        if n + asked > limit:
+            self._error(400, f"the prompt has {n} tokens and {asked} more are asked for "
+                        f"(max_tokens), beyond the model's context of {limit}; shorten the "
+                        "prompt or ask for fewer tokens", "context_length_exceeded",
+                        param=field if n >= limit else "max_tokens")
             return False
         return True
-
-    # The prompt as mlx-lm's ``_tokenize`` makes it.
-
-    def _prompt_text(self, tokenizer, body: dict, field: str) -> str:
-        if field == "prompt":
-            return body["prompt"]
-        if not tokenizer.has_chat_template:
-            from mlx_lm.server import convert_chat
-
-            return convert_chat(body["messages"], body.get("role_mapping"))
-        return tokenizer.apply_chat_template(
-            self._messages(body), add_generation_prompt=True,
-            **dict(self._template_args(body), tokenize=False))
-
-    def _tokens(self, tokenizer, body: dict, field: str, text: str) -> list:
-        if field == "prompt" or not tokenizer.has_chat_template:
-            return tokenizer.encode(text)
-        return tokenizer.apply_chat_template(
-            self._messages(body), add_generation_prompt=True,
-            **dict(self._template_args(body), tokenize=True))
-
-    def _messages(self, body: dict) -> list:
-        import copy
-
-        from mlx_lm.server import process_message_content
-
-        messages = copy.deepcopy(body["messages"])  # converted in place
-        process_message_content(
-            messages, keep_images=self.service.provider.processor is not None)
-        return messages
-
-    def _template_args(self, body: dict) -> dict:
-        args = dict(self.response_generator.cli_args.chat_template_args or {})
-        args.update(body.get("chat_template_kwargs") or {})
-        return dict(args, tools=body.get("tools") or None)
 
     def _error(self, status: int, message: str, code: Optional[str] = None,
                param: Optional[str] = None, headers: Optional[dict] = None):
@@ -355,6 +367,20 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     # A client that stops sending is dropped instead of holding a thread.
     timeout = CLIENT_TIMEOUT_S
+
+
+def completion_logprobs_of(tokenizer, tokens, logprobs, top) -> dict:
+    """OpenAI's completions ``logprobs``: each token's text, its log
+    probability, the top tokens' (where asked) and where its text starts in
+    the completion."""
+    texts = [tokenizer.decode([t]) for t in tokens]
+    offsets, at = [], 0
+    for t in texts:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": texts, "token_logprobs": list(logprobs) or None,
+            "top_logprobs": [{d["token"]: d["logprob"] for d in row} for row in top] or None,
+            "text_offset": offsets}
 
 
 def make_handler(service: Service) -> type:

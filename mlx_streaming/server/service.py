@@ -106,6 +106,7 @@ def counting(service: Service, generate):
             finally:
                 if ticket is not None:
                     ticket.release()
+                current_request.tokens = n
                 service.record(n, time.perf_counter() - start, first)
 
         return ctx, tokens()

@@ -73,6 +73,9 @@ def check_fields(body: dict, completion: bool, vocab: Optional[int], temperature
     or None. Checked here because mlx-lm lets some through to a crash, or to
     work that holds the queue. ``temperature``: the request's, or the
     server's default; ``images``: the model takes image parts."""
+    problem = check_shape(body, completion)
+    if problem is not None:
+        return problem
     if completion:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) and prompt):
@@ -116,4 +119,91 @@ def check_fields(body: dict, completion: bool, vocab: Optional[int], temperature
         value = body.get(name)
         if value is not None and not (is_int(value) and 0 <= value <= 1 << 20):
             return name, f"'{name}' must be an integer from 0 to {1 << 20}"
+    return None
+
+
+# Keywords mlx-lm passes to apply_chat_template itself: a request setting
+# them again made it fail with a TypeError.
+RESERVED_TEMPLATE_KEYS = ("tokenize", "tools", "add_generation_prompt", "conversation")
+# OpenAI's completions take logprobs up to 5; mlx-lm returns up to 10.
+MAX_LOGPROBS = 10
+
+
+def check_shape(body: dict, completion: bool):
+    """Fields mlx-lm would pass on unchecked into a Python error (its text
+    then the reply), and OpenAI fields this server does not serve, as
+    ``(field, message)``; None when there are none."""
+    for name in ("n", "best_of"):
+        if body.get(name, 1) != 1:
+            return name, f"'{name}' must be 1: this server returns one choice per request"
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        return "tools", "'tools' must be a list of objects"
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+            return "chat_template_kwargs", "'chat_template_kwargs' must be an object"
+        taken = [k for k in RESERVED_TEMPLATE_KEYS if k in kwargs]
+        if taken:
+            return "chat_template_kwargs", (f"'chat_template_kwargs' may not set {taken[0]!r}, "
+                                            "which the server sets itself")
+    mapping = body.get("role_mapping")
+    if mapping is not None and not (isinstance(mapping, dict) and all(
+            isinstance(v, str) for v in mapping.values())):
+        return "role_mapping", "'role_mapping' must be an object of strings"
+    problem = _check_logprobs(body, completion)
+    if problem is not None:
+        return problem
+    where = _not_unicode(body)
+    if where is not None:
+        return where, f"'{where}' holds text that is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def _check_logprobs(body: dict, completion: bool):
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if completion and is_int(logprobs):
+        # OpenAI's completions API takes the number of top tokens here.
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            return "logprobs", f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}"
+    elif logprobs is not None and not isinstance(logprobs, bool):
+        return "logprobs", ("'logprobs' must be an integer (completions) or true/false"
+                            if completion else "'logprobs' must be true or false")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        return "top_logprobs", f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}"
+    wanted = (logprobs is not None and logprobs is not False) or bool(top)
+    if wanted and body.get("stream"):
+        return "logprobs", ("log probabilities are not returned in streamed responses: "
+                            "request them without 'stream'")
+    return None
+
+
+def completion_logprobs(body: dict) -> dict:
+    """A completions request's OpenAI ``logprobs: n`` as mlx-lm takes it
+    (``logprobs: true`` and ``top_logprobs: n``)."""
+    n = body.get("logprobs")
+    if not is_int(n):
+        return body
+    return dict(body, logprobs=True, top_logprobs=n if n > 0 else body.get("top_logprobs", -1))
+
+
+def _not_unicode(body: dict):
+    """The first top-level field holding a string that UTF-8 cannot encode
+    (a lone surrogate), or None. Iterative: a body nested as deep as the
+    JSON parser allows must not exhaust the stack here."""
+    for field, value in body.items():
+        stack = [field, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return field if isinstance(field, str) and field.isprintable() else "body"
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
     return None
