@@ -8,6 +8,7 @@
     mlx_streaming serve    --model DIR [--port 8080] [--max-queue N] [--memo-mb M]
 """
 
+import atexit
 import importlib
 import os
 import signal
@@ -70,19 +71,27 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def leave(status: int) -> NoReturn:
-    """Exit a command's process with ``status``. The work is done: a Ctrl-C
+    """Exit a command's process with ``status``, for a process's entry point
+    only (``python -m``, the console script). The work is done: a Ctrl-C
     from here on ends the process at once, as the signal's default does,
     where in the interpreter's teardown (joining threads) Python would
-    print a traceback. For a process's entry point only (``python -m``, the
-    console script): the default stays."""
+    print a traceback. The exit handlers run (models close, logs flush),
+    then the process ends without the interpreter's teardown: after MLX
+    ran on a thread other than the main one (the server's generation
+    thread), the teardown of its thread-local streams may abort the
+    process ("terminate called without an active exception", status 134),
+    as it does under plain mlx-lm (docs/design.md, "Threads")."""
     if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        atexit._run_exitfuncs()
+    finally:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):  # closed, or its reader gone
                 pass
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-    sys.exit(status)
+        os._exit(status if isinstance(status, int) else 1)
 
 
 def console() -> NoReturn:

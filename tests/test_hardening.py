@@ -436,8 +436,9 @@ def test_sigint_during_start_up_is_one_line(qwen):
 @pytest.mark.parametrize("leave", [True, False])
 def test_sigint_while_the_interpreter_exits_ends_it_quietly(leave):
     # A Ctrl-C that lands after a command's work, while Python joins its
-    # threads at exit, printed a traceback (seen in CI); after ``leave`` it
-    # ends the process quietly (and is not ignored).
+    # threads at exit, printed a traceback (seen in CI); ``leave`` ends the
+    # process without the interpreter's teardown: at once, quietly, with its
+    # status.
     # The thread holds the exit open so that the interrupt lands there.
     import signal
 
@@ -453,7 +454,7 @@ def test_sigint_while_the_interpreter_exits_ends_it_quietly(leave):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     if leave:
-        assert (proc.returncode, err) == (-signal.SIGINT, "")
+        assert (proc.returncode, err) == (0, "")
     else:  # the case ``leave`` exists for: the test can tell them apart
         assert "Traceback" in err and "KeyboardInterrupt" in err
 
