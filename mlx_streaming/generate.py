@@ -157,11 +157,15 @@ def _responses(args, model, tokenizer, prompt, sampler):
         import mlx_lm
 
         try:
-            drafter = mlx_lm.load(args.draft_model)[0]
+            drafter, draft_tokenizer = mlx_lm.load(args.draft_model)
         except Exception as e:  # mlx-lm and huggingface_hub raise many kinds
             raise ConfigError(f"--draft-model {args.draft_model} cannot be loaded by mlx-lm "
                               f"({type(e).__name__}: {first_line(e)}); "
                               "give an mlx-lm model directory or repo id") from None
+        if not same_tokenizer(tokenizer, draft_tokenizer):
+            print(f"[mlx_streaming] warning: --draft-model {args.draft_model} has another "
+                  "tokenizer than the model: its drafts will rarely be accepted (the output "
+                  "is the model's all the same)", file=sys.stderr)
         draft = speculative.ModelDraft(drafter, temp=args.temp)
     elif args.draft == "mtp":
         from .decode.mtp import MtpDraft
@@ -169,12 +173,23 @@ def _responses(args, model, tokenizer, prompt, sampler):
         draft = MtpDraft(model)
     else:
         draft = speculative.NgramDraft()
-    if isinstance(prompt, str):
-        prompt = tokenizer.encode(prompt)
+    # A text prompt is encoded there, with mlx-lm's rule for a leading BOS.
     return speculative.stream_generate(model, tokenizer, prompt, draft,
                                        max_tokens=args.max_tokens,
                                        num_draft_tokens=args.num_draft_tokens,
                                        temp=args.temp, seed=args.seed)
+
+
+# Text both tokenizers must split alike for a draft model's tokens to mean
+# what the model's do.
+TOKENIZER_PROBE = "def f(x):\n    return {'a': [1, 2.5], \"é\": None}  # Hello, world!"
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers have one vocabulary size and split a probe
+    text into the same ids (mlx-lm's own check is the size alone)."""
+    return a.vocab_size == b.vocab_size and a.encode(TOKENIZER_PROBE) == \
+        b.encode(TOKENIZER_PROBE)
 
 
 def _read_stdin() -> str:

@@ -2,6 +2,7 @@
 decoding for n-gram and draft-model drafts (hybrid recurrent models too),
 and the sampling rule keeps the target's distribution."""
 
+import json
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -326,3 +327,57 @@ def test_a_draft_model_that_does_not_load_is_a_one_line_error(qwen, tmp_path, ca
                         "--max-tokens", "2"])
     err = capsys.readouterr().err
     assert rc != 0 and "cannot be loaded by mlx-lm" in err and "Traceback" not in err
+
+
+def _with_bos_tokenizer(stream_dir, out):
+    """A copy of ``stream_dir`` whose tokenizer adds a BOS token when it
+    encodes, and whose chat template writes the BOS text too (as many real
+    models' do)."""
+    import shutil
+
+    shutil.copytree(stream_dir, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    bos = "<|endoftext|>"
+    bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == bos)
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                               "{% endfor %}")
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_drafts_from_the_command_line_keep_one_bos(qwen, tmp_path, capsys):
+    """With a tokenizer that adds BOS, a prompt whose text already starts
+    with it gets no second one, with drafts as without (mlx-lm's rule); the
+    drafted text is plain greedy's, prompt by prompt (with a second BOS, 4
+    of 5 prompts gave other text)."""
+    from mlx_streaming import generate
+
+    stream = _with_bos_tokenizer(qwen[1], tmp_path / "bos")
+    for prompt in ("def f(x):", "import os", "class A:", "for i in", "return"):
+        for text, template in ((prompt, []), ("<|endoftext|>" + prompt,
+                                                ["--ignore-chat-template"])):
+            outputs = []
+            for flags in ([], ["--draft", "ngram"]):
+                assert generate.main(["--model", str(stream), "--prompt", text, "--max-tokens",
+                                      "12", "--slots-per-layer", "4", *template, *flags]) == 0
+                outputs.append(capsys.readouterr().out)
+            assert outputs[0] == outputs[1], text
+
+
+def test_a_draft_model_with_another_tokenizer_is_warned_about(qwen, tmp_path, capsys):
+    """Its drafts would rarely be accepted (the output stays the model's)."""
+    from mlx_streaming import generate
+
+    other = _with_bos_tokenizer(qwen[0], tmp_path / "other")
+    for draft, warned in ((qwen[0], False), (other, True)):
+        assert generate.main(["--model", str(qwen[1]), "--max-tokens", "6", "--slots-per-layer",
+                              "4", "--draft-model", str(draft)]) == 0
+        assert ("another tokenizer" in capsys.readouterr().err) == warned
