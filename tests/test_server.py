@@ -561,3 +561,35 @@ def test_the_server_exits_cleanly_after_generating_on_its_own_thread(models):
         s.proc.send_signal(signal.SIGINT)
         _, err = s.proc.communicate(timeout=60)
         assert s.proc.returncode == 0 and "terminate called" not in err, err
+
+
+@pytest.mark.parametrize("draft, family", [("ngram", "qwen3_moe"), ("mtp", "deepseek_v3")])
+def test_the_server_drafts_losslessly(models, draft, family):
+    """``--draft``: greedy answers are the undrafted server's, token for
+    token, and the acceptance shows in /v1/stats; a request with other
+    sampling (top_p) is served without drafts."""
+    extra = {"num_nextn_predict_layers": 1} if draft == "mtp" else {}
+    _, stream_dir = models.get(family, quantized=True, **extra)
+    prompts = ["def f(x):\n    return f(x) + f(x)", "import os\nimport os\nimport",
+               "class A:\n    pass\nclass"]
+    answers = {}
+    for flags in ([], ["--draft", draft, "--num-draft-tokens", "3"]):
+        s = Server(stream_dir, "--slots-per-layer", "8", *flags)
+        try:
+            answers[bool(flags)] = [s.client.completions.create(
+                model="default_model", prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in prompts]
+            spec = json.loads(urllib.request.urlopen(s.url + "/v1/stats").read())[
+                "streaming"]["speculative"]
+            if flags:
+                assert spec["calls"] > 0 and spec["drafted"] > 0, spec
+                sampled = s.client.completions.create(
+                    model="default_model", prompt=prompts[0], max_tokens=4, temperature=0.7,
+                    top_p=0.9)
+                assert sampled.choices[0].finish_reason in ("length", "stop")
+            else:
+                assert spec["calls"] == 0
+        finally:
+            err = s.stop()
+        assert "Traceback" not in err, err
+    assert answers[True] == answers[False]

@@ -264,7 +264,7 @@ def accept_sampled(p: np.ndarray, drafts: Sequence[int], q: Optional[np.ndarray]
 def speculative_generate_step(
     prompt: Sequence[int], model, draft, *, num_draft_tokens: int = DEFAULT_NUM_DRAFT,
     max_tokens: int = 256, temp: float = 0.0, seed: int = 0,
-    prompt_cache=None, stats: Optional[SpecStats] = None,
+    prompt_cache=None, stats: Optional[SpecStats] = None, context: Sequence[int] = (),
 ) -> Generator[Tuple[int, bool], None, None]:
     """Yield ``(token, from_draft)`` of the target ``model``'s decoding of
     ``prompt``, drafting ``num_draft_tokens`` at a time with ``draft``.
@@ -276,6 +276,8 @@ def speculative_generate_step(
         seed: of the acceptance rule's random numbers.
         stats: counters to update (default: the streamed model's, which
             ``stats(model)["speculative"]`` reports).
+        context: tokens before ``prompt`` that ``prompt_cache`` already
+            holds: text for an n-gram or model draft to start from.
     """
     if not 1 <= num_draft_tokens <= MAX_NUM_DRAFT:
         raise ConfigError(f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT}, "
@@ -294,7 +296,7 @@ def speculative_generate_step(
         draft.start(prompt, _prefill_hidden(model, cache, prompt[:-1]))
     else:
         _prefill(model, cache, prompt[:-1])
-        draft.start(prompt)
+        draft.start([int(t) for t in context] + prompt)
     y = prompt[-1]
     produced = 0
     while max_tokens < 0 or produced < max_tokens:
@@ -329,10 +331,11 @@ def speculative_generate_step(
 
 def stream_generate(model, tokenizer, prompt, draft, *, max_tokens: int = 256,
                     num_draft_tokens: int = DEFAULT_NUM_DRAFT, temp: float = 0.0,
-                    seed: int = 0, stats: Optional[SpecStats] = None
-                    ) -> Generator[GenerationResponse, None, None]:
+                    seed: int = 0, stats: Optional[SpecStats] = None, prompt_cache=None,
+                    context: Sequence[int] = ()) -> Generator[GenerationResponse, None, None]:
     """``mlx_lm.stream_generate`` with drafts: the same ``GenerationResponse``
-    stream (``from_draft`` says which tokens were accepted drafts)."""
+    stream (``from_draft`` says which tokens were accepted drafts).
+    ``prompt_cache`` and ``context`` as ``speculative_generate_step``'s."""
     if isinstance(prompt, str):
         # As mlx-lm: no second BOS when the text already starts with one.
         bos = getattr(tokenizer, "bos_token", None)
@@ -345,7 +348,7 @@ def stream_generate(model, tokenizer, prompt, draft, *, max_tokens: int = 256,
     prompt_tps, n, token, logprobs, from_draft = 0.0, 0, None, None, False
     steps = speculative_generate_step(prompt, model, draft, num_draft_tokens=num_draft_tokens,
                                       max_tokens=max_tokens, temp=temp, seed=seed,
-                                      stats=stats)
+                                      stats=stats, prompt_cache=prompt_cache, context=context)
     finish = "length"
     for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
         if n == 1:

@@ -2,6 +2,7 @@
 command line, and the server's start-up checks.
 """
 import argparse
+from dataclasses import replace
 import logging
 import socket
 import sys
@@ -9,7 +10,7 @@ from http.server import ThreadingHTTPServer
 from ..cli import run_main
 from ..config import add_config_flags, config_from_args
 from ..errors import ConfigError
-from .handler import make_handler
+from ..flags import MAX_NUM_DRAFT
 from .mlx_flags import add_mlx_lm_server_flags
 from .provider import make_provider
 from .service import Service, counting
@@ -18,6 +19,8 @@ from ..flags import Parser
 
 
 DEFAULT_MAX_QUEUE = 4
+# Drafts of --draft (server/drafts.py, not imported until asked for).
+DRAFT_CHOICES = ("ngram", "mtp")
 
 
 # Connections the kernel holds before they are accepted (socketserver's 5
@@ -34,6 +37,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="requests that may wait while one runs; more get HTTP 429")
     p.add_argument("--memo-mb", type=float, default=0,
                    help="memory for memoised greedy responses, in MB (0: off)")
+    p.add_argument("--draft", choices=DRAFT_CHOICES, default=None,
+                   help="speculative decoding of each request with drafts: ngram (prompt "
+                        "lookup) or mtp (the model's own MTP layers); --num-draft-tokens "
+                        "per verify call; lossless, off by default")
     add_mlx_lm_server_flags(p)
     add_config_flags(p)
     return p
@@ -54,6 +61,11 @@ def serve(args) -> None:
         raise ConfigError("--adapter-path and --draft-model are not supported on a streamed "
                           "model")
     config = config_from_args(args)
+    if args.draft == "mtp" and not config.mtp:
+        config = replace(config, mtp=True)
+    if args.draft and not 1 <= args.num_draft_tokens <= MAX_NUM_DRAFT:
+        raise ConfigError(f"--num-draft-tokens must be from 1 to {MAX_NUM_DRAFT} with --draft, "
+                          f"got {args.num_draft_tokens}")
     _check_defaults(args)
     _check_address(args.host, args.port)
     configure_logging(args.log_level)
@@ -69,8 +81,17 @@ def serve(args) -> None:
     if problem is not None:
         raise ConfigError(f"--top-k: {problem[1]}")
     service = Service(provider, args.max_queue, args.memo_mb)
-    generator = mlx_server.ResponseGenerator(
-        provider, LRUPromptCache(args.prompt_cache_size))
+    from .handler import make_handler
+
+    if args.draft:
+        from . import drafts
+
+        generator = drafts.DraftingResponseGenerator(
+            provider, LRUPromptCache(args.prompt_cache_size))
+        drafts.install(generator, args.draft)
+    else:
+        generator = mlx_server.ResponseGenerator(
+            provider, LRUPromptCache(args.prompt_cache_size))
     try:
         generator.generate = counting(service, generator.generate)
         handler = make_handler(service)

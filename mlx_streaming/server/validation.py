@@ -4,6 +4,8 @@ what mlx-lm would accept and then fail on, or hold the queue for.
 
 from typing import Optional
 
+from ..flags import MAX_NUM_DRAFT
+
 
 # mlx-lm builds and keeps a matcher per set of stop strings, ~4 KB per
 # character: long ones are memory a request could pin.
@@ -133,6 +135,9 @@ def check_shape(body: dict, completion: bool):
     """Fields mlx-lm would pass on unchecked into a Python error (its text
     then the reply), and OpenAI fields this server does not serve, as
     ``(field, message)``; None when there are none."""
+    k = body.get("num_draft_tokens")
+    if k is not None and not (is_int(k) and 0 <= k <= MAX_NUM_DRAFT):
+        return "num_draft_tokens", f"'num_draft_tokens' must be an integer from 0 to {MAX_NUM_DRAFT}"
     for name in ("n", "best_of"):
         if body.get(name, 1) != 1:
             return name, f"'{name}' must be 1: this server returns one choice per request"
