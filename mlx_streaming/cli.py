@@ -10,6 +10,7 @@
 
 import atexit
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -50,6 +51,13 @@ class OutputClosed(Exception):
     """The reader of standard output went away (``write_out``)."""
 
 
+class _Output:
+    """Whether standard output stands in the middle of a line (text is
+    streamed to it a token at a time)."""
+
+    mid_line = False
+
+
 def write_out(text: str, end: str = "") -> None:
     """Print to standard output now; a reader that left is ``OutputClosed``
     (a broken pipe anywhere else stays an error)."""
@@ -57,6 +65,33 @@ def write_out(text: str, end: str = "") -> None:
         print(text, end=end, flush=True)
     except BrokenPipeError:
         raise OutputClosed() from None
+    if text or end:
+        _Output.mid_line = not (text + end).endswith("\n")
+
+
+class LineStartHandler(logging.StreamHandler):
+    """Log records on standard error, each from a line start: while text
+    streams to standard output a token at a time, a warning (the pools
+    shrinking) would otherwise land inside it on a terminal."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("[mlx_streaming] %(levelname)s: %(message)s"))
+
+    def emit(self, record):
+        if _Output.mid_line:
+            self.stream.write("\n")
+            _Output.mid_line = False
+        super().emit(record)
+
+
+def log_to_stderr(level: int = logging.WARNING) -> None:
+    """The package's log records on standard error, each at a line start
+    (``LineStartHandler``), for commands that stream text."""
+    logger = logging.getLogger("mlx_streaming")
+    if not any(isinstance(h, LineStartHandler) for h in logger.handlers):
+        logger.addHandler(LineStartHandler())
+    logger.setLevel(level)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -84,10 +84,12 @@ class StreamConfig:
         None, "spine layers kept resident; the others are read on every pass (default: "
         "as many as the budget holds)", type=int,
         bounds=dict(low=0, high=MAX_COUNT, optional=True))
-    spine_ring: int = _option(
-        DEFAULT_SPINE_RING, f"layer buffers that streamed spine layers take turns in "
-        f"(1-{MAX_SPINE_RING}); 2 reads the next layer while one computes", type=int,
-        bounds=dict(low=1, high=MAX_SPINE_RING))
+    spine_ring: Optional[int] = _option(
+        None, f"layer buffers that streamed spine layers take turns in (1-{MAX_SPINE_RING}); "
+        f"{DEFAULT_SPINE_RING} reads the next layer while one computes (default: "
+        f"{DEFAULT_SPINE_RING}, or 1 where {DEFAULT_SPINE_RING} do not fit)", type=int,
+        bounds=dict(low=1, high=MAX_SPINE_RING, optional=True),
+        shown_default=f"{DEFAULT_SPINE_RING} (1 when short)")
     io: str = _option("auto", "expert reader: the C++ extension, Python, or native "
                       "when built", choices=IO_CHOICES)
     direct_io: Optional[bool] = _option(
@@ -142,12 +144,14 @@ class StreamConfig:
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
         "(and again after its blob changes on disk), on every read, or never",
         choices=CHECKSUM_CHOICES)
-    reserve_gb: float = _option(DEFAULT_RESERVE_GB, "memory left free when cache_gb is "
-                                "not given, in GB", type=float, bounds=dict(low=0, high=MAX_GB))
+    reserve_gb: float = _option(
+        DEFAULT_RESERVE_GB, "memory left free for the rest of the process, in GB, or a "
+        "quarter of what is available where that is less: no budget may take it",
+        type=float, bounds=dict(low=0, high=MAX_GB))
     pressure_gb: float = _option(
-        DEFAULT_PRESSURE_GB, "when available memory falls below this many GB during a run, "
-        "the expert pools shrink (and grow back when it returns); 0: never", type=float,
-        bounds=dict(low=0, high=MAX_GB))
+        DEFAULT_PRESSURE_GB, "when available memory falls below this many GB during a run "
+        "(or half the reserve where that is less), the expert pools shrink, and grow back "
+        "when it returns; 0: never", type=float, bounds=dict(low=0, high=MAX_GB))
     trace: Optional[str] = _option(None, "write the routing of every MoE call to this file")
     mtp: bool = _option(False, "load the model's multi-token-prediction layers (kept by "
                         "convert when the checkpoint has them) to draft with (--draft mtp)",

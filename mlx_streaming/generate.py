@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .cli import run_main, write_out
+from .cli import log_to_stderr, run_main, write_out
 from .config import add_config_flags, config_from_args
 from .errors import ConfigError, first_line
 from .flags import Parser
@@ -205,6 +205,7 @@ def _read_stdin() -> str:
 def main(argv=None) -> int:
     def body():
         args = setup_arg_parser().parse_args(argv)
+        log_to_stderr()
         check_args(args)
         if args.prompt == "-":
             args.prompt = _read_stdin()

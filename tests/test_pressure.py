@@ -140,3 +140,32 @@ def test_the_default_budget_is_what_the_os_says_is_available(qwen):
     assert plan.slots == 6 and plan.streamed == ()
     with pytest.raises(BudgetError, match="available memory"):
         budget.plan_memory(manifest, config, 0, available=lambda: 2 * per_slot)
+
+
+def test_a_shrink_warning_starts_its_own_line_in_generate(qwen, monkeypatch, capsys):
+    """The warning goes to standard error from a line start, not into the
+    middle of the text streaming to standard output."""
+    from mlx_streaming import generate
+    from mlx_streaming.runtime import loader
+
+    calls = {"n": 0}
+
+    def available():
+        calls["n"] += 1
+        return 10 << 30 if calls["n"] < 8 else 0  # short once decoding is under way
+
+    class Watch(PressureWatch):
+        def __init__(self, runtime, threshold, per_slot, min_slots):
+            super().__init__(runtime, 1 << 30, per_slot, min_slots, available=available,
+                             every=1)
+
+    monkeypatch.setattr(loader, "PressureWatch", Watch)
+    assert generate.main(["--model", str(qwen[1]), "--prompt", "def f(x):", "--max-tokens",
+                          "24", "--slots-per-layer", "12"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()  # text was streaming
+    lines = err.splitlines()
+    warned = [i for i, l in enumerate(lines) if "pools shrink" in l]
+    assert warned and all(lines[i].startswith("[mlx_streaming] WARNING: available memory")
+                          for i in warned)
+    assert "\n[mlx_streaming] WARNING: available memory" in err

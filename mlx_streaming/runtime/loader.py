@@ -111,7 +111,10 @@ def load(
     model.streaming = runtime
     weakref.finalize(model, runtime.close)
     if runtime.paged and config.pressure_gb > 0:
-        runtime.pressure = PressureWatch(runtime, int(config.pressure_gb * GB),
+        # Below half the headroom: a load that leaves the headroom free
+        # does not shrink at its first check.
+        threshold = min(int(config.pressure_gb * GB), runtime.plan.headroom // 2)
+        runtime.pressure = PressureWatch(runtime, threshold,
                                          bytes_per_slot(manifest),
                                          min_slots(manifest))
     if runtime.paged or runtime.ring is not None:

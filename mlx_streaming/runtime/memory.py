@@ -7,7 +7,7 @@ cannot be.
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
-from ..config import StreamConfig
+from ..config import DEFAULT_SPINE_RING, StreamConfig
 from ..errors import BudgetError
 from ..format import DenseSpec, Manifest
 from ..system import available_memory_bytes
@@ -81,6 +81,7 @@ class MemoryPlan:
     ring: int  # bytes of the ring
     pinned_bytes: int
     staging: int = 0  # bytes of prefetch's staging area (paged pools only)
+    headroom: int = 0  # left free for the rest of the process (and the pressure bar)
 
     @property
     def total(self) -> int:
@@ -94,6 +95,7 @@ class MemoryPlan:
             "ring_buffers": self.ring_buffers, "ring_gb": self.ring / GB,
             "pool_gb": self.pool / GB, "slots_per_layer": self.slots,
             "staging_gb": self.staging / GB, "total_gb": self.total / GB,
+            "headroom_gb": self.headroom / GB,
         }
 
 
@@ -137,116 +139,141 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
                 available=available_memory_bytes) -> MemoryPlan:
     """Split the budget between the spine and the expert pools.
 
-    ``base_bytes`` is the always-resident spine. The budget is ``cache_gb``,
-    or what the OS says is available less ``reserve_gb``; with an explicit
-    ``slots_per_layer`` the pools are that size and the spine gets what is
-    available besides. With prefetch on, its staging area comes out of the
-    budget (with an explicit ``slots_per_layer``, it is added to what the
-    pools need), unless every expert is resident and no trace is asked
-    for (a trace keeps the pools paged).
+    ``base_bytes`` is the always-resident spine. A headroom stays free for
+    the rest of the process (its activations, caches, the libraries):
+    ``reserve_gb``, or a quarter of what is available where that is less.
+    The budget is ``cache_gb``, or what is available less the headroom; with
+    an explicit ``slots_per_layer`` the pools are that size and the spine
+    gets what is available besides. No size is accepted that would eat into
+    the headroom: a plan that loads, runs. With prefetch on, its staging
+    area comes out of the budget (with an explicit ``slots_per_layer``, it
+    is added to what the pools need), unless every expert is resident and
+    no trace is asked for (a trace keeps the pools paged). Without an
+    explicit ``spine_ring``, a ring of one buffer is tried before refusing.
 
     Raises:
         BudgetError: the budget holds less than the resident spine, one
-            token's experts, the ring and the staging area (the message
-            names the minimum),
-            or an explicit size needs more memory than is available (it
-            names the most that fits): refused here rather than killed by
-            the OS later.
+            token's experts, the ring and the staging area, or a size
+            needs more memory than is available besides the headroom: the
+            message names the number that fits, refused here rather than
+            killed by the OS later.
     """
+    avail = available()
+    headroom = min(int(cfg.reserve_gb * GB), avail // 4)
+    rings = (cfg.spine_ring,) if cfg.spine_ring is not None else (DEFAULT_SPINE_RING, 1)
+    for ring in rings:
+        try:
+            return _plan(manifest, cfg, base_bytes, _Room(avail, headroom, ring))
+        except BudgetError:
+            if ring == rings[-1]:
+                raise
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class _Room:
+    """What a plan is made in: memory available now, the headroom kept
+    free of it, and the spine ring's buffers."""
+
+    avail: int
+    headroom: int
+    ring: int
+
+    @property
+    def usable(self) -> int:
+        return self.avail - self.headroom
+
+
+def _plan(manifest: Manifest, cfg: StreamConfig, base_bytes: int, room: _Room) -> MemoryPlan:
     need = min_slots(manifest)
     per_slot = bytes_per_slot(manifest)
     dense = manifest.dense
-    buffers = cfg.spine_ring
     # The least the spine can run in: base and a ring of the largest record
     # (or every record pinned, when that is less).
-    least_spine = base_bytes + (min(min(buffers, len(dense)) * max(d.nbytes for d in dense),
+    least_spine = base_bytes + (min(min(room.ring, len(dense)) * max(d.nbytes for d in dense),
                                     sum(d.nbytes for d in dense)) if dense else 0)
     if dense and cfg.pinned_layers is not None:
-        pins = _split_spine(dense, 0, buffers, cfg.pinned_layers)
+        pins = _split_spine(dense, 0, room.ring, cfg.pinned_layers)
         least_spine = base_bytes + pins[3] + pins[4]
-    avail = available()
-    # What advice leaves free for the KV cache, activations and the rest of
-    # the process: the reserve, or a quarter of what is available if less.
-    headroom = min(int(cfg.reserve_gb * GB), avail // 4)
-    # Prefetch stages its reads outside the pools, when there are pools to
-    # miss in (a trace keeps every pool paged).
     everything = max_slots(manifest)
 
     def staging_of(slots: int) -> int:
+        # Prefetch stages outside the pools where there are pools to miss
+        # in (a trace keeps every pool paged).
         return (staging_bytes(manifest, cfg)
                 if slots < everything or cfg.trace is not None else 0)
 
     least = least_spine + need * per_slot + staging_of(need)
-
     if cfg.slots_per_layer is not None:
-        slots = cfg.slots_per_layer
-        if slots < need:
-            raise BudgetError(
-                f"slots_per_layer={slots} is below the minimum of {need} "
-                "(the experts one token routes to); use at least that")
-        slots = min(slots, everything)
-        asked = least_spine + slots * per_slot + staging_of(slots)
-        # What the spine may pin keeps the headroom free; the pools are as asked.
-        budget = max(avail - headroom, asked)
-        source = f"available memory ({_gb(avail)} GB, less {_gb(headroom)} GB headroom)"
-        if asked > avail:
-            # The advice keeps the spine resident when it can be: streaming
-            # it costs more reads than the slots it would make room for save.
-            whole = base_bytes + sum(d.nbytes for d in dense)
-            spine = (whole if whole + need * per_slot + staging_of(need) <= avail - headroom
-                     else least_spine)
-            most = min(int((avail - headroom - spine - staging_of(need)) // per_slot),
-                       everything)
-            if most >= need:
-                advice = (f"use --slots-per-layer {most} or less (with "
-                          f"{_gb(spine, up=True)} GB of spine resident)")
-            elif least <= avail:
-                advice = (f"use --slots-per-layer {need} (the least that loads, leaving "
-                          f"{_gb(avail - least)} GB for the rest of the process)")
-            else:
-                advice = _no_room(least, avail)
-            raise BudgetError(
-                f"slots_per_layer={cfg.slots_per_layer} needs at least "
-                f"{_gb(asked, up=True)} GB, but only {_gb(avail)} GB "
-                f"of memory is available: {advice}")
+        return _plan_slots(manifest, cfg, base_bytes, room, least_spine, least, staging_of)
+    if cfg.cache_gb is not None:
+        budget, source = int(cfg.cache_gb * GB), f"cache budget {cfg.cache_gb:g} GB"
     else:
-        if cfg.cache_gb is not None:
-            budget, source = int(cfg.cache_gb * GB), f"cache budget {cfg.cache_gb:g} GB"
-        else:
-            # What the OS says this process can take (available, not just
-            # free: reclaimable page cache counts), less a reserve.
-            budget = int(avail - cfg.reserve_gb * GB)
-            source = f"available memory ({_gb(avail)} GB, less {cfg.reserve_gb:g} GB reserve)"
-        if budget < least:
-            value = _gb_in(least, avail)
-            advice = (f"use --cache-gb {value} or more" if value is not None
-                      else _no_room(least, avail))
-            raise BudgetError(
-                f"{source} holds less than one token's experts (the minimum of {need} per "
-                f"layer, {_gb(need * per_slot)} GB) and the {_gb(least_spine)} GB the spine "
-                f"needs at least{_staging_note(staging_of(need))}: {advice}"
-                + ("" if dense else "; this directory keeps its whole spine in safetensors, "
-                   "while one converted by `mlx_streaming convert` (format version 2) "
-                   "streams its spine layers too"))
-        slots = need
+        budget = room.usable
+        source = (f"available memory ({_gb(room.avail)} GB, less {_gb(room.headroom)} GB "
+                  "headroom)")
+    if budget < least:
+        advice = (_no_room(least, room) if cfg.cache_gb is None or least > room.usable
+                  else f"use --cache-gb {_gb_in(least, room.usable)} or more")
+        raise BudgetError(
+            f"{source} holds less than one token's experts (the minimum of {need} per "
+            f"layer, {_gb(need * per_slot)} GB) and the {_gb(least_spine)} GB the spine "
+            f"needs at least{_staging_note(staging_of(need))}: {advice}"
+            + ("" if dense else "; this directory keeps its whole spine in safetensors, "
+               "while one converted by `mlx_streaming convert` (format version 2) "
+               "streams its spine layers too"))
+    spine_room = budget - base_bytes - need * per_slot - staging_of(need)
+    pinned, streamed, ring_buffers, ring, pinned_bytes = _split_spine(
+        dense, spine_room, room.ring, cfg.pinned_layers)
+    left = budget - base_bytes - pinned_bytes - ring
+    if left // per_slot < everything or cfg.trace is not None:
+        # Short of every expert resident, the staging comes out of the pools.
+        left -= staging_of(need)
+    slots = max(need, min(int(left // per_slot), everything))
+    total = base_bytes + pinned_bytes + ring + slots * per_slot + staging_of(slots)
+    if cfg.cache_gb is not None and total > room.usable:
+        raise BudgetError(
+            f"cache_gb={cfg.cache_gb:g} needs {_gb(total, up=True)} GB, but only "
+            f"{_gb(room.usable)} GB of the {_gb(room.avail)} GB available can go to the "
+            f"model (the rest of the process needs {_gb(room.headroom)} GB): "
+            + _cache_advice(least, room))
+    return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
+                      ring_buffers, ring, pinned_bytes, staging_of(slots), room.headroom)
 
+
+def _plan_slots(manifest, cfg, base_bytes, room: _Room, least_spine: int, least: int,
+                staging_of) -> MemoryPlan:
+    """The plan of an explicit ``slots_per_layer``: the pools as asked, the
+    spine pinned as far as the memory left allows."""
+    need, per_slot, dense = min_slots(manifest), bytes_per_slot(manifest), manifest.dense
+    slots = cfg.slots_per_layer
+    if slots < need:
+        raise BudgetError(f"slots_per_layer={slots} is below the minimum of {need} "
+                          "(the experts one token routes to); use at least that")
+    slots = min(slots, max_slots(manifest))
+    asked = least_spine + slots * per_slot + staging_of(slots)
+    if asked > room.usable:
+        # The advice keeps the spine resident when it can be: streaming it
+        # costs more reads than the slots it would make room for save.
+        whole = base_bytes + sum(d.nbytes for d in dense)
+        spine = whole if whole + need * per_slot + staging_of(need) <= room.usable \
+            else least_spine
+        most = min(int((room.usable - spine - staging_of(need)) // per_slot),
+                   max_slots(manifest))
+        advice = (f"use --slots-per-layer {most} or less (with {_gb(spine, up=True)} GB of "
+                  "spine resident)" if most >= need else _no_room(least, room))
+        raise BudgetError(
+            f"slots_per_layer={cfg.slots_per_layer} needs at least {_gb(asked, up=True)} GB, "
+            f"but only {_gb(room.usable)} GB of the {_gb(room.avail)} GB available can go "
+            f"to the model (the rest of the process needs {_gb(room.headroom)} GB): {advice}")
+    # What the spine may pin keeps the headroom free; the pools are as asked.
+    budget = room.usable
+    source = f"available memory ({_gb(room.avail)} GB, less {_gb(room.headroom)} GB headroom)"
     spine_room = budget - base_bytes - slots * per_slot - staging_of(slots)
     pinned, streamed, ring_buffers, ring, pinned_bytes = _split_spine(
-        dense, spine_room, buffers, cfg.pinned_layers)
-    if cfg.slots_per_layer is None:
-        left = budget - base_bytes - pinned_bytes - ring
-        if left // per_slot < everything or cfg.trace is not None:
-            # Short of every expert resident, the staging comes out of the pools.
-            left -= staging_of(need)
-        slots = max(need, min(int(left // per_slot), everything))
-        total = base_bytes + pinned_bytes + ring + slots * per_slot + staging_of(slots)
-        if cfg.cache_gb is not None and total > avail:
-            raise BudgetError(
-                f"cache_gb={cfg.cache_gb:g} needs {_gb(total, up=True)} GB, but only "
-                f"{_gb(avail)} GB of memory is available: "
-                + _cache_advice(least, avail, headroom))
+        dense, spine_room, room.ring, cfg.pinned_layers)
     return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
-                      ring_buffers, ring, pinned_bytes, staging_of(slots))
+                      ring_buffers, ring, pinned_bytes, staging_of(slots), room.headroom)
 
 
 def _staging_note(staging: int) -> str:
@@ -256,22 +283,17 @@ def _staging_note(staging: int) -> str:
             "--prefetch off or a smaller --prefetch-width)")
 
 
-def _no_room(least: int, avail: int) -> str:
-    return (f"the model needs at least {_gb(least, up=True)} GB and only {_gb(avail)} GB "
-            "is available; free memory or use a machine with more")
+def _no_room(least: int, room: _Room) -> str:
+    return (f"the model needs at least {_gb(least, up=True)} GB besides the "
+            f"{_gb(room.headroom, up=True)} GB the rest of the process needs, and only "
+            f"{_gb(room.avail)} GB is available; free memory or use a machine with more "
+            "(or lower --reserve-gb, at the risk of the process being killed)")
 
 
-def _cache_advice(least: int, avail: int, headroom: int) -> str:
-    """A ``--cache-gb`` that loads and leaves the headroom free when there
-    is room for it, else the least that loads, else none."""
-    value = _gb_in(least, avail - headroom, high_end=True)
-    if value is not None:
-        return f"use --cache-gb {value} or less"
-    value = _gb_in(least, avail)
-    if value is not None:
-        return (f"use --cache-gb {value} (the least that loads, leaving "
-                f"{_gb(avail - least)} GB for the rest of the process)")
-    return _no_room(least, avail)
+def _cache_advice(least: int, room: _Room) -> str:
+    """A ``--cache-gb`` that loads and leaves the headroom free, or none."""
+    value = _gb_in(least, room.usable, high_end=True)
+    return f"use --cache-gb {value} or less" if value is not None else _no_room(least, room)
 
 
 def _gb_in(low: int, high: int, high_end: bool = False) -> Optional[str]:
