@@ -145,3 +145,40 @@ def test_synthetic_model_written_directly_equals_its_conversion(tmp_path, tokeni
         blob = lambda d, l: (d / "experts" / l.file).read_bytes()  # noqa: E731
         assert blob(direct, la) == blob(converted, lb)
     check_matches_resident(mlx_dir, converted, slots_per_layer=2)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(q_bits=0), "--q-bits must be one of 2, 3, 4, 5, 6, 8"),
+    (dict(q_bits=7), "--q-bits must be one of"),
+    (dict(q_group_size=0), "--q-group-size must be one of 32, 64, 128"),
+    (dict(q_group_size=7), "--q-group-size must be one of"),
+    (dict(q_mode="mxfp4", q_bits=8), "--q-bits must be one of 4 for mxfp4"),
+])
+def test_quantization_settings_mlx_does_not_take_are_refused(models, tmp_path, options,
+                                                             message):
+    """A 0 silently became mlx-lm's default; a group size of 7 wrote a config
+    claiming it while the experts stayed float."""
+    src, _ = models.get("qwen3_moe", quantized=False)
+    with pytest.raises(ConversionError, match=message):
+        convert(src, tmp_path / "out", quantize=True, progress=False, **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_group_size_that_leaves_the_experts_float_is_refused(tmp_path, tokenizer_dir):
+    # Expert inputs of 96 (the hidden size): divisible by 32, not by 64.
+    config = tiny.tiny_config("qwen3_moe", VOCAB, hidden_size=96, num_attention_heads=3,
+                              num_key_value_heads=1, head_dim=32)
+    src = tiny.save_mlx_model(tiny.build_model(config), config, tmp_path / "m", tokenizer_dir)
+    with pytest.raises(ConversionError, match="does not divide the inputs of the experts"):
+        convert(src, tmp_path / "out", quantize=True, q_group_size=128, progress=False)
+
+
+def test_half_precision_experts_warn_at_convert_and_are_refused_on_the_cpu(models, tmp_path):
+    """MLX's CPU backend computes unquantized experts in float32 only: a
+    float16 conversion without -q warns, and loading it there is one line,
+    not a RuntimeError at the first token."""
+    src, _ = models.get("qwen3_moe", quantized=False)
+    with pytest.warns(RuntimeWarning, match="CPU backend cannot compute"):
+        dst = convert(src, tmp_path / "f16", dtype="float16", progress=False)
+    with pytest.raises(FormatError, match="unquantized float16.*convert the model again"):
+        mlx_streaming.load(dst, slots_per_layer=4)

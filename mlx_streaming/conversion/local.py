@@ -10,11 +10,13 @@ the layers that were finished and redoes the rest.
 import json
 import os
 import shutil
+import warnings
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, quantize_model, save_config
 from ..models.discover import (
     find_expert_blocks,
@@ -43,6 +45,7 @@ from .dense import convert_dense, write_spine, resident_modules
 from .experts import convert_layer, release_experts, find_top_k
 from .resume import SKIP_FILES, State, check_dst, check_not_source, clear_dst, dst_state, conversion_fingerprint, fsync_written, os_error
 from ..format import TOKENIZER_PATTERNS
+from ..models.discover import projections
 
 
 
@@ -125,6 +128,8 @@ def convert(
     dst = Path(dst).expanduser()
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
+    if quantize:
+        check_quantization(q_bits, q_group_size, q_mode)
     options = dict(
         quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode, dtype=dtype
     )
@@ -201,7 +206,52 @@ def _prepare_model(model, config, src, quantize, q_bits, q_group_size, q_mode, d
             model, config = quantize_model(model, config, q_group_size, q_bits, mode=q_mode)
         except ValueError as e:
             raise ConversionError(f"cannot quantize with these settings: {e}") from None
+        float_experts = [path for path, block in blocks
+                         if any(not isinstance(block[n], QuantizedSwitchLinear)
+                                for n in projections(block))]
+        if float_experts:
+            # mlx-lm skips a layer whose inputs the group size does not divide.
+            raise ConversionError(
+                f"--q-group-size {q_group_size} does not divide the inputs of the experts of "
+                f"{float_experts[0]}, which would stay unquantized; use 32, 64 or 128")
+    else:
+        unquantized_floats_warning(model, blocks)
     return model, config, blocks
+
+
+# What mx.quantize takes, per mode: (bits, group sizes).
+QUANTIZATION = {"affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)), "mxfp4": ((4,), (32,)),
+                "nvfp4": ((4,), (16,)), "mxfp8": ((8,), (32,))}
+
+
+def check_quantization(bits: int, group_size: int, mode: str) -> None:
+    """Refuse quantization settings MLX does not take before anything is
+    read (a 0 became mlx-lm's default, silently)."""
+    if mode not in QUANTIZATION:
+        raise ConversionError(f"--q-mode must be one of {', '.join(QUANTIZATION)}, got {mode!r}")
+    allowed_bits, allowed_groups = QUANTIZATION[mode]
+    if bits not in allowed_bits:
+        raise ConversionError(f"--q-bits must be one of {', '.join(map(str, allowed_bits))} "
+                              f"for {mode}, got {bits}")
+    if group_size not in allowed_groups:
+        raise ConversionError(f"--q-group-size must be one of "
+                              f"{', '.join(map(str, allowed_groups))} for {mode}, got {group_size}")
+
+
+def unquantized_floats_warning(model, blocks) -> None:
+    """Warn when the experts stay unquantized in a half-precision type:
+    MLX's CPU backend computes unquantized experts in float32 only (they
+    run on a GPU)."""
+    for path, block in blocks:
+        for name in projections(block):
+            dtype = block[name].weight.dtype
+            if dtype in (mx.float16, mx.bfloat16):
+                warnings.warn(
+                    f"mlx_streaming: the experts of {path} stay unquantized {dtype}, which "
+                    "MLX's CPU backend cannot compute (float32 only there); convert with -q, "
+                    "or --dtype float32, to run them on a CPU", RuntimeWarning, stacklevel=4)
+                return
+
 
 
 def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprint, options,

@@ -19,7 +19,7 @@ from ..io.choice import make_reader, choose_direct_io
 from ..io.python import PythonReader
 from ..models.discover import get_module
 from .memory import GB, bytes_per_slot, min_slots, plan_memory
-from .model_spine import attach_mtp, load_spine, spine_bytes
+from .model_spine import attach_mtp, check_experts_compute_here, load_spine, spine_bytes
 from .pressure import PressureWatch
 from .residency import install_blocks
 from .runtime import Runtime
@@ -93,6 +93,7 @@ def load(
     if repo is not None:
         hub.check_remote_blobs(repo, manifest)
     check_spine_files(path, manifest, checksums=config.checksums == "always")
+    check_experts_compute_here(manifest)
     model, model_config = load_spine(path, manifest, model_config, trust_remote_code)
     # Before the runtime and the weights: a broken tokenizer is known
     # without waiting for a large model to load.

@@ -131,3 +131,24 @@ def attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: d
 
 def spine_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in spine_files(path))
+
+
+def check_experts_compute_here(manifest: Manifest) -> None:
+    """Refuse unquantized half-precision experts on MLX's CPU backend, whose
+    expert matmul (``gather_mm``) computes float32 only: one line at load
+    instead of a RuntimeError at the first token.
+
+    Raises:
+        FormatError: such experts, with the device the CPU.
+    """
+    if mx.default_device() != mx.cpu:
+        return
+    for spec in manifest.layers:
+        for seg in spec.segments:
+            proj = seg.name.split(".", 1)[0]
+            if (seg.name.endswith(".weight") and spec.quantization.get(proj) is None
+                    and seg.dtype in ("float16", "bfloat16")):
+                raise FormatError(
+                    f"the experts of layer {spec.layer} are unquantized {seg.dtype}, which "
+                    "MLX's CPU backend cannot compute (float32 only there); convert the "
+                    "model again with -q, or with --dtype float32")
