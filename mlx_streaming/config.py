@@ -189,6 +189,12 @@ class StreamConfig:
             object.__setattr__(self, "trace", os.path.expanduser(trace))
         if self.direct_io is not None:
             _check_bool("direct_io", self.direct_io, "None, ")
+        for name in ("disk_cache_dir", "endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (str, os.PathLike))
+                                          and os.fspath(value).strip()):
+                # "" would have been the current directory, silently.
+                raise ConfigError(f"{name} must be a non-empty path or None, got {value!r}")
         for f in fields(self):
             bounds = f.metadata.get("bounds")
             if bounds is not None:

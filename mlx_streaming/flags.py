@@ -145,7 +145,7 @@ def fractions(text: str) -> List[float]:
 
 
 def draft(text: str) -> str:
-    """A draft of ``bench verify --drafts``: ``ngram``, ``mtp`` or
+    """A draft of ``bench speculative --drafts``: ``ngram``, ``mtp`` or
     ``model:PATH`` (an mlx-lm model directory or repo id)."""
     if text in ("ngram", "mtp") or (text.startswith("model:") and len(text) > len("model:")):
         return text

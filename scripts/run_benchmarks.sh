@@ -39,8 +39,8 @@ python -m mlx_streaming.bench decode --model "$S-stream" --mlx-model "$S-mlx" \
   --pools 0.125,0.25 --memory-limit-gb 2 --cold --max-tokens 24 --repeats 3 \
   --out "$out/decode-syn6g-limited"
 python -m mlx_streaming.bench cache --model "$T/stream" --tokens 1024 --out "$out/cache-trained"
-python -m mlx_streaming.bench verify --model "$T/stream" --mlx-model "$T/mlx" --out "$out/verify-trained"
-python -m mlx_streaming.bench verify --model "$S-stream" --pool 0.25 --repeats 4 \
+python -m mlx_streaming.bench speculative --model "$T/stream" --mlx-model "$T/mlx" --out "$out/verify-trained"
+python -m mlx_streaming.bench speculative --model "$S-stream" --pool 0.25 --repeats 4 \
   --out "$out/verify-syn6g"
 python -m mlx_streaming.bench prefill --model "$T/stream" --mlx-model "$T/mlx" \
   --out "$out/prefill-trained"

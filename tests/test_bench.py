@@ -14,7 +14,7 @@ import mlx_streaming
 from mlx_streaming.bench import cache as bench_cache
 from mlx_streaming.bench.__main__ import main as bench_main
 from mlx_streaming.bench.common import routing_stats
-from mlx_streaming.bench.verify import expected_tokens
+from mlx_streaming.bench.speculative import expected_tokens
 from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.runtime.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA, make_policy
 
@@ -127,9 +127,9 @@ def test_bench_decode_cache_verify_prefill(models, tmp_path, capsys):
     c = json.loads((tmp_path / "cache" / "cache.json").read_text())
     assert all(r["belady"] >= r["lru"] for r in c["rows"])
 
-    _run(["verify", *common, "--mlx-model", str(src), "--max-k", "3", "--repeats", "2"],
-         tmp_path / "verify")
-    v = json.loads((tmp_path / "verify" / "verify.json").read_text())
+    _run(["speculative", *common, "--mlx-model", str(src), "--max-k", "3", "--repeats", "2"],
+         tmp_path / "speculative")
+    v = json.loads((tmp_path / "speculative" / "speculative.json").read_text())
     streamed = [r for r in v["rows"] if r["case"].startswith("streaming")]
     assert [r["k"] for r in streamed] == [1, 2, 3]
     # The union of a verify call's experts grows with K.
@@ -279,12 +279,12 @@ def test_bench_fetch_compares_the_hub_with_local_disk(models, tmp_path):
     assert full["requests_per_token"] <= none["requests_per_token"]
 
 
-def test_bench_verify_with_real_drafts(models, tmp_path):
+def test_bench_speculative_with_real_drafts(models, tmp_path):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
-    _run(["verify", "--model", str(stream_dir), "--mlx-model", str(src), "--drafts",
+    _run(["speculative", "--model", str(stream_dir), "--mlx-model", str(src), "--drafts",
           f"ngram,model:{src}", "--draft-tokens", "2", "--pools", "0.25", "--tokens", "8",
           "--repeats", "1", "--overlap", "on,off"], tmp_path / "v")
-    rows = json.loads((tmp_path / "v" / "verify-drafts.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "v" / "speculative-drafts.json").read_text())["rows"]
     streamed = [r for r in rows if r["case"].startswith("streamed")]
     assert {r["case"] for r in streamed} == {"streamed 4/16 overlap on",
                                              "streamed 4/16 overlap off"}
@@ -735,8 +735,8 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     (["decode", "--temp", "-1"], "--temp: must be a finite number at least 0"),
     (["cache", "--tokens", "0"], "--tokens: must be an integer from 1"),
     (["cache", "--trace", "/no/such/trace"], "--trace: no such file"),
-    (["verify", "--max-k", "0"], "--max-k: must be an integer from 1 to 64"),
-    (["verify", "--drafts", "bogus"], "--drafts: must be ngram, mtp or model:PATH"),
+    (["speculative", "--max-k", "0"], "--max-k: must be an integer from 1 to 64"),
+    (["speculative", "--drafts", "bogus"], "--drafts: must be ngram, mtp or model:PATH"),
     (["prefill", "--lengths", "abc"], "--lengths: must be an integer"),
     (["io", "--sizes", "4Q"], "--sizes: must be a size like 256K"),
     (["io", "--sizes", "5000"], "a multiple of 4096"),

@@ -148,3 +148,14 @@ def test_generate_reads_the_prompt_from_stdin_with_a_dash(qwen):
     assert_one_line_error(subprocess.CompletedProcess(bad.args, bad.returncode,
                                                       bad.stdout.decode(), bad.stderr.decode()),
                           "not valid UTF-8")
+
+
+def test_the_command_lists_every_subcommand():
+    from mlx_streaming.bench.__main__ import SUBCOMMANDS
+    from mlx_streaming.cli import COMMANDS
+
+    proc = run("mlx_streaming", "--help")
+    for name in COMMANDS:
+        assert f"mlx_streaming {name}" in proc.stderr
+    listed = proc.stderr.split("mlx_streaming bench")[1].split("}")[0]
+    assert sorted(listed.strip(" {").split(",")) == sorted(SUBCOMMANDS)

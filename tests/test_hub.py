@@ -4,6 +4,7 @@ server started by each test stands in for the Hub (``hubserver``)."""
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -481,3 +482,62 @@ def test_a_server_on_a_hub_repo_logs_a_line_per_request(served, tmp_path):
     assert len(requests) == 2, err
     assert len(served.ranged()) > 10  # the experts did come by range request
     assert len(err.splitlines()) <= 8, err
+
+
+def test_the_hub_stand_in_takes_clients_that_leave_early(qwen, capfd):
+    """A client that resets its connection mid-request or mid-answer is no
+    error of the server's: no traceback (11 in this sequence, before)."""
+    import socket
+    import struct
+
+    with HubServer({REPO: qwen[1]}) as server:
+        host, port = server._httpd.server_address[:2]
+        blob = sorted((Path(qwen[1]) / "experts").glob("*.blob"))[0].name
+        for path in (f"/api/models/{REPO}/revision/main", f"/{REPO}/resolve/main/config.json",
+                     f"/api/models/{REPO}/tree/main", f"/{REPO}/resolve/main/experts/{blob}"):
+            for cut in (10, None):
+                s = socket.create_connection((host, port))
+                request = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+                s.sendall(request[:cut])
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+        time.sleep(0.5)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_disk_cache_that_cannot_write_warns_once(tmp_path, caplog):
+    """A full disk said so for every record (186 lines)."""
+    cache = DiskCache(tmp_path / "c", 1 << 30)
+    (tmp_path / "c" / "layer000.blob").write_text("a file where a directory goes")
+    with caplog.at_level(logging.DEBUG, logger="mlx_streaming.hub.disk_cache"):
+        for e in range(5):
+            cache.put(f"layer000.blob/{e}", b"x" * 100)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "cannot write" in warned[0].getMessage()
+    assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 5
+    cache.close()
+
+
+def test_an_empty_disk_cache_dir_is_refused(qwen):
+    """"" was the current directory: hub/ and records/ written there."""
+    with pytest.raises(ConfigError, match="disk_cache_dir must be a non-empty path"):
+        mlx_streaming.load(REPO, disk_cache_dir="")
+
+
+def test_a_local_directory_spelled_as_a_repo_id_says_so(qwen, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(qwen[1], tmp_path / "org" / "model")
+    with pytest.warns(UserWarning, match="local directory org/model, not the Hugging Face"):
+        model, _ = mlx_streaming.load("org/model", slots_per_layer=4)
+    model.streaming.close()
+    with pytest.raises(ConfigError, match="revision must be a branch, tag or commit"):
+        mlx_streaming.load(REPO, revision=5)
+
+
+def test_an_upload_to_a_bad_repo_id_is_refused_before_converting(qwen, tmp_path):
+    from mlx_streaming.conversion import cli
+
+    out = tmp_path / "s"
+    rc = cli.main(["--model", str(qwen[0]), "--out", str(out), "--no-progress",
+                   "--upload", "bad id"])
+    assert rc == 1 and not out.exists()

@@ -321,6 +321,33 @@ def test_a_dense_record_rewritten_mid_run_is_checked_again(models, tmp_path):
     model.streaming.close()
 
 
+def test_a_rewrite_that_puts_the_mtime_back_is_noticed(models, tmp_path):
+    """Same size, same inode, the modification time restored: the change of
+    its ctime (which no one can set) still tells (once, the text changed
+    silently)."""
+    import os
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    copy = tmp_path / "rewritten"
+    shutil.copytree(stream_dir, copy)
+    model, _ = mlx_streaming.load(copy, pinned_layers=0, slots_per_layer=4)
+    mx.eval(model(mx.array([PROMPT])))
+    spec = read_manifest(copy).dense[1]
+    path = dense_path(copy, spec)
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(spec.segments[0].offset + 3)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
+        for _ in range(3):
+            mx.eval(model(mx.array([PROMPT[:3]])))
+    model.streaming.close()
+
+
 def test_the_returned_config_is_the_models_own(models):
     """The per-module quantization handed to mlx-lm for the dense records
     does not leak into the config ``load`` returns."""

@@ -7,7 +7,7 @@ PNG plot into --out.
     python -m mlx_streaming.bench overhead --model STREAM
     python -m mlx_streaming.bench simulate --validate --model STREAM --mlx-model MLX
     python -m mlx_streaming.bench simulate --project --trace TRACE
-    python -m mlx_streaming.bench verify  --model STREAM [--mlx-model MLX]
+    python -m mlx_streaming.bench speculative --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench prefill --model STREAM [--mlx-model MLX]
     python -m mlx_streaming.bench io      [--model STREAM]
     python -m mlx_streaming.bench serve   --model STREAM --mlx-model MLX [--clients 1,4]
@@ -21,7 +21,7 @@ from ..cli import run_main
 from ..flags import Parser
 from .common import BenchError
 
-SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "verify", "prefill", "io", "serve",
+SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "speculative", "prefill", "io", "serve",
                "fetch")
 
 

@@ -42,12 +42,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_repo_id(repo_id: str) -> None:
+    """Refuse an ``--upload`` id the Hub cannot take before converting."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ConversionError(f"--upload {repo_id!r} is not a repo id ({first_line(e)}); "
+                              "give ORG/NAME") from None
+    if "/" not in repo_id:
+        raise ConversionError(f"--upload {repo_id!r} names no owner; give ORG/NAME")
+
+
 def upload(out: Path, repo_id: str, endpoint: Optional[str] = None,
            private: bool = False) -> str:
     """Publish the stream directory ``out`` to the Hub model repo ``repo_id``
     (created if needed) in one commit. Returns the commit URL."""
     from huggingface_hub import HfApi
 
+    check_repo_id(repo_id)
     if not manifest_path(out).is_file():
         raise ConversionError(f"{out} is not a complete stream directory; convert it first")
     api = HfApi(endpoint=endpoint)
@@ -57,11 +71,20 @@ def upload(out: Path, repo_id: str, endpoint: Optional[str] = None,
                                  commit_message="Upload mlx_streaming stream directory",
                                  ignore_patterns=[CONVERT_STATE_NAME, "*.tmp*"])
     except Exception as e:
-        raise ConversionError(
-            f"cannot upload {out} to {repo_id} ({type(e).__name__}: "
-            f"{first_line(e)}); log in with `hf auth login` or set HF_TOKEN, "
-            "and check the repo id") from None
+        raise ConversionError(f"cannot upload {out} to {repo_id} ({type(e).__name__}: "
+                              f"{first_line(e)}); {_upload_hint(e, api)}") from None
     return str(info)
+
+
+def _upload_hint(error: Exception, api) -> str:
+    """What to do about a failed upload, by what failed."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if status in (401, 403):
+        return "log in with `hf auth login` or set HF_TOKEN, with write access to the repo"
+    if status is None and any(w in type(error).__name__ for w in ("Connect", "Timeout")):
+        return (f"the Hub at {api.endpoint} cannot be reached; check the network or "
+                "--endpoint, then upload again (the conversion is done: it is not redone)")
+    return "check the repo id and your access to it, then run the same command again"
 
 
 def main(argv=None) -> int:
@@ -69,6 +92,8 @@ def main(argv=None) -> int:
 
     def body():
         args = setup_arg_parser().parse_args(argv)
+        if args.upload:
+            check_repo_id(args.upload)  # before hours of converting
         out = convert(
             args.model,
             args.out,

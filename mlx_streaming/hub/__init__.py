@@ -6,6 +6,7 @@ from .repo import (  # noqa: F401
     check_remote_blobs,
     check_revision_use,
     is_repo_id,
+    looks_like_repo_id,
     make_remote_reader,
     open_model,
 )

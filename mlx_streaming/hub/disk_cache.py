@@ -34,6 +34,7 @@ class DiskCache:
     def __init__(self, root: Path, cap_bytes: int):
         self.root = Path(root)
         self.cap = int(cap_bytes)
+        self._warned = False  # about a failed write
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock_file = open(self.root / ".lock", "w")
@@ -131,12 +132,18 @@ class DiskCache:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # its directory could not be made either
             with self._lock:
                 self.used -= nbytes
                 self._writing.discard(key)
-            log.warning("cannot write %s to the disk cache (%s); continuing without it",
-                        key, e.strerror)
+            # Once per cache: a full disk would say so for every record.
+            (log.debug if self._warned else log.warning)(
+                "cannot write %s to the disk cache (%s); continuing without caching what "
+                "fails to write", key, e.strerror)
+            self._warned = True
             return
         with self._lock:
             self._index[key] = nbytes

@@ -29,9 +29,14 @@ MANIFEST_FILE = f"{EXPERTS_DIR}/{MANIFEST_NAME}"
 DEFAULT_DISK_SHARE = 0.5
 
 
+def looks_like_repo_id(name: str) -> bool:
+    """Spelled ``org/name``, as a repo id is."""
+    return bool(REPO_ID.fullmatch(name))
+
+
 def is_repo_id(name: str) -> bool:
     """``org/name`` that is not a local path."""
-    return bool(REPO_ID.fullmatch(name)) and not Path(name).expanduser().exists()
+    return looks_like_repo_id(name) and not Path(name).expanduser().exists()
 
 
 def cache_root(config: StreamConfig) -> Path:

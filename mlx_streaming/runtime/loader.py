@@ -138,8 +138,15 @@ def _load_tokenizer(path: Path, tokenizer_config, model_config: dict):
 
 def _locate(name: str, revision: Optional[str], config: StreamConfig):
     """``(stream directory, Hub repo whose blobs are fetched, or None)``."""
+    if revision is not None and not isinstance(revision, str):
+        raise ConfigError(f"revision must be a branch, tag or commit (a string), got "
+                          f"{revision!r}")
     if hub.is_repo_id(name):
         return hub.open_model(name, revision, config)
+    if hub.looks_like_repo_id(name):
+        warnings.warn(f"mlx_streaming: loading the local directory {name}, not the Hugging "
+                      f"Face repo of that name (give ./{name} to say so)", UserWarning,
+                      stacklevel=3)
     hub.check_revision_use(name, revision)
     return Path(name).expanduser(), None
 

@@ -35,7 +35,8 @@ class BlobWatch:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
+        # ctime too: a file rewritten with its mtime put back still changes it.
+        return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def changed(self) -> bool:
         """True once per change (the new state becomes the reference)."""

@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -305,6 +306,17 @@ def _parse_range(header: Optional[str], size: int) -> Optional[Tuple[int, int]]:
     return start, min(end, size - 1)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that closes its connection early (a fetch cancelled, a
+    process stopped) is no error of the server's: no traceback for it."""
+
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
 class HubServer:
     """Serve ``{repo_id: directory}`` as Hub model repos on 127.0.0.1.
 
@@ -320,8 +332,7 @@ class HubServer:
         for repo_id, root in (repos or {}).items():
             self.add(repo_id, root)
         handler = type("Handler", (_Handler,), {"state": self.state})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _QuietServer(("127.0.0.1", 0), handler)
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     def add(self, repo_id: str, root: Path) -> None:

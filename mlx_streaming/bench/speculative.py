@@ -1,4 +1,4 @@
-"""bench verify: the cost of verifying K draft tokens in one call, as MTP
+"""bench speculative: the cost of verifying K draft tokens in one call, as MTP
 and speculative decoding do, for K = 1..8.
 
 A verify call needs the union of its tokens' experts in every layer, so its
@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
                    help="calls per K (the sweep), or interleaved rounds (--drafts)")
     p.add_argument("--memory-limit-gb", type=number(0, open_low=True), default=None)
     p.add_argument("--cold", action="store_true")
-    p.add_argument("--out", type=Path, default=Path("bench-results/verify"))
+    p.add_argument("--out", type=Path, default=Path("bench-results/speculative"))
     p.add_argument("--drafts", type=listed(draft), default=None,
                    help="real drafts instead of the K sweep, comma-separated: ngram, mtp "
                         "(the model's MTP layers), model:PATH (an mlx-lm draft model with the "
@@ -133,12 +133,12 @@ def run_drafts(args) -> dict:
         r["vs_streamed_plain"] = r["tps"] / streamed if streamed and r.get("tps") else None
         if r.get("draft") == "none":
             r["exact"] = "-"
-    title = (f"bench verify --drafts: greedy decode of {args.tokens} tokens per prompt "
+    title = (f"bench speculative --drafts: greedy decode of {args.tokens} tokens per prompt "
              f"(tok/s over the whole run, its 48-token prompt included); "
              f"median of {args.repeats} interleaved round(s); x streamed plain = vs plain "
              f"decode at the first pool")
     result = dict(rows=rows, cases=[r for rs in runs for r in rs])
-    return finish(args.out, "verify-drafts", result, rows, DRAFT_COLUMNS, title, _plot_drafts)
+    return finish(args.out, "speculative-drafts", result, rows, DRAFT_COLUMNS, title, _plot_drafts)
 
 
 def _plot_drafts(rows, path, title):
@@ -181,10 +181,10 @@ def run(args) -> dict:
                ("experts_per_layer", "experts/layer", ".1f"),
                ("mb_read_per_call", "MB read/call", ".2f")] + [
         (f"speedup@{a}", f"x@{a}", ".2f") for a in ACCEPTANCE]
-    title = (f"bench verify: K draft tokens per call; x@a = effective tokens/s vs plain "
+    title = (f"bench speculative: K draft tokens per call; x@a = effective tokens/s vs plain "
              f"decode at acceptance a\n{routing.describe(stats)}")
     result = dict(rows=rows, routing=stats, slots_per_layer=slots, cases=raw)
-    return finish(args.out, "verify", result, rows, columns, title, _plot)
+    return finish(args.out, "speculative", result, rows, columns, title, _plot)
 
 
 def _plot(rows, path, title):
