@@ -79,6 +79,7 @@ class LineStartHandler(logging.StreamHandler):
         self.setFormatter(logging.Formatter("[mlx_streaming] %(levelname)s: %(message)s"))
 
     def emit(self, record):
+        self.stream = sys.stderr  # the one of now (tests and notebooks replace it)
         if _Output.mid_line:
             self.stream.write("\n")
             _Output.mid_line = False

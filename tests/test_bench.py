@@ -323,8 +323,7 @@ def test_paired_ratio_cancels_the_machines_drift():
     ("--prefetch-depth", "1,2,", "'1,2,'"),
     ("--prefetch-precision", "0.5,", "'0.5,'"),
     ("--prefetch-precision", "0,1.5", "prefetch_precision must be"),
-    ("--pace-mbps", "0", "read_pace_mbps must be between 0.01"),
-    ("--pace-mbps", "inf", "read_pace_mbps must be a finite number")])
+    ("--pace-mbps", "0.001", "read_pace_mbps must be between 0.01")])
 def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag, value, said):
     # No model at this path: the value is refused before it is looked for.
     assert bench_main(["decode", "--model", str(tmp_path / "none"), flag, value,
@@ -372,7 +371,7 @@ def _trace(path, tokens=40, predicted=False, predicted2=False, probs=False):
     (dict(predicted=True), ["--prefetch", "next-layer", "--prefetch-depth", "2"],
      "no predictions two layers ahead"),
     (dict(predicted=True), ["--prefetch", "next-layer", "--prefetch-precision", "2"],
-     "--prefetch-precision takes values of prefetch_precision"),
+     "--prefetch-precision: must be a finite number at least 0 and at most 1"),
     (dict(), ["--policies", "lru,bogus"], "--policies takes values of policy"),
     (dict(tokens=3), [], "holds 3 decode tokens"),
     (dict(tokens=0), [], "holds 0 decode tokens"),
@@ -410,7 +409,7 @@ def test_simulate_says_which_trace_is_missing(tmp_path, capsys):
     missing = tmp_path / "nowhere.jsonl"
     assert bench_main(["simulate", "--project", "--trace", str(missing),
                        "--out", str(tmp_path / "p")]) == 1
-    assert f"no routing trace at {missing}" in capsys.readouterr().err
+    assert f"--trace: no such file: '{missing}'" in capsys.readouterr().err
     assert bench_main(["simulate", "--project", "--out", str(tmp_path / "p")]) == 1
     assert "--project needs --trace" in capsys.readouterr().err
 
@@ -751,6 +750,7 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number above 0"),
     (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number above 0"),
     (["fetch", "--latency-ms", "-100"], "--latency-ms: must be a finite number at least 0"),
+    (["decode", "--pace-mbps", "inf"], "--pace-mbps: must be a finite number above 0"),
 ])
 def test_bench_arguments_are_one_line_errors(qwen, argv, message, capsys):
     """Every bench argument is checked as it is parsed: a one-line error

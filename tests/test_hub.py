@@ -481,7 +481,8 @@ def test_a_server_on_a_hub_repo_logs_a_line_per_request(served, tmp_path):
     requests = [l for l in err.splitlines() if "POST /v1/completions 200" in l]
     assert len(requests) == 2, err
     assert len(served.ranged()) > 10  # the experts did come by range request
-    assert len(err.splitlines()) <= 8, err
+    assert not any(w in err for w in ("HTTP Request", "Prompt processing")), err
+    assert len(err.splitlines()) <= 12, err  # start-up (a download's progress) and the two
 
 
 def test_the_hub_stand_in_takes_clients_that_leave_early(qwen, capfd):
