@@ -10,9 +10,13 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
+from mlx_streaming.io.native import load_extension
 from mlx_streaming.testing import tiny
 from mlx_streaming.conversion.local import convert
 
+# The native extension, when built; the reader paths to test with it.
+EXT, WHY = load_extension()
+IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
 VOCAB = 512
 PROMPT = [1, 7, 42, 300, 5, 18, 99, 260, 3, 77, 150, 11, 480, 23, 64, 9] * 3
 DECODE_STEPS = 32

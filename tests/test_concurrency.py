@@ -16,9 +16,8 @@ import textwrap
 import pytest
 
 import mlx_streaming
-from mlx_streaming.io.native import load_extension
+from helpers import IO_PATHS
 
-IO_PATHS = ["python"] + (["native"] if load_extension()[0] is not None else [])
 
 THREADED = textwrap.dedent("""
     import os, sys, threading

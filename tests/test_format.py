@@ -129,11 +129,26 @@ def test_corrupt_record_is_caught_on_first_read(stream_copy, io):
 
 
 def test_checksums_off_skips_checksums(stream_copy):
+    """With checks off, damaged records are read and used (the logits
+    change) without an error; with them on, the same read is refused."""
     spec = read_manifest(stream_copy).layers[1]
+    tokens = mx.array([PROMPT[:4]])
+    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, checksums="off")
+    clean = model(tokens)
+    mx.eval(clean)
+    model.streaming.close()
     for e in range(spec.num_experts):
         _flip_byte(stream_copy, spec, e)
     model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, checksums="off")
-    mx.eval(model(mx.array([PROMPT[:4]])))
+    damaged = model(tokens)
+    mx.eval(damaged)
+    assert mlx_streaming.stats(model)["layers"][spec.layer]["records_read"] > 0
+    assert not mx.array_equal(clean, damaged).item()
+    model.streaming.close()
+    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k)
+    with pytest.raises(CorruptExpertError):
+        mx.eval(model(tokens))
+    model.streaming.close()
 
 
 def test_check_accepts_a_clean_directory(qwen):

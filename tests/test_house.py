@@ -141,3 +141,16 @@ def test_no_lab_diary_in_the_code(path):
     for line, text in _comments_and_docstrings(path):
         found += [f"{line}: {m.group(0)!r}" for m in DIARY.finditer(text)]
     assert not found, f"{path.relative_to(PACKAGE)} mentions " + ", ".join(found)
+
+
+def test_every_test_asserts():
+    """A test checks something: an assert, an expected error or warning, or a
+    helper that asserts (``check_*``, ``assert_*``)."""
+    empty = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                src = ast.unparse(node)
+                if not re.search(r"\bassert\b|raises|warns|\bcheck_\w+\(|\bassert_\w+\(", src):
+                    empty.append(f"{path.name}::{node.name}")
+    assert not empty, "tests that assert nothing: " + ", ".join(empty)

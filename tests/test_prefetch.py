@@ -1,178 +1,13 @@
-"""Expert readers and prefetch: the native extension and the Python path
-read the same bytes, fail clearly, and keep outputs bit-identical."""
-
-import threading
-import time
-import zlib
+"""Prefetch: what it predicts, reads and learns (its bandwidth, calibration,
+affinity and auto's trial), with outputs bit-identical to mlx-lm's."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-
 import mlx_streaming
-from mlx_streaming.errors import ExpertReadError
-from mlx_streaming.io.native import NativeReader, load_extension
 from mlx_streaming.runtime.prefetch.predict import rank_order
-from mlx_streaming.io.python import PythonReader, direct_io_works
-from helpers import PROMPT, check_matches_resident, pool_sizes
-
-EXT, WHY = load_extension()
-needs_native = pytest.mark.skipif(EXT is None, reason=f"native extension {WHY}")
-STRIDE = 16384
-
-
-def readers(direct=False):
-    out = [PythonReader(2, direct)]
-    if EXT is not None:
-        out.append(NativeReader(EXT, 2, direct))
-    return out
-
-
-@pytest.fixture
-def blob(tmp_path):
-    data = np.random.default_rng(0).integers(0, 256, 8 * STRIDE, dtype=np.uint8)
-    path = tmp_path / "layer000.blob"
-    path.write_bytes(data.tobytes())
-    return path, data
-
-
-def test_extension_is_built_against_the_installed_mlx():
-    assert EXT is not None, f"native extension {WHY}: `pip install -e .` builds it"
-    assert EXT.mlx_version == mx.__version__.split(".dev")[0]
-    assert EXT.crc32(b"mlx streaming") == zlib.crc32(b"mlx streaming")
-
-
-@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
-def test_readers_read_the_same_bytes(blob, direct):
-    path, data = blob
-    if direct and not direct_io_works(path):
-        pytest.skip("this filesystem refuses O_DIRECT")
-    segments = np.array([[0, 1000], [1024, 5000], [8192, 3000]], dtype=np.int64)
-    experts = np.array([6, 1, 3], dtype=np.int64)
-    results = []
-    for reader in readers(direct):
-        f = reader.open(str(path))
-        dst = [np.zeros((3, n), np.uint8) for n in segments[:, 1]]
-        addr = np.stack([d.ctypes.data + np.arange(3) * d.shape[1] for d in dst], 1).astype(np.int64)
-        crcs = reader.read(f, experts * STRIDE, segments, addr, np.array([True, False, True]), STRIDE)
-        results.append(([d.copy() for d in dst], crcs))
-        reader.close()
-        for i, e in enumerate(experts):
-            for (off, n), d in zip(segments, dst):
-                assert d[i].tobytes() == data[e * STRIDE + off : e * STRIDE + off + n].tobytes()
-        want = zlib.crc32(b"".join(
-            data[6 * STRIDE + o : 6 * STRIDE + o + n].tobytes() for o, n in segments))
-        assert crcs[0] == want and crcs[1] == 0
-    for other in results[1:]:
-        assert all((a == b).all() for a, b in zip(results[0][0], other[0]))
-        assert (results[0][1] == other[1]).all()
-
-
-def test_large_records_are_split_across_threads(tmp_path):
-    """A record larger than the native chunk (1 MiB) read by several threads."""
-    stride = 3 << 20
-    data = np.random.default_rng(1).integers(0, 256, 2 * stride, dtype=np.uint8)
-    path = tmp_path / "big.blob"
-    path.write_bytes(data.tobytes())
-    segments = np.array([[0, stride - 4096]], dtype=np.int64)
-    for reader in readers():
-        f = reader.open(str(path))
-        dst = np.zeros((2, stride - 4096), np.uint8)
-        addr = (dst.ctypes.data + np.arange(2) * dst.shape[1]).reshape(2, 1).astype(np.int64)
-        crcs = reader.read(f, np.array([stride, 0], np.int64), segments, addr,
-                           np.array([True, True]), stride)
-        assert (dst[0] == data[stride : 2 * stride - 4096]).all()
-        assert (dst[1] == data[: stride - 4096]).all()
-        assert crcs[1] == zlib.crc32(data[: stride - 4096].tobytes())
-        reader.close()
-
-
-def _paced_readers(mbps):
-    out = [PythonReader(2, False, pace_mbps=mbps)]
-    if EXT is not None:
-        out.append(NativeReader(EXT, 2, False, pace_mbps=mbps))
-    return out
-
-
-def test_a_paced_reader_reads_no_faster_than_its_disk(blob):
-    # read_pace_mbps emulates a slower disk: the same bytes, each read ending
-    # no earlier than at that rate, reads one after another, with no credit
-    # for idle time.
-    path, data = blob
-    mbps = 0.5  # 4 records of 16 KiB: 0.13 s at 0.5 MB/s
-    segments = np.array([[0, STRIDE]], np.int64)
-    for reader in _paced_readers(mbps):
-        f = reader.open(str(path))
-        dst = np.zeros((4, STRIDE), np.uint8)
-        addr = (dst.ctypes.data + np.arange(4) * STRIDE)[:, None].astype(np.int64)
-        start = time.perf_counter()
-        reader.read(f, np.arange(4, dtype=np.int64) * STRIDE, segments, addr,
-                    np.zeros(4, bool), STRIDE)
-        assert time.perf_counter() - start >= 4 * STRIDE / (mbps * 1e6), reader.name
-        time.sleep(0.2)  # idle: no credit for it
-        start = time.perf_counter()
-        reader.read(f, np.array([6 * STRIDE], np.int64), segments, addr[:1],
-                    np.zeros(1, bool), STRIDE)
-        assert time.perf_counter() - start >= STRIDE / (mbps * 1e6), reader.name
-        reader.close()
-        assert dst[1:].tobytes() == data[STRIDE : 4 * STRIDE].tobytes(), reader.name
-        assert dst[0].tobytes() == data[6 * STRIDE : 7 * STRIDE].tobytes(), reader.name
-
-
-@pytest.mark.parametrize("prefetch", ["off", "next-layer"])
-@pytest.mark.parametrize("io", ["python", "native"])
-def test_paced_reads_keep_outputs_exact(qwen, io, prefetch):
-    if io == "native" and EXT is None:
-        pytest.skip(f"native extension {WHY}")
-    src, stream_dir = qwen
-    model = check_matches_resident(src, stream_dir, slots_per_layer=4, io=io, prefetch=prefetch,
-                                   read_pace_mbps=200.0)
-    assert model.streaming.reader.name == io and model.streaming.reader.pace_mbps == 200.0
-
-
-def test_short_read_names_file_and_offset(blob):
-    path, _ = blob
-    for reader in readers():
-        f = reader.open(str(path))
-        dst = np.zeros(100, np.uint8)
-        with pytest.raises(ExpertReadError, match=f"short read of {path} at offset {8 * STRIDE}"):
-            reader.read(f, np.array([8 * STRIDE], np.int64), np.array([[0, 100]], np.int64),
-                        np.array([[dst.ctypes.data]], np.int64), np.array([False]), STRIDE)
-        reader.close()
-
-
-def test_missing_blob_is_a_clear_error(tmp_path):
-    for reader in readers():
-        with pytest.raises(ExpertReadError, match="cannot open .*missing.blob"):
-            reader.open(str(tmp_path / "missing.blob"))
-
-
-def test_staging_take_and_drop(blob):
-    path, data = blob
-    segments = np.array([[0, 64], [128, 32]], dtype=np.int64)
-    for reader in readers():
-        f = reader.open(str(path))
-        staging = reader.staging(3, STRIDE)
-        ids = np.array([2, 5, 7, 1], dtype=np.int64)
-        assert staging.stage(4, f, ids, ids * STRIDE) == 3  # capacity 3
-        assert staging.stage(4, f, ids[:1], ids[:1] * STRIDE) == 0  # already staged
-        reader.drain()  # a read not started would be cancelled by take()
-        dst = [np.zeros(64, np.uint8), np.zeros(32, np.uint8)]
-        row = np.array([d.ctypes.data for d in dst], np.int64)
-        crc = staging.take(4, 5, segments, row, True)
-        assert dst[0].tobytes() == data[5 * STRIDE : 5 * STRIDE + 64].tobytes()
-        assert crc == zlib.crc32(data[5 * STRIDE + 128 : 5 * STRIDE + 160].tobytes(),
-                                 zlib.crc32(dst[0].tobytes()))
-        assert staging.take(4, 1, segments, row, False) is None  # never staged
-        assert staging.drop(4) == 2
-        # Dropped buffers come back once their reads finish.
-        issued, deadline = 0, time.monotonic() + 5
-        while issued < 3 and time.monotonic() < deadline:
-            issued += staging.stage(5, f, ids[:3], ids[:3] * STRIDE)
-        assert issued == 3
-        assert staging.drop(5) == 3
-        reader.close()
+from helpers import IO_PATHS, PROMPT, check_matches_resident, pool_sizes
 
 
 def test_prefetch_order_puts_shared_experts_first():
@@ -185,35 +20,6 @@ def test_prefetch_order_puts_shared_experts_first():
         assert [counts[e] for e in order.tolist()] == sorted(counts.values(), reverse=True)
 
 
-def test_python_staging_cancels_reads_not_started(blob):
-    path, data = blob
-    reader = PythonReader(1)
-    f = reader.open(str(path))
-    staging = reader.staging(4, STRIDE)
-    gate = threading.Event()
-    reader.submit(gate.wait, 10)  # holds the one background thread
-    ids = np.array([1, 2, 3], dtype=np.int64)
-    assert staging.stage(0, f, ids, ids * STRIDE) == 3
-    segments = np.array([[0, 64]], dtype=np.int64)
-    dst = np.zeros(64, np.uint8)
-    row = np.array([dst.ctypes.data], np.int64)
-    # Not started: cancelled, so the caller's demand read goes first.
-    assert staging.take(0, 2, segments, row, False) is None
-    assert staging.drop(0) == 2
-    gate.set()
-    # Every buffer came back (cancelled ones at once): four stage again.
-    more = np.array([4, 5, 6, 7], dtype=np.int64)
-    deadline = time.monotonic() + 5
-    while staging.stage(1, f, more[:1], more[:1] * STRIDE) == 0 and time.monotonic() < deadline:
-        pass
-    assert staging.stage(1, f, more[1:], more[1:] * STRIDE) == 3
-    reader.drain()
-    assert staging.take(1, 7, segments, row, False) is not None
-    assert dst.tobytes() == data[7 * STRIDE : 7 * STRIDE + 64].tobytes()
-    reader.close()
-
-
-IO_PATHS_ALL = ["python"] + (["native"] if EXT is not None else [])
 
 
 class FakeMeter:
@@ -307,32 +113,6 @@ def test_prefetch_budget_rate_is_not_led_by_burst_reads():
         clock.now += 0.2
         budget.on_call(0, 1)
     assert budget.rate < 30e6  # about 20 MB/s; a mean of ratios says ~300 MB/s
-
-
-def test_reader_meter_counts_overlapping_reads_once(tmp_path):
-    """The busy seconds are the union of the reads' spans: two records read
-    at once on a paced disk take one span of both their bytes, not the sum
-    of the two reads' waits (1.5 times it), so the rate is the disk's."""
-    record = 1 << 20  # large enough for both readers to use their threads
-    path = tmp_path / "blob"
-    path.write_bytes(np.random.default_rng(0).bytes(2 * record))
-    mbps = 20.0
-    for reader in _paced_readers(mbps):
-        try:
-            f = reader.open(str(path))
-            assert reader.busy() == (0, 0.0)
-            dst = np.zeros((2, record), np.uint8)
-            start = time.perf_counter()
-            reader.read(f, np.array([0, record]), np.array([[0, record]]),
-                        dst.ctypes.data + np.array([[0], [record]]), np.zeros(2, bool), record)
-            elapsed = time.perf_counter() - start
-            nbytes, busy = reader.busy()
-            assert nbytes == 2 * record
-            assert dst.tobytes() == path.read_bytes()
-            one_span = 2 * record / (mbps * 1e6)
-            assert one_span * 0.95 <= busy <= min(elapsed, one_span * 1.25), reader.name
-        finally:
-            reader.close()
 
 
 def test_prefetch_calibration_counts_predictions_two_layers_early_apart():
@@ -493,7 +273,7 @@ def spy_on_prefetch(runtime, on_issue, on_stage, on_take=None):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-@pytest.mark.parametrize("io", IO_PATHS_ALL)
+@pytest.mark.parametrize("io", IO_PATHS)
 def test_prefetch_queues_after_the_layers_demand_reads(models, io, depth):
     """A layer's reads ahead (for the next layer, and with depth 2 the one
     after) are staged once its own demand reads are done, never before."""
@@ -537,7 +317,7 @@ def test_prefetch_queues_after_the_layers_demand_reads(models, io, depth):
     assert demand_reads > 0, "the test saw no demand read to order against"
 
 
-@pytest.mark.parametrize("io", IO_PATHS_ALL)
+@pytest.mark.parametrize("io", IO_PATHS)
 def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models, io):
     """With ``prefetch_depth=2`` a layer stages its successor's predictions,
     then, in the same issue, the layer after next's with the budget left,
@@ -578,7 +358,7 @@ def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models
         model.streaming.close()
 
 
-@pytest.mark.parametrize("io", IO_PATHS_ALL)
+@pytest.mark.parametrize("io", IO_PATHS)
 def test_outputs_identical_with_prefetch_two_layers_ahead(models, io):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     model = check_matches_resident(src, stream_dir, slots_per_layer=pool_sizes(stream_dir)[0],
@@ -587,7 +367,7 @@ def test_outputs_identical_with_prefetch_two_layers_ahead(models, io):
     assert mlx_streaming.stats(model)["total"]["prefetch_useful"] > 0
 
 
-@pytest.mark.parametrize("io", IO_PATHS_ALL)
+@pytest.mark.parametrize("io", IO_PATHS)
 def test_prefetch_calibration_gates_the_reads_of_each_layer(models, io):
     """Either reader stages only the predictions a layer's calibration lets
     it read, and a layer that may read none stages none."""
@@ -678,7 +458,7 @@ def test_every_prediction_read_counts_the_chance_of_each_rank():
     assert ranks.used_share(3, 99, 1) is None  # not a candidate of that selection
 
 
-@pytest.mark.parametrize("io", IO_PATHS_ALL)
+@pytest.mark.parametrize("io", IO_PATHS)
 def test_prefetch_reads_a_partly_covered_record_where_whole_ones_do_not_fit(models, io):
     """A budget of no whole record (a disk slower than a layer's compute)
     still reads ahead one record a call where its chance of use is high
@@ -728,7 +508,6 @@ def test_a_partly_covered_record_by_its_ranks_chance(models, family, precision):
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in counted)
 
 
-IO_PATHS = ["python"] + (["native"] if EXT is not None else [])
 
 
 @pytest.mark.parametrize("prefetch", ["off", "next-layer", "auto"])
@@ -839,16 +618,6 @@ def _stats_of_decode(model, steps: int) -> dict:
         token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
     mx.eval(token)
     return mlx_streaming.stats(model)
-
-
-def test_native_is_refused_clearly_when_missing(qwen, monkeypatch):
-    import mlx_streaming.io.choice as loader
-
-    monkeypatch.setattr(loader, "load_extension", lambda: (None, "not built (test)"))
-    with pytest.raises(mlx_streaming.StreamingError, match="io='python'"):
-        mlx_streaming.load(qwen[1], io="native")
-    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4)
-    assert mlx_streaming.stats(model)["io"] == "python"
 
 
 def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):

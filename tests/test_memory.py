@@ -1,0 +1,138 @@
+"""The memory plan against the memory there is: what does not fit is refused
+at load with the number that fits, and what loads, runs."""
+
+import math
+import subprocess
+import sys
+import pytest
+import mlx_streaming
+from mlx_streaming.runtime import memory as budget
+from mlx_streaming.config import StreamConfig
+from mlx_streaming.errors import (
+    BudgetError,
+)
+from mlx_streaming.format import read_manifest
+from test_cli import assert_one_line_error
+
+
+def test_explicit_pool_beyond_available_memory_is_refused(qwen):
+    manifest = read_manifest(qwen[1])
+    per_slot = budget.bytes_per_slot(manifest)
+    spine = 10_000
+    dense = sum(d.nbytes for d in manifest.dense)  # fits beside the pool: stays resident
+    # A quarter of what is available stays free for the rest of the process.
+    available = lambda: int((spine + dense + 6 * per_slot) / 0.75) + 100  # noqa: E731
+    plan = lambda config: budget.plan_memory(manifest, config, spine, available)  # noqa: E731
+    assert plan(StreamConfig(slots_per_layer=6)).slots == 6
+    # Refused, naming the most slots that fit and leave that room; that
+    # number loads.
+    with pytest.raises(BudgetError, match=r"can go to the model .*: use "
+                                          r"--slots-per-layer (\d+) ") as e:
+        plan(StreamConfig(slots_per_layer=8))
+    most = int(str(e.value).split("--slots-per-layer ")[1].split()[0])
+    assert 4 <= most < 8
+    assert plan(StreamConfig(slots_per_layer=most)).total <= available() * 3 / 4
+    # cache_gb covers the spine too: the advice is what is available, less
+    # the same room.
+    with pytest.raises(BudgetError, match=r"can go to the model .*: use --cache-gb 0\.000\d+ or") as e:
+        plan(StreamConfig(cache_gb=(spine + dense + 8 * per_slot) / 1e9))
+    advised = float(str(e.value).split("--cache-gb ")[1].split()[0])
+    assert available() * 0.74 < advised * 1e9 <= available() * 3 / 4
+    assert plan(StreamConfig(cache_gb=advised)).total <= available() * 3 / 4
+
+
+def test_prefetchs_staging_area_is_in_the_memory_plan(qwen):
+    """The staging area comes out of the budget: a cache_gb that holds n
+    slots per layer without prefetch holds fewer with it, the plan's total
+    stays within the budget, and the loaded model's staging is the size the
+    plan counted. With every expert resident there is nothing to stage."""
+    manifest = read_manifest(qwen[1])
+    per_slot = budget.bytes_per_slot(manifest)
+    spine = 10_000
+    dense = sum(d.nbytes for d in manifest.dense)
+    plan = lambda **kw: budget.plan_memory(  # noqa: E731
+        manifest, StreamConfig(**kw), spine, lambda: 1 << 40)
+    records, stride = budget.staging_shape(manifest, StreamConfig(prefetch="next-layer"))
+    staged_slots = math.ceil(records * stride / per_slot)  # slots the staging costs
+    n = budget.min_slots(manifest) + staged_slots + 1
+    assert n < budget.max_slots(manifest)
+    off = plan(cache_gb=(spine + dense + n * per_slot) / 1e9)
+    on = plan(cache_gb=(spine + dense + n * per_slot) / 1e9, prefetch="next-layer")
+    assert off.slots == n and off.staging == 0
+    assert on.staging == records * stride > 0
+    assert on.slots == n - staged_slots
+    assert on.total <= on.budget
+    everything = budget.max_slots(manifest)
+    assert plan(cache_gb=1e3, prefetch="next-layer").slots == everything
+    assert plan(cache_gb=1e3, prefetch="next-layer").staging == 0
+    # An explicit pool is as asked; the staging is added to what it needs.
+    asked = plan(slots_per_layer=4, prefetch="next-layer")
+    assert asked.staging == on.staging
+    assert asked.total == plan(slots_per_layer=4).total + on.staging
+
+    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="next-layer")
+    runtime = model.streaming
+    try:
+        assert runtime.plan.staging == on.staging
+        assert mlx_streaming.stats(model)["memory"]["staging_gb"] == on.staging / 1e9
+    finally:
+        runtime.close()
+
+
+def test_what_loads_in_a_small_cgroup_runs(tmp_path, tokenizer_dir):
+    """In a 0.5 GB memory cgroup, 0.8 GB of experts: a size that would eat
+    into what the rest of the process needs is refused, naming the number
+    that fits (once, --cache-gb 0.44 on a 0.77 GB model loaded and was
+    killed); the sizes advised, and the defaults, load and run without a
+    kill and without the pools shrinking at once (the advice left nothing
+    for the pressure bar)."""
+    from mlx_streaming.testing import synthetic
+    from mlx_streaming.bench.common import BenchError, MemoryLimit
+
+    stream = synthetic.make_synthetic(
+        tmp_path / "big", tokenizer_dir, hidden_size=1024, num_hidden_layers=2,
+        num_experts=64, num_experts_per_tok=2, moe_intermediate_size=4096)
+    assert read_manifest(stream).expert_nbytes > 0.8e9
+    try:
+        limit = MemoryLimit(0.5)
+    except BenchError as e:
+        pytest.skip(str(e))
+
+    def generate(*flags):
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlx_streaming.generate", "--model", str(stream),
+             "--max-tokens", "24", *flags],
+            capture_output=True, text=True, preexec_fn=limit.enter, timeout=300)
+        assert limit.oom_kills() == 0, proc.stderr
+        return proc
+
+    try:
+        refused = generate("--slots-per-layer", "64")
+        assert_one_line_error(refused, r"slots_per_layer=64 needs .* use --slots-per-layer \d+")
+        most = refused.stderr.split("--slots-per-layer ")[-1].split()[0]
+        refused = generate("--cache-gb", "0.44")
+        assert_one_line_error(refused, r"cache_gb=0.44 needs .* use --cache-gb [\d.]+ or less")
+        advised = refused.stderr.split("--cache-gb ")[-1].split()[0]
+        for flags in (["--slots-per-layer", most], ["--cache-gb", advised], []):
+            proc = generate(*flags)
+            assert proc.returncode == 0, (flags, proc.stderr)
+            assert "pools shrink" not in proc.stderr, (flags, proc.stderr)
+    finally:
+        limit.close()
+
+
+def test_the_spine_ring_shrinks_to_one_before_a_refusal(qwen):
+    """A model whose streamed spine fits with a ring of one buffer and not
+    two loads with the defaults (the ring shrinks); asked for two, it is
+    refused."""
+    manifest = read_manifest(qwen[1])
+    base = 10_000
+    largest = max(d.nbytes for d in manifest.dense)
+    least_one = base + largest + budget.min_slots(manifest) * budget.bytes_per_slot(manifest)
+    available = lambda: int(least_one / 0.75) + 100  # noqa: E731 (a quarter is headroom)
+    plan = budget.plan_memory(manifest, StreamConfig(), base, available)
+    assert plan.ring_buffers == 1 and plan.streamed
+    with pytest.raises(BudgetError, match="the model needs at least"):
+        budget.plan_memory(manifest, StreamConfig(spine_ring=2), base, available)
+    assert budget.plan_memory(manifest, StreamConfig(spine_ring=1), base,
+                              available).ring_buffers == 1
