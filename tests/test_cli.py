@@ -112,15 +112,17 @@ sys.exit(run_main(lambda: mx.eval(model(mx.array([[1, 2, 3]])))))
     assert_one_line_error(proc, "short read of .*layer000.blob at offset")
 
 
-def test_demo_recites_the_zen_of_python(tmp_path):
+def test_demo_recites_the_zen_of_python(demo_build):
     """The demo's output must read as working, not as noise: its model,
-    trained as the demo trains it, recites the passage it learned."""
-    proc = run("mlx_streaming.demo", "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "40")
+    trained as the demo trains it, recites the passage it learned. (Its
+    first run is started with the session: tests/conftest.py.)"""
+    proc, cache_dir = demo_build
+    assert proc.returncode == 0, proc.stderr
     assert "recite the Zen of Python" in proc.stderr
     assert proc.stdout.startswith("Beautiful is better than ugly.\nExplicit is better than "
                                   "implicit.\nSimple is better than complex."), proc.stdout
     # The second run reuses the cached model and says again what it is.
-    proc = run("mlx_streaming.demo", "--cache-dir", str(tmp_path / "demo"), "--max-tokens", "4")
+    proc = run("mlx_streaming.demo", "--cache-dir", str(cache_dir), "--max-tokens", "4")
     assert "[demo] built in" not in proc.stderr and "knows nothing else" in proc.stderr
 
 
