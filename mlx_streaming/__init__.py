@@ -30,9 +30,11 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute); None: the module itself.
 _LAZY = {
+    "batch_generate": (".decode.batch", "batch_generate"),
     "convert": (".conversion.local", "convert"),
     "load": (".runtime.loader", "load"),
     "format": (".format", None),
+    "stream_generate": (".decode.batch", "stream_generate"),
 }
 
 __all__ = [
@@ -44,11 +46,13 @@ __all__ = [
     "FormatError",
     "StreamConfig",
     "StreamingError",
+    "batch_generate",
     "convert",
     "format",
     "load",
     "reset_stats",
     "stats",
+    "stream_generate",
 ]
 
 

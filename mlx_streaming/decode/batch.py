@@ -1,0 +1,76 @@
+"""Several prompts decoded together through one model: mlx-lm's continuous
+batching (``BatchGenerator``) on a streamed model, so that each step makes
+one call per MoE layer for the whole batch and reads the union of the
+sequences' missed experts once.
+
+The outputs are mlx-lm's own for the same batch on the resident model, bit
+for bit: a streamed block computes each (token, expert) pair as mlx-lm's
+would, whatever the pool holds.
+"""
+
+from typing import Generator, List, Sequence, Tuple, Union
+
+import mlx_lm
+from mlx_lm.generate import BatchGenerator, BatchResponse
+
+from ..errors import ConfigError
+
+Prompt = Union[str, Sequence[int]]
+
+
+def encode(tokenizer, prompt: Prompt) -> List[int]:
+    """A prompt's token ids; text as mlx-lm encodes it (no second BOS when
+    the text already starts with one)."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        ids = list(tokenizer.encode(prompt, add_special_tokens=bos is None
+                                    or not prompt.startswith(bos)))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ConfigError("a prompt encodes to no tokens: give it some text or token ids")
+    return ids
+
+
+def _prompts(tokenizer, prompts) -> List[List[int]]:
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise ConfigError("prompts must be a non-empty list of texts or of token id lists")
+    return [encode(tokenizer, p) for p in prompts]
+
+
+def batch_generate(model, tokenizer, prompts: Sequence[Prompt], **kwargs) -> BatchResponse:
+    """``mlx_lm.batch_generate`` that also takes prompts as text; every
+    other argument is mlx-lm's (``max_tokens``, ``sampler``,
+    ``completion_batch_size``, ``return_logprobs`` ...)."""
+    return mlx_lm.batch_generate(model, tokenizer, _prompts(tokenizer, prompts), **kwargs)
+
+
+def batch_stream_generate(model, tokenizer, prompts: Sequence[Prompt], *,
+                          max_tokens: Union[int, Sequence[int]] = 128, **kwargs
+                          ) -> Generator[Tuple[int, object], None, None]:
+    """Decode ``prompts`` together and yield ``(index, response)`` as each
+    sequence's tokens come: ``response`` is mlx-lm's ``BatchGenerator``
+    response (``token``, ``logprobs``, ``finish_reason``) and ``index`` the
+    prompt's place in ``prompts``. ``kwargs`` are ``BatchGenerator``'s
+    (``sampler``, ``completion_batch_size``, ``prefill_batch_size`` ...)."""
+    ids = _prompts(tokenizer, prompts)
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(ids)
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], **kwargs)
+    try:
+        index = {uid: i for i, uid in enumerate(gen.insert(ids, list(max_tokens)))}
+        while responses := gen.next_generated():
+            for r in responses:
+                yield index[r.uid], r
+    finally:
+        gen.close()
+
+
+def stream_generate(model, tokenizer, prompt, **kwargs):
+    """``mlx_lm.stream_generate`` for one prompt (text or token ids); for a
+    list of prompts (texts, or lists of token ids), ``batch_stream_generate``."""
+    single = isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt
+                                         and isinstance(prompt[0], int))
+    if single or not isinstance(prompt, Sequence):
+        return mlx_lm.stream_generate(model, tokenizer, prompt, **kwargs)
+    return batch_stream_generate(model, tokenizer, prompt, **kwargs)
