@@ -25,10 +25,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, stream_dir, *flags):
+    def __init__(self, stream_dir, *flags, module="mlx_streaming.server"):
         self.port = free_port()
+        command = ["mlx_lm", "server"] if module == "mlx_lm" else [module]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_streaming.server", "--model", str(stream_dir),
+            [sys.executable, "-m", *command, "--model", str(stream_dir),
              "--port", str(self.port), *flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -544,7 +545,11 @@ def test_the_servers_flags_are_mlx_lms():
     ours = {a.dest: a.default for a in setup_arg_parser()._actions}
     missing = sorted(set(theirs) - set(ours))
     assert not missing, f"mlx-lm server flags we do not take: {missing}"
-    assert {k: ours[k] for k in theirs} == theirs
+    # Ours on purpose (docs/serving.md): fewer sequences decoded together.
+    assert ours["decode_concurrency"] == ours["prompt_concurrency"] == 4
+    own = {"decode_concurrency", "prompt_concurrency"}
+    assert {k: ours[k] for k in theirs if k not in own} == \
+        {k: v for k, v in theirs.items() if k not in own}
 
 
 def test_the_server_exits_cleanly_after_generating_on_its_own_thread(models):
@@ -593,3 +598,93 @@ def test_the_server_drafts_losslessly(models, draft, family):
             err = s.stop()
         assert "Traceback" not in err, err
     assert answers[True] == answers[False]
+
+
+
+def _together(server, prompts, max_tokens=16):
+    """Each prompt's greedy completion, the requests sent at once."""
+    out = [None] * len(prompts)
+
+    def one(i):
+        status, _, body = server.post("/v1/completions", {
+            "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0})
+        out[i] = (status, body["choices"][0]["text"] if status == 200 else body)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
+def test_requests_together_are_decoded_together_as_mlx_lm_does(models, family):
+    """Four requests at once are one batch (fewer model calls than tokens),
+    and each answer is the one mlx-lm's server gives on the resident model
+    for the same requests at once."""
+    src, stream_dir = models.get(family, quantized=True)
+    prompts = ["def f(x):", "import os", "class A:", "for i in range("]
+    answers = {}
+    for name, server in (("ours", lambda: Server(stream_dir, "--slots-per-layer", "4")),
+                         ("mlx_lm", lambda: Server(src, module="mlx_lm"))):
+        s = server()
+        try:
+            answers[name] = _together(s, prompts)
+            if name == "ours":
+                total = json.loads(urllib.request.urlopen(s.url + "/v1/stats").read())[
+                    "streaming"]["total"]
+                assert total["tokens"] > total["calls"], total
+        finally:
+            err = s.stop()
+        assert "Traceback" not in err, err
+    assert answers["ours"] == answers["mlx_lm"]
+
+
+def test_a_flood_of_clients_gets_answers_or_429s(models):
+    """30 clients at once against 4 decoded together and 8 waiting: 200s and
+    429s only, and the server keeps serving; a streaming client that leaves
+    gives its place back."""
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    s = Server(stream_dir, "--slots-per-layer", "4", "--decode-concurrency", "4",
+               "--max-queue", "8")
+    try:
+        statuses = [st for st, _ in _together(s, [f"def f{i}(x):" for i in range(30)], 24)]
+        assert set(statuses) <= {200, 429} and statuses.count(200) >= 12, statuses
+        stream = s.client.completions.create(model="default_model", prompt="import os",
+                                             max_tokens=200, stream=True)
+        next(iter(stream))
+        stream.close()  # the client leaves mid-answer
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            queue = json.loads(urllib.request.urlopen(s.url + "/v1/stats").read())["queue"]
+            if queue["active"] == 0:
+                break
+            time.sleep(0.2)
+        assert queue == {"active": 0, "limit": 12}
+        assert s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        err = s.stop()
+    assert "Traceback" not in err, err
+
+
+def test_a_batch_that_cannot_fit_is_refused_at_start(models):
+    """The KV caches of the sequences decoded together come out of the
+    memory plan: in a 0.5 GB memory cgroup, 256 of them are refused at
+    start, naming what to lower."""
+    from mlx_streaming.bench.common import BenchError, MemoryLimit
+
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    try:
+        limit = MemoryLimit(0.5)
+    except BenchError as e:
+        pytest.skip(str(e))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlx_streaming.server", "--model", str(stream_dir),
+             "--decode-concurrency", "256", "--port", str(free_port())],
+            capture_output=True, text=True, timeout=120, preexec_fn=limit.enter)
+    finally:
+        limit.close()
+    assert proc.returncode == 1, proc.stderr
+    assert "256 KV caches" in proc.stderr and "--decode-concurrency" in proc.stderr

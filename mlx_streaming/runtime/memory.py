@@ -5,7 +5,7 @@ cannot be.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple
 from ..config import DEFAULT_SPINE_RING, StreamConfig
 from ..errors import BudgetError
@@ -82,6 +82,8 @@ class MemoryPlan:
     pinned_bytes: int
     staging: int = 0  # bytes of prefetch's staging area (paged pools only)
     headroom: int = 0  # left free for the rest of the process (and the pressure bar)
+    usable: int = 0  # what was available at load less the headroom
+    reserved: int = 0  # kept for what the process holds besides the weights (KV caches)
 
     @property
     def total(self) -> int:
@@ -95,7 +97,7 @@ class MemoryPlan:
             "ring_buffers": self.ring_buffers, "ring_gb": self.ring / GB,
             "pool_gb": self.pool / GB, "slots_per_layer": self.slots,
             "staging_gb": self.staging / GB, "total_gb": self.total / GB,
-            "headroom_gb": self.headroom / GB,
+            "headroom_gb": self.headroom / GB, "reserved_gb": self.reserved / GB,
         }
 
 
@@ -238,7 +240,8 @@ def _plan(manifest: Manifest, cfg: StreamConfig, base_bytes: int, room: _Room) -
             f"model (the rest of the process needs {_gb(room.headroom)} GB): "
             + _cache_advice(least, room))
     return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
-                      ring_buffers, ring, pinned_bytes, staging_of(slots), room.headroom)
+                      ring_buffers, ring, pinned_bytes, staging_of(slots), room.headroom,
+                      room.usable)
 
 
 def _plan_slots(manifest, cfg, base_bytes, room: _Room, least_spine: int, least: int,
@@ -273,7 +276,27 @@ def _plan_slots(manifest, cfg, base_bytes, room: _Room, least_spine: int, least:
     pinned, streamed, ring_buffers, ring, pinned_bytes = _split_spine(
         dense, spine_room, room.ring, cfg.pinned_layers)
     return MemoryPlan(budget, source, base_bytes, slots, slots * per_slot, pinned, streamed,
-                      ring_buffers, ring, pinned_bytes, staging_of(slots), room.headroom)
+                      ring_buffers, ring, pinned_bytes, staging_of(slots), room.headroom,
+                      room.usable)
+
+
+def reserved_plan(plan: MemoryPlan, manifest: Manifest, nbytes: int, what: str) -> MemoryPlan:
+    """``plan`` keeping ``nbytes`` of its room for ``what`` (a batch's KV
+    caches): the pools give up the slots the room left does not hold.
+
+    Raises:
+        BudgetError: even pools of one token's experts leave too little;
+            the message says how much the model and ``what`` need.
+    """
+    per_slot = bytes_per_slot(manifest)
+    short = nbytes - (plan.usable - plan.total)
+    slots = plan.slots - max(0, math.ceil(short / per_slot))
+    if slots < min_slots(manifest):
+        raise BudgetError(
+            f"{what} needs {_gb(nbytes, up=True)} GB, and the model at its smallest "
+            f"{_gb(plan.total - (plan.slots - min_slots(manifest)) * per_slot, up=True)} GB, "
+            f"but only {_gb(plan.usable)} GB can go to the two")
+    return replace(plan, slots=slots, pool=slots * per_slot, reserved=nbytes)
 
 
 def _staging_note(staging: int) -> str:

@@ -27,6 +27,9 @@ class NoWatch:
     def between_calls(self) -> None:
         pass
 
+    def cap(self, slots: int) -> None:
+        pass
+
     def report(self):
         return None
 
@@ -70,6 +73,10 @@ class PressureWatch:
             if target > slots:
                 self.runtime.resize(target)
                 self.grows += 1
+
+    def cap(self, slots: int) -> None:
+        """Grow the pools back no further than ``slots``."""
+        self.max_slots = min(self.max_slots, slots)
 
     def report(self) -> dict:
         return dict(threshold_gb=self.threshold / GB, shrinks=self.shrinks, grows=self.grows,

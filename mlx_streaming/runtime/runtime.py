@@ -10,7 +10,8 @@ from ..config import StreamConfig
 from ..format import Manifest
 from .block import Paged
 from .events import Events
-from .memory import MemoryPlan, max_slots
+from .memory import MemoryPlan, max_slots, reserved_plan
+from ..errors import BudgetError
 from .store import NativeStore
 from .pressure import NoWatch
 from .stats import SpecStats, Stats
@@ -104,6 +105,26 @@ class Runtime:
                 self.finish_pending(report=False)
                 raise
             self.finish_pending()
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Keep ``nbytes`` of the memory plan's room for ``what`` the process
+        will hold besides the weights (a batch's KV caches): the pools
+        give up the slots it needs, for good (the pressure watch grows them
+        back no further).
+
+        Raises:
+            BudgetError: the room does not hold it, even with the smallest
+                pools (or with every expert resident, which does not shrink).
+        """
+        plan = reserved_plan(self.plan, self.manifest, nbytes, what)
+        if plan.slots < self.slots:
+            if not self.paged:
+                raise BudgetError(
+                    f"{what} needs {nbytes / 1e9:.3g} GB beside every expert resident: load "
+                    f"fewer with --slots-per-layer {plan.slots} or less")
+            self.resize(plan.slots)
+            self.pressure.cap(plan.slots)
+        self.plan = plan
 
     def resize(self, slots: int) -> None:
         """Give every paged pool ``slots`` slots (``pressure.PressureWatch``)."""

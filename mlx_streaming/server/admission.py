@@ -1,5 +1,5 @@
-"""Admission: at most one running request and ``--max-queue`` waiting ones;
-the rest get HTTP 429.
+"""Admission: at most ``--decode-concurrency`` running requests (one without
+batching) and ``--max-queue`` waiting ones; the rest get HTTP 429.
 """
 
 import threading
@@ -7,10 +7,10 @@ from typing import Optional
 
 
 class Admission:
-    """At most one running request and ``max_queue`` waiting ones."""
+    """At most ``running`` requests at once and ``max_queue`` waiting ones."""
 
-    def __init__(self, max_queue: int):
-        self.limit = 1 + max_queue
+    def __init__(self, max_queue: int, running: int = 1):
+        self.limit = running + max_queue
         self.active = 0
         self.lock = threading.Lock()
 

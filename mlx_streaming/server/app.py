@@ -10,7 +10,7 @@ from http.server import ThreadingHTTPServer
 from ..cli import run_main
 from ..config import add_config_flags, config_from_args
 from ..errors import ConfigError
-from ..flags import MAX_NUM_DRAFT
+from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, count
 from .mlx_flags import add_mlx_lm_server_flags
 from .provider import make_provider
 from .service import Service, counting
@@ -19,6 +19,8 @@ from ..flags import Parser
 
 
 DEFAULT_MAX_QUEUE = 4
+DEFAULT_DECODE_CONCURRENCY = 4
+DEFAULT_MAX_CONTEXT = 8192
 # Drafts of --draft (server/drafts.py, not imported until asked for).
 DRAFT_CHOICES = ("ngram", "mtp")
 
@@ -41,7 +43,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="speculative decoding of each request with drafts: ngram (prompt "
                         "lookup) or mtp (the model's own MTP layers); --num-draft-tokens "
                         "per verify call; lossless, off by default")
+    p.add_argument("--max-context", type=count(1, MAX_TOKENS), default=None,
+                   help="tokens a sequence may reach, prompt and answer: the memory plan keeps "
+                        "room for --decode-concurrency KV caches this long (default: the "
+                        f"model's context, at most {DEFAULT_MAX_CONTEXT}); longer requests get "
+                        "HTTP 400")
     add_mlx_lm_server_flags(p)
+    # Sequences decoded together: fewer than mlx-lm's 32 by default, since
+    # each holds a KV cache beside the pools in memory the model shares.
+    p.set_defaults(decode_concurrency=DEFAULT_DECODE_CONCURRENCY,
+                   prompt_concurrency=DEFAULT_DECODE_CONCURRENCY)
     add_config_flags(p)
     return p
 
@@ -69,18 +80,23 @@ def serve(args) -> None:
     _check_defaults(args)
     _check_address(args.host, args.port)
     configure_logging(args.log_level)
+    for flag in ("decode_concurrency", "prompt_concurrency"):
+        if not 1 <= getattr(args, flag) <= MAX_CONCURRENCY:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be from 1 to {MAX_CONCURRENCY}, "
+                              f"got {getattr(args, flag)}")
     provider = make_provider(args, config)
     provider.load_default()  # load errors are one line, before the port opens
-    limit = getattr(getattr(provider.model, "args", None), "max_position_embeddings", None)
-    if limit is not None and args.max_tokens > limit:
-        raise ConfigError(f"--max-tokens {args.max_tokens} exceeds the model's context "
-                          f"of {limit} tokens")
+    running = args.decode_concurrency if provider.is_batchable else 1
+    limit = reserve_kv_caches(provider.model, running, args.max_context)
+    if args.max_tokens > limit:
+        raise ConfigError(f"--max-tokens {args.max_tokens} exceeds the context of {limit} "
+                          "tokens a sequence may reach (the model's, or --max-context)")
     vocab = getattr(getattr(provider.model, "args", None), "vocab_size", None)
     # Any request may sample with the default top_k.
     problem = check_sampling({"top_k": args.top_k}, vocab, temperature=1.0)
     if problem is not None:
         raise ConfigError(f"--top-k: {problem[1]}")
-    service = Service(provider, args.max_queue, args.memo_mb)
+    service = Service(provider, args.max_queue, args.memo_mb, running, limit)
     from .handler import make_handler
 
     if args.draft:
@@ -97,7 +113,8 @@ def serve(args) -> None:
         handler = make_handler(service)
         print(f"[mlx_streaming] serving {service.model_id} on http://{args.host}:"
               f"{args.port} (reader: {provider.model.streaming.reader.name}, "
-              f"max queue {args.max_queue})", file=sys.stderr, flush=True)
+              f"{running} decoded together, max queue {args.max_queue})", file=sys.stderr,
+              flush=True)
         mlx_server._run_http_server(args.host, args.port, generator,
                                     server_class=_Server, handler_class=handler)
     except OSError as e:
@@ -106,6 +123,33 @@ def serve(args) -> None:
     finally:
         # Its thread is not a daemon: the process would otherwise never exit.
         generator.stop_and_join()
+
+
+# Sequences decoded together at most (each with a KV cache).
+MAX_CONCURRENCY = 256
+
+
+def reserve_kv_caches(model, sequences: int, max_context) -> int:
+    """Keep room in the model's memory plan for ``sequences`` KV caches of
+    the context a sequence may reach (returned): the pools give up slots for
+    it, or the server is refused at start, naming what would fit."""
+    from ..errors import BudgetError
+    from ..runtime.kv import sequence_bytes
+
+    model_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    context = max_context or min(model_context or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT)
+    if model_context is not None and context > model_context:
+        raise ConfigError(f"--max-context {context} exceeds the model's context of "
+                          f"{model_context} tokens")
+    per_sequence = sequence_bytes(model, context)
+    try:
+        model.streaming.reserve(sequences * per_sequence, f"{sequences} KV caches of "
+                                f"{context} tokens")
+    except BudgetError as e:
+        raise ConfigError(f"{e}: use a smaller --decode-concurrency or --max-context "
+                          f"(each sequence takes {per_sequence / 1e9:.3g} GB at {context} "
+                          "tokens)") from None
+    return context
 
 
 # Libraries that log a line per HTTP request they make (a Hub repo's range

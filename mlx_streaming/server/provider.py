@@ -12,6 +12,7 @@ def make_provider(mlx_args: argparse.Namespace, config):
 
     import mlx.core as mx
     import mlx_lm.server as mlx_server
+    from mlx_lm.models.cache import make_prompt_cache
 
     from ..runtime.loader import load
 
@@ -42,8 +43,9 @@ def make_provider(mlx_args: argparse.Namespace, config):
             self.model, self.tokenizer = model, tokenizer
             self.processor = mlx_server.load_processor(model, model_config)
             self.draft_model = None
-            # One generation at a time: requests are never batched onto the
-            # pools together (mlx-lm then serves them in arrival order).
-            self.is_batchable = False
+            # mlx-lm's rule: requests are decoded together where every
+            # cache of the model can merge; not with drafts (one at a time).
+            self.is_batchable = (not self.cli_args.draft and self.cli_args.decode_concurrency > 1
+                                 and all(hasattr(c, "merge") for c in make_prompt_cache(model)))
 
     return StreamingModelProvider(mlx_args)

@@ -23,11 +23,13 @@ class Service:
     """What the handlers share: the served model's identity, admission,
     the memo and the record of recent requests."""
 
-    def __init__(self, provider, max_queue: int, memo_mb: float):
+    def __init__(self, provider, max_queue: int, memo_mb: float, running: int = 1,
+                 max_context: Optional[int] = None):
         self.provider = provider
         self.path = str(provider.cli_args.model)
         self.model_id = Path(self.path).name
-        self.admission = Admission(max_queue)
+        self.admission = Admission(max_queue, running)
+        self.max_context = max_context  # tokens a sequence may reach (--max-context)
         self.memo = Memo(int(memo_mb * 1e6)) if memo_mb > 0 else None
         self.recent = collections.deque(maxlen=RECENT_REQUESTS)
         self.lock = threading.Lock()
@@ -37,8 +39,12 @@ class Service:
         return name in ("default_model", self.model_id, self.path)
 
     def context_length(self) -> Optional[int]:
+        """Tokens a sequence may reach: the model's context, or less
+        (``--max-context``, which the memory plan kept room for)."""
         args = getattr(self.provider.model, "args", None)
-        return getattr(args, "max_position_embeddings", None)
+        model = getattr(args, "max_position_embeddings", None)
+        limits = [n for n in (model, self.max_context) if n is not None]
+        return min(limits) if limits else None
 
     def longest_token_chars(self) -> Optional[int]:
         """The most characters of text one token stands for, or None where

@@ -1,0 +1,38 @@
+"""How much memory one sequence's caches take at a given length: what a
+batch of sequences adds to the model's weights.
+
+Measured on the model itself, with one token through a fresh cache (any
+family: plain KV caches, MLA's latent ones, sliding windows, recurrent
+states), then scaled: a growing cache by the tokens it will hold, a window
+no further than its size, a recurrent state not at all.
+"""
+
+import mlx.core as mx
+from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+# Tokens of a prompt that go through the model at once (mlx-lm's default
+# prefill step).
+PREFILL_CHUNK = 2048
+
+
+def sequence_bytes(model, tokens: int) -> int:
+    """Bytes of one sequence's caches once it holds ``tokens`` tokens."""
+    caches = make_prompt_cache(model)
+    out = model(mx.array([[0]]), cache=caches)
+    mx.eval(out, [c.state for c in caches if not c.empty()])
+    return sum(_bytes_at(c, tokens) for c in caches)
+
+
+def _bytes_at(cache, tokens: int) -> int:
+    if isinstance(cache, CacheList):
+        return sum(_bytes_at(c, tokens) for c in cache.caches)
+    keys = getattr(cache, "keys", None)
+    if keys is None or not hasattr(keys, "shape"):
+        return cache.nbytes  # a recurrent state: the same at any length
+    allocated = keys.shape[-2]  # tokens the first step allocated room for
+    window = getattr(cache, "max_size", None)
+    # A window holds its size and, while a prompt chunk goes through, that chunk.
+    held = tokens if window is None else min(tokens, window + PREFILL_CHUNK)
+    step = getattr(cache, "step", 1)  # room grows a step of tokens at a time
+    held = -(-held // step) * step
+    return int(cache.nbytes / allocated * held)
