@@ -28,7 +28,7 @@ class CorruptExpertError(FormatError):
         self.expert = expert
         super().__init__(
             f"layer {layer}, expert {expert}: {what}; re-convert the model "
-            "(`mlx_streaming verify DIR` lists every damaged record)"
+            "(`mlx_streaming check DIR` lists every damaged record)"
         )
 
 

@@ -106,8 +106,9 @@ def serve(args) -> None:
             provider, LRUPromptCache(args.prompt_cache_size))
         drafts.install(generator, args.draft)
     else:
-        generator = mlx_server.ResponseGenerator(
-            provider, LRUPromptCache(args.prompt_cache_size))
+        from .generation import ResilientResponseGenerator
+
+        generator = ResilientResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
     try:
         generator.generate = counting(service, generator.generate)
         handler = make_handler(service)

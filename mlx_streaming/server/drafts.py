@@ -14,8 +14,9 @@ import mlx_lm.server as mlx_server
 
 from ..decode import speculative
 from ..decode.mtp import MtpDraft
+from .generation import ResilientResponseGenerator
 
-class DraftingResponseGenerator(mlx_server.ResponseGenerator):
+class DraftingResponseGenerator(ResilientResponseGenerator):
     """mlx-lm's generator, noting the request its thread is serving (its
     arguments and whole prompt) for the drafting ``stream_generate``."""
 

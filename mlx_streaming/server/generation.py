@@ -1,0 +1,64 @@
+"""mlx-lm's generation thread, kept alive through a failure.
+
+A streamed model can fail where a resident one does not (a damaged record,
+a Hub that stops answering). mlx-lm's batch loop has no way to fail one
+request: the exception ends its generation thread, and the server answers
+nothing after. Here each request in flight gets the error, and the thread
+starts its loop again for the requests that follow.
+"""
+
+import logging
+import threading
+
+import mlx_lm.server as mlx_server
+
+log = logging.getLogger(__name__)
+
+
+class _Tracked:
+    """A request's response queue that knows when its answer has ended
+    (``None``) or failed (an exception)."""
+
+    def __init__(self, queue, open_set: set, lock: threading.Lock):
+        self.queue, self.open, self.lock = queue, open_set, lock
+        with lock:
+            open_set.add(self)
+
+    def put(self, item, *args, **kwargs):
+        if item is None or isinstance(item, Exception):
+            with self.lock:
+                self.open.discard(self)
+        return self.queue.put(item, *args, **kwargs)
+
+    def __getattr__(self, name):  # get, get_nowait ... as the queue's
+        return getattr(self.queue, name)
+
+
+class ResilientResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's ``ResponseGenerator`` whose generation thread survives a
+    failure of the model: the requests in flight get the error."""
+
+    def __init__(self, *args, **kwargs):
+        self._in_flight = set()  # before the thread starts
+        self._in_flight_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _next_request(self, timeout=None):
+        request = super()._next_request(timeout)
+        if request is None:
+            return None
+        queue, *rest = request
+        return (_Tracked(queue, self._in_flight, self._in_flight_lock), *rest)
+
+    def _run_generate(self):
+        while not self._stop:
+            try:
+                self._generate()
+                return
+            except Exception as e:
+                log.error("generation failed: %s; the requests in flight get the error, "
+                          "the next ones are served", " ".join(str(e).split()))
+                with self._in_flight_lock:
+                    failed, self._in_flight = list(self._in_flight), set()
+                for queue in failed:
+                    queue.queue.put(e)
