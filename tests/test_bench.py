@@ -165,15 +165,20 @@ def test_bench_io_prefetch_decode_runs(models, tmp_path):
     assert on["syncs_per_token"] == layers
 
 
-def test_bench_serve_compares_with_mlx_lm_server(models, tmp_path):
+def test_bench_serve_compares_serial_batched_and_mlx_lm(models, tmp_path):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     _run(["serve", "--model", str(stream_dir), "--mlx-model", str(src), "--clients", "1,2",
           "--requests", "2", "--max-tokens", "4", "--rounds", "1"], tmp_path / "serve")
     rows = json.loads((tmp_path / "serve" / "serve.json").read_text())["rows"]
-    assert sorted((r["server"].split()[0], r["clients"]) for r in rows) == [
-        ("mlx_lm.server", 1), ("mlx_lm.server", 2), ("mlx_streaming", 1), ("mlx_streaming", 2)]
+    assert sorted((r["server"].split()[0], r["server"].split()[-1], r["clients"])
+                  for r in rows) == [
+        ("mlx_lm.server", "resident", 1), ("mlx_lm.server", "resident", 2),
+        ("mlx_streaming", "batched", 1), ("mlx_streaming", "batched", 2),
+        ("mlx_streaming", "serial", 1), ("mlx_streaming", "serial", 2)]
     assert all(r["requests"] == 2 and r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0
-               for r in rows)
+               and r["itl_p95_s"] > 0 and r["vs_mlx_lm"] > 0 for r in rows)
+    ours = [r for r in rows if r["server"].startswith("mlx_streaming")]
+    assert all(r["mb_read_per_token"] >= 0 and 0 <= r["hit_rate"] <= 1 for r in ours)
     assert (tmp_path / "serve" / "serve.png").exists()
 
 
@@ -746,6 +751,7 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     (["overhead", "--tokens", "0"], "--tokens: must be an integer from 1"),
     (["overhead", "--rounds", "0"], "--rounds: must be an integer from 1"),
     (["serve", "--clients", "0"], "--clients: must be an integer from 1 to 64"),
+    (["serve", "--cases", "serial,fast"], "--cases: must be one of serial, batched, mlx-lm"),
     (["serve", "--requests", "0"], "--requests: must be an integer from 1"),
     (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number above 0"),
     (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number above 0"),

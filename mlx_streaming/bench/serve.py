@@ -1,9 +1,12 @@
-"""bench serve: this package's server against mlx_lm.server on the same
-weights fully resident, both started here, the same prompts, throughput,
-time to first token and p50/p95 latency at each client count, interleaved
-rounds, ratios to mlx-lm from the same run.
+"""bench serve: this package's server, one request at a time (serial) and
+decoding requests together (batched), against mlx_lm.server on the same
+weights fully resident (batching too), all started here; 1, 2, 4 and 8
+concurrent OpenAI clients, each request with a prompt of its own. Reports
+total tok/s, time to first token and inter-token latency (p50, p95), our
+servers' expert hit rate and MB read per generated token, in interleaved
+rounds, with ratios to the serial server and to mlx-lm from the same run.
 
-    python -m mlx_streaming.bench serve --model STREAM --mlx-model MLX --clients 1,4 --requests 8
+    python -m mlx_streaming.bench serve --model STREAM --mlx-model MLX [--read-mbps 50]
 """
 
 import json
@@ -15,30 +18,49 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from ..format import read_manifest
-from .common import BenchError, figure, finish, pool_slots
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
+from .common import BenchError, ReadLimit, figure, finish, pool_slots
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number, one_of
 
+# A different prompt per request: clients share no prompt cache.
 PROMPTS = ["def main(", "import os\n", "class Parser:", "for i in range(", "while True:",
-           "# Read the file", "return self.", "if __name__ =="]
+           "# Read the file", "return self.", "if __name__ ==", "with open(", "try:\n",
+           "@property\ndef ", "from typing import", "async def fetch(", "raise ValueError(",
+           "lambda x:", "yield from"]
 
 COLUMNS = [("server", "server", "s"), ("clients", "clients", "d"),
-           ("tokens_per_s", "tok/s"), ("vs_mlx_lm", "vs mlx-lm", ".2f"),
-           ("ttft_p50_s", "TTFT p50 s"), ("latency_p50_s", "latency p50 s"),
-           ("latency_p95_s", "latency p95 s"), ("requests", "requests", "d")]
+           ("tokens_per_s", "tok/s"), ("vs_serial", "x serial", ".2f"),
+           ("vs_mlx_lm", "x mlx-lm", ".2f"), ("ttft_p50_s", "TTFT p50 s"),
+           ("ttft_p95_s", "TTFT p95 s"), ("itl_p50_s", "ITL p50 s"), ("itl_p95_s", "ITL p95 s"),
+           ("hit_rate", "hit", ".0%"), ("mb_read_per_token", "MB read/tok", ".3g"),
+           ("requests", "requests", "d")]
+CASES = ("serial", "batched", "mlx-lm")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="stream directory")
-    p.add_argument("--mlx-model", required=True, help="the same weights as an mlx-lm model")
-    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25, help="share of experts resident")
-    p.add_argument("--clients", type=listed(count(1, 64)), default="1,4", help="concurrent clients, comma-separated")
-    p.add_argument("--requests", type=count(1, 100_000), default=8, help="requests per client count")
+    p.add_argument("--mlx-model", help="the same weights as an mlx-lm model (the mlx-lm case)")
+    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25,
+                   help="share of experts resident")
+    p.add_argument("--clients", type=listed(count(1, 64)), default="1,2,4,8",
+                   help="concurrent clients, comma-separated")
+    p.add_argument("--requests", type=count(1, 100_000), default=16,
+                   help="requests per client count, each with a prompt of its own")
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
-    p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=2, help="interleaved rounds (median kept)")
+    p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=2,
+                   help="interleaved rounds (median kept)")
+    p.add_argument("--cases", type=listed(one_of(CASES)), default=",".join(CASES),
+                   help="serial (one request at a time), batched (decoded together), mlx-lm "
+                        "(mlx_lm.server on the resident model, batching)")
+    p.add_argument("--decode-concurrency", type=count(1, 64), default=8,
+                   help="sequences decoded together in the batched cases")
+    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
+                   help="throttle our servers' disk reads to this many MB/s (cgroup blkio, "
+                        "root; reads uncached), to emulate a Mac's read/compute ratio")
     p.add_argument("--out", type=Path, default=Path("bench-results/serve"))
 
 
@@ -49,15 +71,16 @@ def _free_port() -> int:
 
 
 class _Process:
-    """A server started for the bench, stopped when it ends."""
+    """A server started for the bench (in ``limit``'s cgroup, if any),
+    stopped when it ends."""
 
-    def __init__(self, command, port):
+    def __init__(self, command, port, limit=None):
         self.url = f"http://127.0.0.1:{port}"
         # A file, not a pipe: a server logging per request would fill a pipe
         # nobody reads and block.
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log,
-                                     text=True)
+                                     text=True, preexec_fn=limit.enter if limit else None)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -71,6 +94,14 @@ class _Process:
         self.stop()
         raise BenchError(f"server {command[2]} did not start within 300 s")
 
+    def counters(self) -> Optional[dict]:
+        """Our server's expert counters so far (None for mlx-lm's)."""
+        try:
+            with urllib.request.urlopen(self.url + "/v1/stats", timeout=30) as r:
+                return json.loads(r.read())["streaming"]["total"]
+        except OSError:
+            return None
+
     def stop(self):
         self.proc.terminate()
         try:
@@ -80,98 +111,145 @@ class _Process:
         self.log.close()
 
 
-def _one_request(url: str, prompt: str, max_tokens: int) -> dict:
-    body = json.dumps(dict(prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                           stream_options={"include_usage": True})).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+def _one_request(client, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion through the OpenAI client: its time to first
+    token, the gaps between its tokens and its token count."""
     start = time.perf_counter()
-    first, tokens = None, 0
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            elif first is None and event["choices"] and event["choices"][0].get("text"):
-                first = time.perf_counter() - start
-    return dict(latency=time.perf_counter() - start, ttft=first, tokens=tokens)
+    stamps, tokens = [], 0
+    stream = client.completions.create(model="default_model", prompt=prompt, stream=True,
+                                       max_tokens=max_tokens, temperature=0,
+                                       stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        elif chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+    latency = time.perf_counter() - start
+    return dict(latency=latency, ttft=stamps[0] - start if stamps else None,
+                gaps=list(np.diff(stamps)), tokens=tokens)
 
 
 def _load_test(url: str, clients: int, requests: int, max_tokens: int) -> dict:
-    """``requests`` requests from ``clients`` threads; each request's prompt
-    is fixed by its index, so both servers see the same ones."""
+    """``requests`` requests from ``clients`` threads, each request with its
+    own prompt (fixed by its index, so every server sees the same ones)."""
+    import openai
+
     results, lock, next_index = [], threading.Lock(), [0]
 
-    def client():
+    def client_thread():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                               timeout=600)
         while True:
             with lock:
                 i = next_index[0]
                 next_index[0] += 1
             if i >= requests:
                 return
-            r = _one_request(url, PROMPTS[i % len(PROMPTS)] + f" # {i}", max_tokens)
+            r = _one_request(client, PROMPTS[i % len(PROMPTS)] + f" # {i}", max_tokens)
             with lock:
                 results.append(r)
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads = [threading.Thread(target=client_thread) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    latency = [r["latency"] for r in results]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    gaps = [g for r in results for g in r["gaps"]]
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     return dict(tokens_per_s=sum(r["tokens"] for r in results) / wall,
-                ttft_p50_s=float(np.median(ttft)) if ttft else None,
-                latency_p50_s=float(np.percentile(latency, 50)),
-                latency_p95_s=float(np.percentile(latency, 95)), requests=len(results))
+                tokens=sum(r["tokens"] for r in results),
+                ttft_p50_s=pct(ttft, 50), ttft_p95_s=pct(ttft, 95),
+                itl_p50_s=pct(gaps, 50), itl_p95_s=pct(gaps, 95),
+                latency_p95_s=pct([r["latency"] for r in results], 95), requests=len(results))
+
+
+def _measure(proc: "_Process", clients: int, args) -> dict:
+    """A load test, with our server's hit rate and bytes read per generated
+    token over it."""
+    before = proc.counters()
+    row = _load_test(proc.url, clients, args.requests, args.max_tokens)
+    after = proc.counters()
+    if before is not None and after is not None:
+        hits = after["hits"] - before["hits"]
+        lookups = hits + after["misses"] - before["misses"]
+        row["hit_rate"] = hits / lookups if lookups else None
+        row["mb_read_per_token"] = ((after["bytes_read"] - before["bytes_read"]) / 1e6
+                                    / max(1, row["tokens"]))
+    return row
+
+
+def _servers(args, slots: int, num_experts: int, ports) -> Dict[str, list]:
+    ours = [sys.executable, "-m", "mlx_streaming.server", "--model", str(args.model),
+            "--slots-per-layer", str(slots), "--max-queue", str(max(args.clients))]
+    if args.read_mbps:
+        ours += ["--direct-io", "on"]  # the page cache would hide the throttle
+    name = f"mlx_streaming pool {slots}/{num_experts}"
+    commands = {
+        "serial": (f"{name} serial", ours + ["--decode-concurrency", "1"]),
+        "batched": (f"{name} batched", ours + ["--decode-concurrency",
+                                              str(args.decode_concurrency)]),
+        "mlx-lm": ("mlx_lm.server resident", [
+            sys.executable, "-m", "mlx_lm", "server", "--model", str(args.mlx_model),
+            "--decode-concurrency", str(args.decode_concurrency)]),
+    }
+    if "mlx-lm" in args.cases and not args.mlx_model:
+        raise BenchError("the mlx-lm case needs --mlx-model (or leave it out of --cases)")
+    return {label: command + ["--port", str(port)]
+            for (case, (label, command)), port in zip(commands.items(), ports)
+            if case in args.cases}
 
 
 def run(args) -> dict:
     stream_dir = Path(args.model)
     manifest = read_manifest(stream_dir)
-    slots = pool_slots(manifest.layers[0], args.pool)
-    clients = args.clients
-    queue = str(max(clients))
-    ports = [_free_port(), _free_port()]
-    servers = {
-        f"mlx_streaming pool {slots}/{manifest.layers[0].num_experts}": [
-            sys.executable, "-m", "mlx_streaming.server", "--model", str(stream_dir),
-            "--slots-per-layer", str(slots), "--max-queue", queue, "--port", str(ports[0])],
-        "mlx_lm.server resident": [
-            sys.executable, "-m", "mlx_lm", "server", "--model", str(args.mlx_model),
-            "--port", str(ports[1])],
-    }
-    running = {}
+    spec = manifest.layers[0]
+    slots = pool_slots(spec, args.pool)
+    servers = _servers(args, slots, spec.num_experts, [_free_port() for _ in CASES])
+    running, throttle = {}, None
     try:
-        for (name, command), port in zip(servers.items(), ports):
-            running[name] = _Process(command, port)
-        measured = {(n, c): [] for n in servers for c in clients}
-        for _ in range(args.rounds):  # interleaved: slow spells hit both alike
-            for c in clients:
+        if args.read_mbps:
+            throttle = ReadLimit(args.read_mbps, stream_dir)
+        for name, command in servers.items():
+            ours = not name.startswith("mlx_lm")
+            running[name] = _Process(command, int(command[-1]), throttle if ours else None)
+        measured = {(n, c): [] for n in servers for c in args.clients}
+        for _ in range(args.rounds):  # interleaved: slow spells hit every case alike
+            for c in args.clients:
                 for name, proc in running.items():
-                    measured[name, c].append(
-                        _load_test(proc.url, c, args.requests, args.max_tokens))
+                    measured[name, c].append(_measure(proc, c, args))
     finally:
         for proc in running.values():
             proc.stop()
+        if throttle is not None:
+            throttle.close()
+    rows = _rows(measured)
+    title = (f"bench serve: {args.requests} requests x {args.max_tokens} tokens per client "
+             f"count, greedy, median of {args.rounds} interleaved rounds"
+             + (f", our servers' reads throttled to {args.read_mbps:g} MB/s"
+                if args.read_mbps else ", page cache warm"))
+    result = dict(rows=rows, model=str(stream_dir), mlx_model=str(args.mlx_model),
+                  pool=args.pool, slots_per_layer=slots, read_mbps=args.read_mbps,
+                  decode_concurrency=args.decode_concurrency)
+    return finish(args.out, "serve", result, rows, COLUMNS, title, _plot)
+
+
+def _rows(measured) -> List[dict]:
+    """The median round of each (server, clients), with its ratios to the
+    serial server and to mlx-lm's at the same client count."""
     rows = []
     for (name, c), runs in measured.items():
-        best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-        rows.append(dict(best, server=name, clients=c,
+        middle = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+        rows.append(dict(middle, server=name, clients=c,
                          runs_tokens_per_s=[r["tokens_per_s"] for r in runs]))
     for row in rows:
-        base = next(r for r in rows if r["clients"] == row["clients"]
-                    and r["server"].startswith("mlx_lm"))
-        row["vs_mlx_lm"] = row["tokens_per_s"] / base["tokens_per_s"]
-    title = (f"bench serve: {args.requests} requests x {args.max_tokens} tokens per client "
-             f"count, greedy, median of {args.rounds} interleaved rounds")
-    result = dict(rows=rows, model=str(stream_dir), mlx_model=str(args.mlx_model),
-                  pool=args.pool, slots_per_layer=slots)
-    return finish(args.out, "serve", result, rows, COLUMNS, title, _plot)
+        for key, marker in (("vs_serial", " serial"), ("vs_mlx_lm", "mlx_lm")):
+            base = next((r for r in rows if r["clients"] == row["clients"]
+                         and marker in r["server"]), None)
+            row[key] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return rows
 
 
 def _plot(rows, path, title):
@@ -184,8 +262,8 @@ def _plot(rows, path, title):
         mine = {r["clients"]: r for r in rows if r["server"] == name}
         xs = [i + k * width for i in range(len(clients))]
         axes[0].bar(xs, [mine[c]["tokens_per_s"] for c in clients], width, label=name)
-        axes[1].bar(xs, [mine[c]["latency_p50_s"] for c in clients], width, label=name)
-    for ax, label in zip(axes, ("tokens/s (all clients)", "latency p50 (s)")):
+        axes[1].bar(xs, [mine[c]["ttft_p95_s"] or 0 for c in clients], width, label=name)
+    for ax, label in zip(axes, ("tokens/s (all clients)", "time to first token p95 (s)")):
         ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(clients))],
                       [f"{c} clients" for c in clients])
         ax.set_ylabel(label)
