@@ -578,8 +578,11 @@ def test_the_server_exits_cleanly_after_generating_on_its_own_thread(models):
 @pytest.mark.parametrize("draft, family", [("ngram", "qwen3_moe"), ("mtp", "deepseek_v3")])
 def test_the_server_drafts_losslessly(models, draft, family):
     """``--draft``: greedy answers are the undrafted server's, token for
-    token, and the acceptance shows in /v1/stats; a request with other
-    sampling (top_p) is served without drafts."""
+    token, those of repeated prompts too (served from the kept prompt
+    cache, which a drafted generation must leave as mlx-lm's does, also
+    when a stop word ends it inside a run of accepted drafts); the
+    acceptance shows in /v1/stats; a request with other sampling (top_p)
+    is served without drafts."""
     extra = {"num_nextn_predict_layers": 1} if draft == "mtp" else {}
     _, stream_dir = models.get(family, quantized=True, **extra)
     prompts = ["def f(x):\n    return f(x) + f(x)", "import os\nimport os\nimport",
@@ -589,8 +592,9 @@ def test_the_server_drafts_losslessly(models, draft, family):
         s = Server(stream_dir, "--slots-per-layer", "8", *flags)
         try:
             answers[bool(flags)] = [s.client.completions.create(
-                model="default_model", prompt=p, max_tokens=16, temperature=0).choices[0].text
-                for p in prompts]
+                model="default_model", prompt=p, max_tokens=16, temperature=0,
+                stop=stop).choices[0].text
+                for p in prompts * 2 for stop in (None, "x)")]
             spec = json.loads(urllib.request.urlopen(s.url + "/v1/stats").read())[
                 "streaming"]["speculative"]
             if flags:

@@ -2,6 +2,7 @@
 decoding for n-gram and draft-model drafts (hybrid recurrent models too),
 and the sampling rule keeps the target's distribution."""
 
+import itertools
 import json
 import mlx.core as mx
 import mlx_lm
@@ -381,3 +382,35 @@ def test_a_draft_model_with_another_tokenizer_is_warned_about(qwen, tmp_path, ca
         assert generate.main(["--model", str(qwen[1]), "--max-tokens", "6", "--slots-per-layer",
                               "4", "--draft-model", str(draft)]) == 0
         assert ("another tokenizer" in capsys.readouterr().err) == warned
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_settled_cache_holds_the_prompt_and_the_tokens_yielded(models, family):
+    """``settle=True`` (the server keeps caches keyed by prompt + output):
+    however many tokens the caller takes, even inside a run of accepted
+    drafts, the cache then holds exactly those tokens, as mlx-lm leaves it:
+    the next call on it gives mlx-lm's logits."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    src, stream = models.get(family, quantized=True)
+    model, _ = mlx_streaming.load(stream, slots_per_layer=_partial(stream))
+    reference, _ = mlx_lm.load(str(src))  # the same weights: its drafts are accepted
+    prompt = PROMPT
+    spec = SpecStats()
+    for taken in range(1, 12):
+        ours = make_prompt_cache(model)
+        steps = speculative_generate_step(prompt, model, ModelDraft(reference), num_draft_tokens=4,
+                                          max_tokens=20, prompt_cache=ours, settle=True,
+                                          stats=spec)
+        out = [t for t, *_ in itertools.islice(steps, taken)]
+        steps.close()
+        theirs = make_prompt_cache(model)
+        gen = generate_step(mx.array(prompt), model, max_tokens=taken, prompt_cache=theirs,
+                            sampler=lambda x: mx.argmax(x, axis=-1))
+        assert [int(t) for t, _ in gen] == out
+        nxt = mx.array([[out[-1]]])
+        want, got = model(nxt, cache=theirs)[0, -1], model(nxt, cache=ours)[0, -1]
+        assert int(mx.argmax(got)) == int(mx.argmax(want))
+        assert np.allclose(np.array(got), np.array(want), atol=1e-3), taken
+    assert spec.accepted > spec.calls
+    model.streaming.close()

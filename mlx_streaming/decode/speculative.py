@@ -182,20 +182,22 @@ class Checkpoint:
         self.saved = [None if _stays_trimmable(c, n) else _snapshot(c) for c in cache]
         self.trimmable = all(s is None for s in self.saved)
 
-    def undo(self, model, fed: Sequence[int], keep: int) -> bool:
-        """``fed`` tokens went in since the checkpoint; keep the first ``keep``.
+    def undo(self, model, fed: Sequence[int], keep: int, held: Optional[int] = None) -> bool:
+        """``fed`` tokens went in since the checkpoint, of which the cache
+        holds the first ``held`` (all by default); keep the first ``keep``.
         Returns whether tokens were fed again."""
-        if keep >= len(fed):
+        held = len(fed) if held is None else held
+        if keep >= held:
             return False
         if self.trimmable:
             for c in self.cache:
-                _trim(c, len(fed) - keep)
+                _trim(c, held - keep)
             return False
         for c, saved in zip(self.cache, self.saved):
             if saved is None:
-                _trim(c, len(fed))
+                _trim(c, held)
             else:
-                c.state = saved
+                c.state = _copy_state(c, saved)  # the snapshot stays usable for a second undo
         if keep:
             model(mx.array(list(fed[:keep]))[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
@@ -211,9 +213,13 @@ def _stays_trimmable(c, n: int) -> bool:
 
 
 def _snapshot(c):
+    return _copy_state(c, c.state)
+
+
+def _copy_state(c, state):
     if isinstance(c, ArraysCache):
-        return tree_map(lambda x: x, c.state)  # copies the lists, shares the arrays
-    state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
+        return tree_map(lambda x: x, state)  # copies the lists, shares the arrays
+    state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)
     mx.eval([x for _, x in tree_flatten(state) if isinstance(x, mx.array)])
     return state
 
@@ -265,6 +271,7 @@ def speculative_generate_step(
     prompt: Sequence[int], model, draft, *, num_draft_tokens: int = DEFAULT_NUM_DRAFT,
     max_tokens: int = 256, temp: float = 0.0, seed: int = 0,
     prompt_cache=None, stats: Optional[SpecStats] = None, context: Sequence[int] = (),
+    settle: bool = False,
 ) -> Generator[Tuple[int, bool], None, None]:
     """Yield ``(token, from_draft)`` of the target ``model``'s decoding of
     ``prompt``, drafting ``num_draft_tokens`` at a time with ``draft``.
@@ -278,6 +285,9 @@ def speculative_generate_step(
             ``stats(model)["speculative"]`` reports).
         context: tokens before ``prompt`` that ``prompt_cache`` already
             holds: text for an n-gram or model draft to start from.
+        settle: when the generator ends or is closed, leave the cache
+            holding the prompt and exactly the tokens yielded (one more
+            call, or a trim), as mlx-lm's server expects of a kept cache.
     """
     if not 1 <= num_draft_tokens <= MAX_NUM_DRAFT:
         raise ConfigError(f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT}, "
@@ -297,45 +307,70 @@ def speculative_generate_step(
     else:
         _prefill(model, cache, prompt[:-1])
         draft.start([int(t) for t in context] + prompt)
-    y = prompt[-1]
-    produced = 0
-    while max_tokens < 0 or produced < max_tokens:
-        k = num_draft_tokens if max_tokens < 0 else min(num_draft_tokens,
-                                                        max_tokens - produced - 1)
-        drafts, q = draft.propose(k) if k > 0 else ([], None)
-        fed = [y, *drafts]
-        checkpoint = Checkpoint(cache, len(fed))
-        logits, states = _forward(model, fed, cache, hidden)  # [len(fed), V], [len(fed), H]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if temp > 0:
-            p = np.array(mx.softmax(logits.astype(mx.float32) / temp, axis=-1))
-            n, nxt = accept_sampled(p, drafts, q, rng)
-        else:
-            n, nxt = accept_greedy(np.array(mx.argmax(logits, axis=-1)), drafts)
-        stats.calls += 1
-        stats.drafted += len(drafts)
-        stats.accepted += n
-        # The cache holds fed; keep y and the accepted drafts.
-        stats.refeeds += checkpoint.undo(model, fed, n + 1)
-        if hidden:
-            draft.commit(drafts, n, nxt, states[: n + 1])
-        else:
-            draft.commit(drafts, n, nxt)
-        for i, t in enumerate(drafts[:n]):
-            yield t, logprobs[i], True
-            produced += 1
-        yield nxt, logprobs[n], False
-        produced += 1
-        y = nxt
+    out: List[int] = []  # tokens yielded
+    cached = len(prompt) - 1  # tokens of prompt + out that the cache holds
+    step = None  # (tokens held before the call, fed, checkpoint) of the last call
+    try:
+        y = prompt[-1]
+        while max_tokens < 0 or len(out) < max_tokens:
+            k = num_draft_tokens if max_tokens < 0 else min(num_draft_tokens,
+                                                            max_tokens - len(out) - 1)
+            drafts, q = draft.propose(k) if k > 0 else ([], None)
+            fed = [y, *drafts]
+            checkpoint = Checkpoint(cache, len(fed))
+            logits, states = _forward(model, fed, cache, hidden)  # [len(fed), V], [len(fed), H]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if temp > 0:
+                p = np.array(mx.softmax(logits.astype(mx.float32) / temp, axis=-1))
+                n, nxt = accept_sampled(p, drafts, q, rng)
+            else:
+                n, nxt = accept_greedy(np.array(mx.argmax(logits, axis=-1)), drafts)
+            stats.calls += 1
+            stats.drafted += len(drafts)
+            stats.accepted += n
+            # The cache holds fed; keep y and the accepted drafts.
+            stats.refeeds += checkpoint.undo(model, fed, n + 1)
+            step = (cached, fed, checkpoint)
+            cached += n + 1
+            if hidden:
+                draft.commit(drafts, n, nxt, states[: n + 1])
+            else:
+                draft.commit(drafts, n, nxt)
+            for i, t in enumerate(drafts[:n]):
+                out.append(t)
+                yield t, logprobs[i], True
+            out.append(nxt)
+            yield nxt, logprobs[n], False
+            y = nxt
+    except GeneratorExit:
+        if settle:
+            _settle(model, cache, prompt + out, cached, step)
+        raise
+    if settle:
+        _settle(model, cache, prompt + out, cached, step)
+
+
+def _settle(model, cache, seq: List[int], cached: int, step) -> None:
+    """Make the cache hold exactly ``seq`` (the prompt and every token
+    yielded), as mlx-lm's generation leaves it: its server keys the cache
+    it keeps by those tokens. It holds ``seq[:cached]`` and drafts accepted
+    in the last call but not yet yielded."""
+    if cached < len(seq):
+        model(mx.array(seq[cached:])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    elif cached > len(seq):
+        before, fed, checkpoint = step
+        checkpoint.undo(model, fed, len(seq) - before, held=cached - before)
 
 
 def stream_generate(model, tokenizer, prompt, draft, *, max_tokens: int = 256,
                     num_draft_tokens: int = DEFAULT_NUM_DRAFT, temp: float = 0.0,
                     seed: int = 0, stats: Optional[SpecStats] = None, prompt_cache=None,
-                    context: Sequence[int] = ()) -> Generator[GenerationResponse, None, None]:
+                    context: Sequence[int] = (), settle: bool = False,
+                    ) -> Generator[GenerationResponse, None, None]:
     """``mlx_lm.stream_generate`` with drafts: the same ``GenerationResponse``
     stream (``from_draft`` says which tokens were accepted drafts).
-    ``prompt_cache`` and ``context`` as ``speculative_generate_step``'s."""
+    ``prompt_cache``, ``context`` and ``settle`` as ``speculative_generate_step``'s."""
     if isinstance(prompt, str):
         # As mlx-lm: no second BOS when the text already starts with one.
         bos = getattr(tokenizer, "bos_token", None)
@@ -348,20 +383,24 @@ def stream_generate(model, tokenizer, prompt, draft, *, max_tokens: int = 256,
     prompt_tps, n, token, logprobs, from_draft = 0.0, 0, None, None, False
     steps = speculative_generate_step(prompt, model, draft, num_draft_tokens=num_draft_tokens,
                                       max_tokens=max_tokens, temp=temp, seed=seed,
-                                      stats=stats, prompt_cache=prompt_cache, context=context)
+                                      stats=stats, prompt_cache=prompt_cache, context=context,
+                                      settle=settle)
     finish = "length"
-    for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
-        if n == 1:
-            prompt_tps = len(prompt) / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        if token in tokenizer.eos_token_ids:
-            finish = "stop"
-            break
-        detokenizer.add_token(token)
-        if n == max_tokens:
-            break
-        yield _response(detokenizer.last_segment, token, logprobs, from_draft, len(prompt),
-                        prompt_tps, n, tic, None)
+    try:
+        for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
+            if n == 1:
+                prompt_tps = len(prompt) / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                finish = "stop"
+                break
+            detokenizer.add_token(token)
+            if n == max_tokens:
+                break
+            yield _response(detokenizer.last_segment, token, logprobs, from_draft,
+                            len(prompt), prompt_tps, n, tic, None)
+    finally:
+        steps.close()  # settles the cache, before its holder stores it
     detokenizer.finalize()
     yield _response(detokenizer.last_segment, token, logprobs, from_draft, len(prompt),
                     prompt_tps, n, tic, finish)

@@ -56,7 +56,7 @@ def install(generator: DraftingResponseGenerator, kind: str) -> None:
         yield from speculative.stream_generate(
             model, tokenizer, rest, draft, max_tokens=max_tokens, num_draft_tokens=k,
             temp=float(args.sampling.temperature), seed=args.seed or 0,
-            prompt_cache=kwargs.get("prompt_cache"), context=context)
+            prompt_cache=kwargs.get("prompt_cache"), context=context, settle=True)
 
     mlx_server.stream_generate = stream_generate
 
