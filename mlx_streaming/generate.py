@@ -148,9 +148,11 @@ def _responses(args, model, tokenizer, prompt, sampler):
     """mlx-lm's token stream, or the speculative one when drafts are asked."""
     from mlx_lm import stream_generate
 
+    from .runtime.prefill import step_of
+
     if not (args.draft or args.draft_model):
         return stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                               sampler=sampler)
+                               sampler=sampler, prefill_step_size=step_of(model))
     from .decode import speculative
 
     if args.draft_model:

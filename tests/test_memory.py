@@ -2,6 +2,8 @@
 at load with the number that fits, and what loads, runs."""
 
 import math
+from pathlib import Path
+import json
 import subprocess
 import sys
 import pytest
@@ -117,6 +119,15 @@ def test_what_loads_in_a_small_cgroup_runs(tmp_path, tokenizer_dir):
             proc = generate(*flags)
             assert proc.returncode == 0, (flags, proc.stderr)
             assert "pools shrink" not in proc.stderr, (flags, proc.stderr)
+        # A long prompt goes through in steps the headroom holds (mlx-lm's
+        # 2048 at once was killed).
+        proc = generate("--prompt", " ".join(f"word{i}" for i in range(300)),
+                        "--ignore-chat-template", "--max-tokens", "2",
+                        "--stats-json", str(tmp_path / "s.json"))
+        assert proc.returncode == 0, proc.stderr
+        stats = json.loads((tmp_path / "s.json").read_text())
+        assert stats["summary"]["prompt_tokens"] > 600, stats["summary"]
+        assert stats["stats"]["memory"]["prefill_step"] < 600, stats["stats"]["memory"]
     finally:
         limit.close()
 
@@ -136,3 +147,47 @@ def test_the_spine_ring_shrinks_to_one_before_a_refusal(qwen):
         budget.plan_memory(manifest, StreamConfig(spine_ring=2), base, available)
     assert budget.plan_memory(manifest, StreamConfig(spine_ring=1), base,
                               available).ring_buffers == 1
+
+
+def test_the_prefill_step_is_what_the_headroom_holds(qwen):
+    """mlx-lm's 2048 tokens at once where the headroom holds their
+    activations, fewer (halving) where it does not, and a headroom grown
+    to hold the least step; MLX's buffer cache is capped on a small
+    machine and put back when the model closes."""
+    import mlx.core as mx
+
+    from mlx_streaming.runtime.memory import plan_memory
+    from mlx_streaming.runtime.prefill import MIN_PREFILL_STEP, PREFILL_STEP, bytes_per_token
+
+    _, stream_dir = qwen
+    manifest = read_manifest(stream_dir)
+    model_config = json.loads((Path(stream_dir) / "config.json").read_text())
+    model_config.update(hidden_size=1024, moe_intermediate_size=768, num_attention_heads=16)
+    per_token = bytes_per_token(model_config, manifest)
+    steps = []
+    for avail in (40e9, 2e9, 0.6e9, 0.3e9, 0.1e9):
+        plan = plan_memory(manifest, StreamConfig(), 0, lambda a=avail: int(a),
+                           model_config=model_config)
+        assert plan.prefill_step == PREFILL_STEP or \
+            2 * plan.prefill_step * per_token(2 * plan.prefill_step) > plan.headroom // 2
+        assert plan.prefill_step * per_token(plan.prefill_step) <= plan.headroom // 2
+        steps.append(plan.prefill_step)
+    assert steps[0] == PREFILL_STEP and steps == sorted(steps, reverse=True)
+    assert steps[-1] == MIN_PREFILL_STEP < steps[2] < PREFILL_STEP
+    # Without the sizes in the config, mlx-lm's step.
+    assert plan_memory(manifest, StreamConfig(), 0, lambda: int(0.1e9)).prefill_step == \
+        PREFILL_STEP
+
+    before = mx.set_cache_limit(1 << 40)
+    try:
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
+        assert mx.set_cache_limit(1 << 40) == 1 << 40  # a large machine: untouched
+        model.streaming.close()
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, reserve_gb=1000)
+        capped = mx.set_cache_limit(1 << 40)
+        assert capped == model.streaming.plan.headroom // 4
+        mx.set_cache_limit(capped)
+        model.streaming.close()
+        assert mx.set_cache_limit(1 << 40) == 1 << 40
+    finally:
+        mx.set_cache_limit(before)

@@ -14,6 +14,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, BatchResponse
 
 from ..errors import ConfigError
+from ..runtime.prefill import step_of
 
 Prompt = Union[str, Sequence[int]]
 
@@ -42,6 +43,7 @@ def batch_generate(model, tokenizer, prompts: Sequence[Prompt], **kwargs) -> Bat
     """``mlx_lm.batch_generate`` that also takes prompts as text; every
     other argument is mlx-lm's (``max_tokens``, ``sampler``,
     ``completion_batch_size``, ``return_logprobs`` ...)."""
+    kwargs.setdefault("prefill_step_size", step_of(model))
     return mlx_lm.batch_generate(model, tokenizer, _prompts(tokenizer, prompts), **kwargs)
 
 
@@ -56,6 +58,7 @@ def batch_stream_generate(model, tokenizer, prompts: Sequence[Prompt], *,
     ids = _prompts(tokenizer, prompts)
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(ids)
+    kwargs.setdefault("prefill_step_size", step_of(model))
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], **kwargs)
     try:
         index = {uid: i for i, uid in enumerate(gen.insert(ids, list(max_tokens)))}
@@ -72,5 +75,6 @@ def stream_generate(model, tokenizer, prompt, **kwargs):
     single = isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt
                                          and isinstance(prompt[0], int))
     if single or not isinstance(prompt, Sequence):
+        kwargs.setdefault("prefill_step_size", step_of(model))
         return mlx_lm.stream_generate(model, tokenizer, prompt, **kwargs)
     return batch_stream_generate(model, tokenizer, prompt, **kwargs)

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..errors import ConfigError
 from ..flags import MAX_NUM_DRAFT
+from ..runtime.prefill import step_of
 from ..runtime.stats import SpecStats
 
 DEFAULT_NUM_DRAFT = 3
@@ -132,8 +133,9 @@ class ModelDraft:
 
 
 def _prefill(model, cache, tokens: List[int]) -> None:
-    for i in range(0, len(tokens), PREFILL_STEP):
-        model(mx.array(tokens[i:i + PREFILL_STEP])[None], cache=cache)
+    step = min(PREFILL_STEP, step_of(model))
+    for i in range(0, len(tokens), step):
+        model(mx.array(tokens[i:i + step])[None], cache=cache)
         mx.eval([c.state for c in cache])
 
 
@@ -151,8 +153,9 @@ def _forward(model, tokens: List[int], cache, hidden: bool):
 
 
 def _prefill_hidden(model, cache, tokens: List[int]) -> Optional[mx.array]:
-    states = [_forward(model, tokens[i:i + PREFILL_STEP], cache, True)[1]
-              for i in range(0, len(tokens), PREFILL_STEP)]
+    step = min(PREFILL_STEP, step_of(model))
+    states = [_forward(model, tokens[i:i + step], cache, True)[1]
+              for i in range(0, len(tokens), step)]
     return mx.concatenate(states, axis=0) if states else None
 
 

@@ -100,7 +100,7 @@ def load(
     tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
     if config.mtp:
         manifest = attach_mtp(model, path, manifest, model_config, config)
-    runtime = _build_runtime(path, manifest, config, repo)
+    runtime = _build_runtime(path, manifest, config, model_config, repo)
     try:
         _install_spine(model, path, manifest, runtime)
         install_blocks(model, path, manifest, runtime)
@@ -109,6 +109,9 @@ def load(
         runtime.close()
         raise
     runtime.stats.reset()
+    if runtime.plan.headroom < int(config.reserve_gb * GB):
+        # A small machine: freed buffers go back to the OS.
+        runtime.cap_buffer_cache(runtime.plan.headroom // 4)
     model.streaming = runtime
     weakref.finalize(model, runtime.close)
     if runtime.paged and config.pressure_gb > 0:
@@ -169,9 +172,9 @@ def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
     return StreamConfig(**{k: v for k, v in options.items() if v is not None})
 
 
-def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig,
+def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig, model_config: dict,
                    repo: Optional["hub.HubRepo"] = None) -> Runtime:
-    plan = plan_memory(manifest, config, spine_bytes(path))
+    plan = plan_memory(manifest, config, spine_bytes(path), model_config=model_config)
     if repo is not None:
         reader = hub.make_remote_reader(repo, path, manifest, config)
         reasons = (f"HTTP range requests to {repo.repo_id}",

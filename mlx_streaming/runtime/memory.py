@@ -11,6 +11,7 @@ from ..config import DEFAULT_SPINE_RING, StreamConfig
 from ..errors import BudgetError
 from ..format import DenseSpec, Manifest
 from ..system import available_memory_bytes
+from .prefill import MIN_PREFILL_STEP, PREFILL_STEP, bytes_per_token, prefill_step, room_for
 
 
 GB = 1e9
@@ -84,6 +85,7 @@ class MemoryPlan:
     headroom: int = 0  # left free for the rest of the process (and the pressure bar)
     usable: int = 0  # what was available at load less the headroom
     reserved: int = 0  # kept for what the process holds besides the weights (KV caches)
+    prefill_step: int = PREFILL_STEP  # prompt tokens per model call that the headroom holds
 
     @property
     def total(self) -> int:
@@ -98,6 +100,7 @@ class MemoryPlan:
             "pool_gb": self.pool / GB, "slots_per_layer": self.slots,
             "staging_gb": self.staging / GB, "total_gb": self.total / GB,
             "headroom_gb": self.headroom / GB, "reserved_gb": self.reserved / GB,
+            "prefill_step": self.prefill_step,
         }
 
 
@@ -138,7 +141,8 @@ def _spread(dense: Sequence[DenseSpec], count: int) -> set:
 
 
 def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
-                available=available_memory_bytes) -> MemoryPlan:
+                available=available_memory_bytes, model_config: Optional[dict] = None,
+                ) -> MemoryPlan:
     """Split the budget between the spine and the expert pools.
 
     ``base_bytes`` is the always-resident spine. A headroom stays free for
@@ -147,7 +151,11 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     The budget is ``cache_gb``, or what is available less the headroom; with
     an explicit ``slots_per_layer`` the pools are that size and the spine
     gets what is available besides. No size is accepted that would eat into
-    the headroom: a plan that loads, runs. With prefetch on, its staging
+    the headroom: a plan that loads, runs. The headroom also decides how
+    many prompt tokens go through the model at once (``prefill_step``,
+    from ``model_config``'s sizes): mlx-lm's step, or fewer where the
+    headroom would not hold its activations; it grows to hold the least
+    step. With prefetch on, its staging
     area comes out of the budget (with an explicit ``slots_per_layer``, it
     is added to what the pools need), unless every expert is resident and
     no trace is asked for (a trace keeps the pools paged). Without an
@@ -162,10 +170,15 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     """
     avail = available()
     headroom = min(int(cfg.reserve_gb * GB), avail // 4)
+    per_token = bytes_per_token(model_config, manifest)
+    step = prefill_step(headroom, per_token)
+    if step == MIN_PREFILL_STEP and cfg.reserve_gb > 0:
+        headroom = max(headroom, min(room_for(step, per_token), avail // 2))
     rings = (cfg.spine_ring,) if cfg.spine_ring is not None else (DEFAULT_SPINE_RING, 1)
     for ring in rings:
         try:
-            return _plan(manifest, cfg, base_bytes, _Room(avail, headroom, ring))
+            plan = _plan(manifest, cfg, base_bytes, _Room(avail, headroom, ring))
+            return replace(plan, prefill_step=step)
         except BudgetError:
             if ring == rings[-1]:
                 raise

@@ -46,6 +46,7 @@ class Runtime:
         self.ring = None  # the SpineRing of streamed spine layers, if any
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
         self._overlap = None  # the thread that reads misses while experts compute
+        self._cache_limit = None  # MLX's buffer cache limit before cap_buffer_cache
         self.stats = Stats([l.layer for l in manifest.layers])
         self.speculative = SpecStats()  # drafts through this model
         self.trace = TraceWriter(config.trace) if config.trace else None
@@ -87,6 +88,17 @@ class Runtime:
                 if isinstance(store, NativeStore):
                     store.index.unbind()  # a lazy graph left behind reads nothing
             self.reader.close()
+            if self._cache_limit is not None:
+                mx.set_cache_limit(self._cache_limit)
+
+    def cap_buffer_cache(self, nbytes: int) -> None:
+        """Keep at most ``nbytes`` of freed buffers in MLX's cache (a setting
+        of the whole process, put back at ``close``): on a machine whose
+        headroom is small, the cache would otherwise keep a prefill's
+        buffers beside the weights."""
+        previous = mx.set_cache_limit(nbytes)
+        if self._cache_limit is None:
+            self._cache_limit = previous
 
     @contextmanager
     def call(self):

@@ -11,6 +11,7 @@ from ..cli import run_main
 from ..config import add_config_flags, config_from_args
 from ..errors import ConfigError
 from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, count
+from ..runtime.prefill import step_of
 from .mlx_flags import add_mlx_lm_server_flags
 from .provider import make_provider
 from .service import Service, counting
@@ -88,6 +89,11 @@ def serve(args) -> None:
     provider.load_default()  # load errors are one line, before the port opens
     running = args.decode_concurrency if provider.is_batchable else 1
     limit = reserve_kv_caches(provider.model, running, args.max_context)
+    if args.prefill_step_size is None:
+        args.prefill_step_size = max(MIN_SHARED_STEP, step_of(provider.model) // running)
+    elif not 1 <= args.prefill_step_size <= MAX_TOKENS:
+        raise ConfigError(f"--prefill-step-size must be from 1 to {MAX_TOKENS}, "
+                          f"got {args.prefill_step_size}")
     if args.max_tokens > limit:
         raise ConfigError(f"--max-tokens {args.max_tokens} exceeds the context of {limit} "
                           "tokens a sequence may reach (the model's, or --max-context)")
@@ -128,6 +134,8 @@ def serve(args) -> None:
 
 # Sequences decoded together at most (each with a KV cache).
 MAX_CONCURRENCY = 256
+# The least prefill step of each prompt prefilled together.
+MIN_SHARED_STEP = 16
 
 
 def reserve_kv_caches(model, sequences: int, max_context) -> int:

@@ -51,7 +51,10 @@ def add_mlx_lm_server_flags(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together when batching")
     g.add_argument("--prompt-concurrency", type=int, default=8,
                    help="prompts processed together when batching")
-    g.add_argument("--prefill-step-size", type=int, default=2048, help="prefill step size")
+    g.add_argument("--prefill-step-size", type=int, default=None,
+                   help="prompt tokens per model call (default: mlx-lm's 2048, or fewer where "
+                        "the memory plan's headroom would not hold them, shared by the "
+                        "prompts prefilled together)")
     g.add_argument("--prompt-cache-size", type=int, default=10,
                    help="distinct KV caches kept in the prompt cache")
     g.add_argument("--prompt-cache-bytes", type=parse_size, default=None,

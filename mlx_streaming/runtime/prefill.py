@@ -1,0 +1,59 @@
+"""How many prompt tokens go through the model at once: mlx-lm's prefill
+step, or fewer where the memory kept free besides the weights would not
+hold a step's activations.
+
+A streamed model computes one layer at a time, so a prefill step's
+working memory is about one layer's: the hidden states, one attention row
+per head and token (the CPU backend's attention builds the scores), and
+the expert calls' (token, expert) pairs in float32. The estimate comes from
+the model's config; docs/results.md (memory) compares it with a
+measurement.
+"""
+
+from typing import Callable, Optional
+
+from ..format import Manifest
+
+# mlx-lm's default prefill step (tokens of a prompt per model call).
+PREFILL_STEP = 2048
+# Fewer tokens at once would make prefill read the experts too often.
+MIN_PREFILL_STEP = 64
+
+
+def bytes_per_token(config: Optional[dict], manifest: Manifest) -> Callable[[int], int]:
+    """``f(step)``: the estimated working bytes per prompt token while
+    ``step`` tokens go through a layer; 0 when ``config`` lacks the sizes."""
+    config = (config or {}).get("text_config", config) or {}
+    hidden = config.get("hidden_size") or 0
+    inner = config.get("moe_intermediate_size") or config.get("intermediate_size") or 0
+    heads = config.get("num_attention_heads") or 0
+    if not hidden:
+        return lambda step: 0
+    top_k = max(l.top_k for l in manifest.layers)
+    experts = max(l.num_experts for l in manifest.layers)
+    # Each (token, expert) pair's gate, up and product rows, its input and
+    # output rows, twice (a gathered copy); the hidden states; router scores.
+    fixed = 2 * top_k * (3 * inner + 2 * hidden) + 8 * hidden + 2 * experts
+    return lambda step: 4 * (fixed + heads * step)
+
+
+def prefill_step(room: int, per_token: Callable[[int], int]) -> int:
+    """The largest step, halving from mlx-lm's, whose working memory takes
+    at most half of ``room`` (the rest is the process's own growth and the
+    allocator's cache); at least ``MIN_PREFILL_STEP``."""
+    step = PREFILL_STEP
+    while step > MIN_PREFILL_STEP and step * per_token(step) > room // 2:
+        step //= 2
+    return step
+
+
+def room_for(step: int, per_token: Callable[[int], int]) -> int:
+    """The headroom a step of ``step`` tokens needs (``prefill_step``'s inverse)."""
+    return 2 * step * per_token(step)
+
+
+def step_of(model) -> int:
+    """The prefill step of a streamed model's memory plan (mlx-lm's for
+    any other model)."""
+    plan = getattr(getattr(model, "streaming", None), "plan", None)
+    return getattr(plan, "prefill_step", PREFILL_STEP)
