@@ -52,10 +52,13 @@ bool PagedIndex::blob_changed() {
   if (::stat(blob_.c_str(), &st) == 0) {
 #ifdef __APPLE__
     int64_t mtime = int64_t(st.st_mtimespec.tv_sec) * 1000000000 + st.st_mtimespec.tv_nsec;
+    int64_t ctime = int64_t(st.st_ctimespec.tv_sec) * 1000000000 + st.st_ctimespec.tv_nsec;
 #else
     int64_t mtime = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    int64_t ctime = int64_t(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
 #endif
-    now = {uint64_t(st.st_ino), uint64_t(st.st_size), mtime, true};
+    // ctime too: a file rewritten with its mtime put back still changes it.
+    now = {uint64_t(st.st_ino), uint64_t(st.st_size), mtime, ctime, true};
   }
   if (now == stamp_) {
     return false;

@@ -120,7 +120,7 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
   std::string blob_;
   struct Stamp {
     uint64_t ino = 0, size = 0;
-    int64_t mtime_ns = 0;
+    int64_t mtime_ns = 0, ctime_ns = 0;
     bool exists = false;
     bool operator==(const Stamp&) const = default;
   } stamp_;

@@ -3,6 +3,7 @@ server process on a free port, the real ``openai`` client."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -174,6 +175,95 @@ def test_invalid_requests_get_openai_errors(server, body, raw, status, code):
     assert error["code"] == code
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments | tojson }})"
+    "{% endfor %}\n{% endfor %}{% for d in documents or [] %}{{ d.title }}{% endfor %}"
+    "assistant:")
+
+
+@pytest.fixture(scope="module")
+def chat_model(models, tmp_path_factory):
+    """The qwen3_moe model with a chat template that renders content, tool
+    calls and documents."""
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    copy = tmp_path_factory.mktemp("chat") / "stream"
+    shutil.copytree(stream_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_model):
+    s = Server(chat_model, "--slots-per-layer", "4")
+    yield s
+    s.stop()
+
+
+PYTHON_WORDS = ("object is not", "unsupported operand", "got multiple values", "Traceback",
+                "unpack", "truth value", "input_embeddings")
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "must be a string"),
+    ({"messages": [{"role": "user", "content": [5]}]}, "messages", "with a 'type'"),
+    ({"messages": [{"role": "user", "content": [{"text": 5}]}]}, "messages", "with a 'type'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages",
+     "string 'text'"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": "x"}]}, "messages",
+     "'tool_calls' must be a list"),
+    ({"messages": [{"role": "assistant", "content": "",
+                    "tool_calls": [{"function": {"name": 5}}]}]}, "messages", "string 'name'"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{not json"}}]}]}, "messages", "JSON"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set"),
+    ({"chat_template_kwargs": {"return_tensors": "np"}}, "chat_template_kwargs", "may not set"),
+    ({"chat_template_kwargs": {"documents": 5}}, "chat_template_kwargs", "list of objects"),
+    ({"chat_template_kwargs": {"chat_template": ""}}, "chat_template_kwargs", "non-empty"),
+    ({"chat_template_kwargs": {"chat_template": "{{ raise_exception('no way') }}"}}, None,
+     "chat template could not be applied"),
+    ({"messages": [{"role": "user", "content": [{"type": "bogus"}]}]}, None, "text"),
+])
+def test_chat_template_fields_get_400s_in_words_of_the_api(chat_server, extra, param, words):
+    """Found by a hostile probe on a model with a chat template: 500s, or
+    400s quoting Python ("'int' object is not iterable", "too many values
+    to unpack"); now 400s naming the field, and the log line says 400."""
+    body = dict({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, **extra)
+    got, _, reply = chat_server.post("/v1/chat/completions", body)
+    assert got == 400 and reply["error"]["param"] == param, reply
+    message = reply["error"]["message"]
+    assert words in message and not any(w in message for w in PYTHON_WORDS), message
+
+
+def test_a_chat_template_renders_valid_tool_calls_and_documents(chat_server):
+    """What the checks let through works: tool calls with arguments as a
+    JSON string or object, and documents."""
+    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+             {"id": "2", "type": "function", "function": {"name": "g", "arguments": {"b": 2}}}]
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "assistant", "content": None, "tool_calls": calls},
+                         {"role": "tool", "content": "3"}],
+            "max_tokens": 2, "chat_template_kwargs": {"documents": [{"title": "t"}]}}
+    got, _, reply = chat_server.post("/v1/chat/completions", body)
+    assert got == 200, reply
+
+
+def test_rejected_requests_are_logged_with_the_status_sent(chat_model):
+    """mlx-lm's refusals go out as 400s (it sends 404s): the log line said
+    404."""
+    s = Server(chat_model, "--slots-per-layer", "4")
+    try:
+        body = {"messages": [{"role": "user", "content": [{"type": "bogus"}]}], "max_tokens": 2}
+        assert s.post("/v1/chat/completions", body)[0] == 400
+        assert s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        err = s.stop()
+    assert "POST /v1/chat/completions 400" in err and " 404" not in err, err
+    assert "POST /v1/completions 200" in err, err
+
+
 @pytest.mark.parametrize("extra, param, words", [
     ({"tools": 5}, "tools", "must be a list of objects"),
     ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "may not set"),
@@ -190,19 +280,32 @@ def test_chat_fields_get_messages_of_their_own(server, extra, param, words):
     assert words in reply["error"]["message"]
 
 
-def test_completions_take_logprobs_as_openai_does(server):
+@pytest.mark.parametrize("prompt", ["import os", "Beautiful is", "é ü ©"])
+def test_completions_take_logprobs_as_openai_does(server, prompt):
     """``logprobs: n`` (the completions API's integer): the chosen tokens'
-    log probabilities and the top n of each, in the completions format."""
-    reply = server.client.completions.create(model="default_model", prompt="import os",
+    log probabilities and the top n of each, in the completions format; a
+    chosen token is found in its row by its text, and the offsets point
+    into the completion's text (whose first token may have lost its leading
+    space: they were the sums of the tokens' lengths)."""
+    reply = server.client.completions.create(model="default_model", prompt=prompt,
                                              max_tokens=4, temperature=0, logprobs=2)
-    lp = reply.choices[0].logprobs
+    lp, text = reply.choices[0].logprobs, reply.choices[0].text
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert "".join(lp.tokens) == reply.choices[0].text
     assert all(len(top) == 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
-    # Greedy: the chosen token is the likeliest.
-    assert all(max(top.values()) == pytest.approx(c) for top, c in
-               zip(lp.top_logprobs, lp.token_logprobs))
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    # OpenAI's defaults sent as null are the defaults.
+    status, _, plain = server.post("/v1/completions", {
+        "prompt": prompt, "max_tokens": None, "logprobs": None, "best_of": None, "n": None,
+        "stop": None, "temperature": 0})
+    assert status == 200 and "logprobs" not in plain["choices"][0], plain
+    # Greedy: the chosen token is the likeliest, under its own text.
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(chosen) == pytest.approx(max(top.values()))
+    ends = lp.text_offset[1:] + [len(text)]
+    assert lp.text_offset[0] == 0 and ends == sorted(ends)
+    for token, start, end in zip(lp.tokens, lp.text_offset, ends):
+        segment = text[start:end]  # a held-back byte may come out as U+FFFD with the next
+        assert token.endswith(segment) or segment.endswith(token) \
+            or "\ufffd" in token + segment, (lp, text)
 
 
 @pytest.mark.parametrize("messages", ["hi", [], [{"content": "no role"}], None])
@@ -554,7 +657,8 @@ def test_the_servers_flags_are_mlx_lms():
     assert not missing, f"mlx-lm server flags we do not take: {missing}"
     # Ours on purpose (docs/serving.md): fewer sequences decoded together.
     assert ours["decode_concurrency"] == ours["prompt_concurrency"] == 4
-    own = {"decode_concurrency", "prompt_concurrency"}
+    assert ours["prefill_step_size"] is None  # from the memory plan
+    own = {"decode_concurrency", "prompt_concurrency", "prefill_step_size"}
     assert {k: ours[k] for k in theirs if k not in own} == \
         {k: v for k, v in theirs.items() if k not in own}
 

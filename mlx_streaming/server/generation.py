@@ -8,9 +8,12 @@ starts its loop again for the requests that follow.
 """
 
 import logging
+import sys
 import threading
 
 import mlx_lm.server as mlx_server
+
+from ..errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,27 @@ class ResilientResponseGenerator(mlx_server.ResponseGenerator):
         self._in_flight = set()  # before the thread starts
         self._in_flight_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def stop_and_join(self):
+        """mlx-lm's, which finishes the requests in flight first: said so."""
+        with self._in_flight_lock:
+            n = len(self._in_flight)
+        if n:
+            print(f"[mlx_streaming] stopping: finishing {n} request{'s' * (n > 1)} in "
+                  "flight first (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+        super().stop_and_join()
+
+    def _tokenize(self, tokenizer, request, args):
+        """mlx-lm's, its failures (a chat template on fields it did not
+        expect) turned into the request's error, a 400."""
+        try:
+            out = super()._tokenize(tokenizer, request, args)
+        except Exception as e:  # a template may raise anything
+            raise ValueError("the chat template could not be applied to this request "
+                             f"({type(e).__name__}: {first_line(e)})") from None
+        if not len(out[0]):
+            raise ValueError("the request makes an empty prompt")
+        return out
 
     def _next_request(self, timeout=None):
         request = super()._next_request(timeout)

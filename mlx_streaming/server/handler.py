@@ -78,6 +78,7 @@ def _openai_error(head: bytes, body: bytes) -> bytes:
         status, kind = b"503 Service Unavailable", "server_error"
     else:  # the model was already checked: what mlx-lm refuses is the request
         status, kind = b"400 Bad Request", "invalid_request_error"
+    current_request.status = int(status.split()[0])
     head = version + b" " + status + b"\r\n" + rest
     return head + json.dumps({"error": {"message": message, "type": kind,
                                         "param": None, "code": None}}).encode()
@@ -115,7 +116,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         if self.path not in COMPLETION_PATHS:
             return super().do_POST()
         start, self.status = time.perf_counter(), None
-        current_request.tokens = 0
+        current_request.tokens, current_request.status = 0, None
         try:
             self._post()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -131,7 +132,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def _log_request(self, seconds: float) -> None:
         """One line per request: what was asked, its status, its tokens."""
         memo = getattr(self, "memo_status", "off")
-        status = getattr(self, "status", None)
+        status = current_request.status or getattr(self, "status", None)
         level = logging.WARNING if isinstance(status, int) and status >= 500 else logging.INFO
         log.log(level, "%s %s %s, %d tokens, %.2f s%s", self.command, self.path, status,
                 current_request.tokens, seconds, "" if memo == "off" else f", memo {memo}")
@@ -158,7 +159,12 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         if raw is None:
             return
         body = self._parse(raw)
-        if body is None or not self._valid(body):
+        if body is None:
+            return
+        if None in body.values():  # OpenAI's null: the field's default
+            body = {k: v for k, v in body.items() if v is not None}
+            raw = json.dumps(body).encode()
+        if not self._valid(body):
             return
         memo = self.service.memo
         key = self._memo_key(body) if memo is not None else None
@@ -371,16 +377,28 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
 def completion_logprobs_of(tokenizer, tokens, logprobs, top) -> dict:
     """OpenAI's completions ``logprobs``: each token's text, its log
-    probability, the top tokens' (where asked) and where its text starts in
-    the completion."""
-    texts = [tokenizer.decode([t]) for t in tokens]
+    probability, the top tokens' (where asked, keyed by the same text, so
+    a chosen token is found in its row) and where the token starts in the
+    completion's text (as mlx-lm's streaming detokenizer made it, which may
+    drop a leading space, or hold back a character's first bytes)."""
+    detokenizer = tokenizer.detokenizer
     offsets, at = [], 0
-    for t in texts:
+    for t in tokens:
         offsets.append(at)
-        at += len(t)
-    return {"tokens": texts, "token_logprobs": list(logprobs) or None,
-            "top_logprobs": [{d["token"]: d["logprob"] for d in row} for row in top] or None,
+        detokenizer.add_token(t)
+        at += len(detokenizer.last_segment)
+    return {"tokens": [_token_text(tokenizer, t) for t in tokens],
+            "token_logprobs": list(logprobs) or None,
+            "top_logprobs": [{_token_text(tokenizer, d["id"]): d["logprob"] for d in row}
+                             for row in top] or None,
             "text_offset": offsets}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token's text; for part of a character, its vocabulary entry (the
+    parts would all read U+FFFD)."""
+    text = tokenizer.decode([token])
+    return text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(token)
 
 
 def make_handler(service: Service) -> type:

@@ -2,6 +2,7 @@
 what mlx-lm would accept and then fail on, or hold the queue for.
 """
 
+import json
 from typing import Optional
 
 from ..flags import MAX_NUM_DRAFT
@@ -89,6 +90,9 @@ def check_fields(body: dict, completion: bool, vocab: Optional[int], temperature
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             return "messages", "'messages' must be a non-empty list of objects with a 'role'"
+        problem = _check_messages(messages)
+        if problem is not None:
+            return "messages", problem
         if not images and any(_has_image(m) for m in messages):
             # mlx-lm would download the image (from any URL) for nothing.
             return "messages", "this model takes text only: remove the image parts"
@@ -124,9 +128,12 @@ def check_fields(body: dict, completion: bool, vocab: Optional[int], temperature
     return None
 
 
-# Keywords mlx-lm passes to apply_chat_template itself: a request setting
-# them again made it fail with a TypeError.
-RESERVED_TEMPLATE_KEYS = ("tokenize", "tools", "add_generation_prompt", "conversation")
+# Keywords of apply_chat_template that mlx-lm sets itself, or that change
+# what it returns: a request setting them made it fail with a Python error.
+RESERVED_TEMPLATE_KEYS = ("tokenize", "tools", "add_generation_prompt", "conversation",
+                          "messages", "return_tensors", "return_dict", "padding",
+                          "truncation", "max_length", "return_assistant_tokens_mask",
+                          "tokenizer_kwargs", "continue_final_message")
 # OpenAI's completions take logprobs up to 5; mlx-lm returns up to 10.
 MAX_LOGPROBS = 10
 
@@ -153,6 +160,12 @@ def check_shape(body: dict, completion: bool):
         if taken:
             return "chat_template_kwargs", (f"'chat_template_kwargs' may not set {taken[0]!r}, "
                                             "which the server sets itself")
+        template = kwargs.get("chat_template", "x")
+        if not (isinstance(template, str) and template.strip()):
+            return "chat_template_kwargs", "'chat_template' must be a non-empty string"
+        documents = kwargs.get("documents", [])
+        if not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+            return "chat_template_kwargs", "'documents' must be a list of objects"
     mapping = body.get("role_mapping")
     if mapping is not None and not (isinstance(mapping, dict) and all(
             isinstance(v, str) for v in mapping.values())):
@@ -163,6 +176,46 @@ def check_shape(body: dict, completion: bool):
     where = _not_unicode(body)
     if where is not None:
         return where, f"'{where}' holds text that is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def _check_messages(messages: list):
+    """The first problem with the messages' content and tool calls (which
+    mlx-lm reshapes before the chat template), or None."""
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
+                return "a message's 'content' parts must be objects with a 'type'"
+            if any(p["type"] == "text" and not isinstance(p.get("text"), str) for p in content):
+                return "a 'text' part of a message's 'content' must have a string 'text'"
+        elif content is not None and not isinstance(content, str):
+            return "a message's 'content' must be a string, a list of parts or null"
+        calls = m.get("tool_calls")
+        if calls is None:
+            continue
+        if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            return "a message's 'tool_calls' must be a list of objects"
+        for call in calls:
+            problem = _check_function(call.get("function"))
+            if problem is not None:
+                return problem
+    return None
+
+
+def _check_function(function):
+    if function is None:
+        return None
+    if not (isinstance(function, dict) and isinstance(function.get("name", ""), str)):
+        return "a tool call's 'function' must be an object with a string 'name'"
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return "a tool call's 'arguments' must be JSON"
+    if arguments not in (None, "") and not isinstance(arguments, dict):
+        return "a tool call's 'arguments' must be a JSON object"
     return None
 
 
