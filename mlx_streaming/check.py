@@ -32,7 +32,8 @@ def main(argv=None) -> int:
             )
         total = sum(l.num_experts for l in manifest.layers +
                     (manifest.mtp.layers if manifest.mtp else ()))
-        with tqdm(total=total, unit="expert", file=sys.stderr) as bar:
+        with tqdm(total=total, unit="expert", file=sys.stderr,
+                  disable=not sys.stderr.isatty()) as bar:
             bad = damaged_records(args.model, progress=bar.update)
         if bad:
             listed = ", ".join(f"layer {l} expert {e}" for l, e in bad[:10])

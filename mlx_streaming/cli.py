@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 import threading
 from typing import Callable, List, NoReturn, Optional
 
@@ -31,7 +32,9 @@ COMMANDS = {
 
 def run_main(body: Callable[[], int]) -> int:
     """Run a command body; a ``StreamingError`` becomes one line on stderr
-    and exit status 1, never a traceback."""
+    and exit status 1, never a traceback. Warnings are one line too, without
+    the source line that raised them."""
+    warnings.formatwarning = _one_line_warning
     try:
         return body() or 0
     except StreamingError as e:
@@ -45,6 +48,10 @@ def run_main(body: Callable[[], int]) -> int:
         # process killed by SIGPIPE would, and let nothing flush to it again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
 
 
 class OutputClosed(Exception):
@@ -99,7 +106,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
-        if argv and argv[0] not in ("-h", "--help"):
+        if not argv:
+            print("\nerror: give a command", file=sys.stderr)
+            return 2
+        if argv[0] not in ("-h", "--help"):
             print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
             return 2
         return 0

@@ -337,6 +337,26 @@ def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag,
     assert f"{flag} takes" in err and said in err
 
 
+@pytest.mark.parametrize("command, flag, value", [
+    ("decode", "--policies", ",,"),  # ran three cases of no policy
+    ("decode", "--checksums", "x"),
+    ("decode", "--io", "bogus"),
+    ("decode", "--cache-gb", "1e30"),  # each streaming case failed, the run exited 0
+    ("decode", "--temp", "1e-38"),
+    ("io", "--temp", "0.0009"),
+    ("fetch", "--bandwidth-mbps", "1e-38"),  # the stand-in's clock overflowed
+    ("fetch", "--latency-ms", "1e30"),
+])
+def test_values_no_case_could_run_are_refused_up_front(tmp_path, capsys, command, flag, value):
+    """Found by a hostile probe: each ran every case into an error."""
+    assert bench_main([command, "--model", str(tmp_path / "none"), flag, value,
+                       "--out", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    said = "got '', '', ''" if value == ",," else repr(value)
+    assert flag in err and said in err and "Traceback" not in err, err
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_failed_case_says_why_as_it_ends(tmp_path, capsys):
     from mlx_streaming.bench.common import run_case
 

@@ -161,3 +161,23 @@ def test_the_command_lists_every_subcommand():
         assert f"mlx_streaming {name}" in proc.stderr
     listed = proc.stderr.split("mlx_streaming bench")[1].split("}")[0]
     assert sorted(listed.strip(" {").split(",")) == sorted(SUBCOMMANDS)
+
+
+def test_the_command_without_a_command_is_an_error():
+    """It printed the help and exited 0, as if it had done something."""
+    proc = subprocess.run([sys.executable, "-m", "mlx_streaming"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "give a command" in proc.stderr
+    assert run("mlx_streaming", "--help").returncode == 0
+
+
+def test_warnings_are_one_line(models, tmp_path):
+    """Python's format shows the file, line and source line that warned."""
+    src, _ = models.get("qwen3_moe", quantized=False)
+    (tmp_path / "a").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "mlx_streaming.convert", "--model", str(src),
+                           "--out", str(tmp_path / "a" / "b"), "--no-progress", "--dtype",
+                           "float16"], capture_output=True, text=True, timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if "Warning" in l or "warning:" in l]
+    assert lines and all(l.startswith("warning: ") and ".py:" not in l for l in lines), \
+        proc.stderr

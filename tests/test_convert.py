@@ -1,6 +1,7 @@
 """The converter: generic discovery, quantization, bounded memory and crash
 safety."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -169,8 +170,38 @@ def test_a_group_size_that_leaves_the_experts_float_is_refused(tmp_path, tokeniz
     config = tiny.tiny_config("qwen3_moe", VOCAB, hidden_size=96, num_attention_heads=3,
                               num_key_value_heads=1, head_dim=32)
     src = tiny.save_mlx_model(tiny.build_model(config), config, tmp_path / "m", tokenizer_dir)
-    with pytest.raises(ConversionError, match="does not divide the inputs of the experts"):
+    with pytest.raises(ConversionError, match="does not divide the inputs of the experts.*"
+                                              r"smaller one \(32 or 64\)"):
         convert(src, tmp_path / "out", quantize=True, q_group_size=128, progress=False)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--q-bits", "8"], "--q-bits is a quantization setting: add -q"),
+    (["--q-mode", "mxfp4"], "--q-mode is a quantization setting: add -q"),
+    (["--upload", ""], "--upload '' is not a repo id"),
+    (["--upload", "org/x", "--endpoint", "notaurl"], "--endpoint 'notaurl' is not an http"),
+    (["--endpoint", "http://127.0.0.1:1"], "settings of --upload"),
+])
+def test_convert_flags_that_would_be_ignored_are_refused(qwen, tmp_path, capsys, flags, says):
+    """Each was ignored, or converted and then skipped the upload, exit 0."""
+    from mlx_streaming.conversion import cli
+
+    out = tmp_path / "s"
+    assert cli.main(["--model", str(qwen[0]), "--out", str(out), "--no-progress", *flags]) == 1
+    assert says in capsys.readouterr().err and not out.exists()
+
+
+def test_a_quantization_mode_brings_its_own_defaults(models, tmp_path):
+    """``-q --q-mode mxfp4`` alone was refused: the group size 64 it
+    defaulted to is affine's."""
+    from mlx_streaming.conversion import cli
+
+    src, _ = models.get("qwen3_moe", quantized=False)
+    out = tmp_path / "s"
+    assert cli.main(["--model", str(src), "--out", str(out), "--no-progress", "-q",
+                     "--q-mode", "mxfp4"]) == 0
+    quantization = json.loads((out / "config.json").read_text())["quantization"]
+    assert quantization["mode"] == "mxfp4" and quantization["group_size"] == 32
 
 
 def test_half_precision_experts_warn_at_convert_and_are_refused_on_the_cpu(models, tmp_path):

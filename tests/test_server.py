@@ -492,6 +492,7 @@ def test_models_and_stats(server, models):
 
 @pytest.mark.parametrize("flags, message", [
     (["--temp", "-1"], "--temp"),
+    (["--temp", "1e-38"], "at least 0.001"),  # started, then ran every request greedy
     (["--max-tokens", "0"], "--max-tokens"),
     (["--max-tokens", "100000"], "context"),
     (["--top-p", "nan"], "top_p"),

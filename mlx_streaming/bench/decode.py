@@ -13,8 +13,8 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 import itertools
 from pathlib import Path
 
-from ..config import (DIRECT_IO_CHOICES, ON_OFF, POLICY_CHOICES, PREFETCH_CHOICES,
-                      StreamConfig)
+from ..config import (CHECKSUM_CHOICES, DIRECT_IO_CHOICES, IO_CHOICES, MAX_GB, ON_OFF,
+                      POLICY_CHOICES, PREFETCH_CHOICES, StreamConfig)
 from ..errors import ConfigError
 from ..format import blob_path, read_manifest
 from . import routing
@@ -30,7 +30,7 @@ from .common import (
     pool_slots,
     run_case,
 )
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, temperature
 
 COLUMNS = [
     ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),
@@ -53,15 +53,15 @@ def add_arguments(p) -> None:
     p.add_argument("--pools", default="0.25,0.5",
                    help="pool sizes as fractions of each layer's experts")
     p.add_argument("--memory-limit-gb", type=number(0, open_low=True), default=None)
-    p.add_argument("--cache-gb", type=number(0, open_low=True), default=None,
+    p.add_argument("--cache-gb", type=number(0, MAX_GB, open_low=True), default=None,
                    help="streaming cases load with this whole-model budget instead of "
                         "--pools: the spine layers that do not fit are streamed")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each case")
-    p.add_argument("--temp", type=number(0), default=0.0,
+    p.add_argument("--temp", type=temperature, default=0.0,
                    help="sampling temperature of the decode runs (0: greedy)")
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
     p.add_argument("--prompt-tokens", type=count(1, MAX_TOKENS), default=32)
-    p.add_argument("--io", default="auto")
+    p.add_argument("--io", choices=IO_CHOICES, default="auto")
     p.add_argument("--prefetch", default="off")
     p.add_argument("--prefetch-precision", default=None,
                    help="prefetch's least used share per layer, comma-separated to compare "
@@ -127,8 +127,9 @@ def _check_choices(args) -> None:
     """Refuse a misspelt --prefetch or --policies before any case runs (a
     case would only fail, after the models loaded)."""
     for flag, value, choices in [("--prefetch", args.prefetch, PREFETCH_CHOICES),
-                                 ("--policies", args.policies, POLICY_CHOICES)]:
-        bad = [v for v in (value or "").split(",") if v and v not in choices]
+                                 ("--policies", args.policies, POLICY_CHOICES),
+                                 ("--checksums", args.checksums, CHECKSUM_CHOICES)]:
+        bad = [v for v in (value.split(",") if value is not None else []) if v not in choices]
         if bad:
             raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
                              f"got {', '.join(map(repr, bad))}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..format import read_manifest
 from ..hub.repo import records_nbytes
 from .common import BenchError, figure, finish, median_run, pool_slots, run_case
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number, temperature
 
 REPO = "bench/model"
 COLUMNS = [
@@ -42,12 +42,13 @@ def add_arguments(p) -> None:
                    help="pool size as a fraction of each layer's experts")
     p.add_argument("--disk-cache", type=listed(number(0, 1)), default="0,0.25,1",
                    help="disk-cache sizes as fractions of the experts' bytes")
-    p.add_argument("--bandwidth-mbps", type=number(0, open_low=True), default=100.0,
+    p.add_argument("--bandwidth-mbps", type=number(0.01, 1e6), default=100.0,
                    help="the emulated link's MB/s (shared by parallel requests)")
-    p.add_argument("--latency-ms", type=number(0), default=20.0, help="before each answer")
+    p.add_argument("--latency-ms", type=number(0, 60_000), default=20.0,
+                   help="before each answer")
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=64)
     p.add_argument("--prompt-tokens", type=count(1, MAX_TOKENS), default=32)
-    p.add_argument("--temp", type=number(0), default=0.8,
+    p.add_argument("--temp", type=temperature, default=0.8,
                    help="sampling temperature (seeded; 0: greedy)")
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
                    help="rounds of all cases, interleaved; each case reports its median")

@@ -28,7 +28,8 @@ from .common import (
     run_case,
     save_json,
 )
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, fractions, listed, number, size
+from ..flags import (MAX_ROUNDS, MAX_TOKENS, count, fractions, listed, number, size,
+                     temperature)
 from ..config import MAX_BUDGET, MAX_COUNT, MAX_IO_THREADS
 
 
@@ -53,7 +54,7 @@ def add_arguments(p) -> None:
                    help="experts predicted per token (default: load()'s, 2 x top-k)")
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=3,
                    help="rounds of the prefetch decode cases, interleaved; medians reported")
-    p.add_argument("--temp", type=number(0), default=0.0,
+    p.add_argument("--temp", type=temperature, default=0.0,
                    help="sampling temperature of the decode runs (0: greedy)")
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=24)
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",

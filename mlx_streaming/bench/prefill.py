@@ -62,10 +62,12 @@ def _plot(rows, path, title):
     for case in dict.fromkeys(r["case"] for r in rows if r["status"] == "ok"):
         rs = [r for r in rows if r["case"] == case and r["status"] == "ok"]
         ax.plot([r["tokens"] for r in rs], [r["prompt_tps"] for r in rs], "o-", label=case)
-    ax.set_xscale("log")
+    if len({r["tokens"] for r in rows if r["status"] == "ok"}) > 1:
+        ax.set_xscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prompt tokens/s")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # no case ran: no legend to draw
+        ax.legend()
     ax.set_title(title.splitlines()[0], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

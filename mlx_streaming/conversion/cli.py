@@ -6,6 +6,7 @@
 
 import argparse
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Optional
 from ..errors import ConversionError, first_line
@@ -13,7 +14,7 @@ from ..format import (
     CONVERT_STATE_NAME,
     manifest_path,
 )
-from .local import DTYPES, convert
+from .local import DTYPES, QUANTIZATION, convert, quantization_defaults
 from ..flags import Parser
 
 
@@ -25,9 +26,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local mlx-lm model dir or HF repo id")
     p.add_argument("--out", required=True, help="stream directory to write")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize while converting")
-    p.add_argument("--q-bits", type=int, default=4)
-    p.add_argument("--q-group-size", type=int, default=64)
-    p.add_argument("--q-mode", default="affine", choices=["affine", "mxfp4", "nvfp4", "mxfp8"])
+    p.add_argument("--q-bits", type=int, default=None,
+                   help="with -q: bits per weight (default: 4; 8 for mxfp8)")
+    p.add_argument("--q-group-size", type=int, default=None,
+                   help="with -q: weights per scale (default: 64; 32 for mxfp4 and mxfp8, "
+                        "16 for nvfp4)")
+    p.add_argument("--q-mode", default=None, choices=list(QUANTIZATION),
+                   help="with -q: affine (default), mxfp4, nvfp4 or mxfp8")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="cast floating weights before quantizing (float32 scales "
                         "are fastest on MLX's CPU backend)")
@@ -40,6 +45,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default=None,
                    help="the Hub's URL for --upload (default: huggingface_hub's, HF_ENDPOINT)")
     return p
+
+
+def check_endpoint(endpoint: Optional[str]) -> None:
+    """Refuse an ``--endpoint`` that is not an HTTP(S) URL before converting."""
+    if endpoint is None:
+        return
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConversionError(f"--endpoint {endpoint!r} is not an http(s) URL, like "
+                              "https://huggingface.co")
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -92,21 +107,31 @@ def main(argv=None) -> int:
 
     def body():
         args = setup_arg_parser().parse_args(argv)
-        if args.upload:
+        given = [f for f in ("q_bits", "q_group_size", "q_mode") if getattr(args, f) is not None]
+        if given and not args.quantize:
+            raise ConversionError(f"--{given[0].replace('_', '-')} is a quantization setting: "
+                                  "add -q to quantize")
+        if args.upload is None and (args.endpoint is not None or args.private):
+            raise ConversionError("--endpoint and --private are settings of --upload: add "
+                                  "--upload ORG/NAME")
+        mode = args.q_mode or "affine"
+        bits, group = quantization_defaults(mode)
+        if args.upload is not None:
             check_repo_id(args.upload)  # before hours of converting
+            check_endpoint(args.endpoint)
         out = convert(
             args.model,
             args.out,
             quantize=args.quantize,
-            q_bits=args.q_bits,
-            q_group_size=args.q_group_size,
-            q_mode=args.q_mode,
+            q_bits=args.q_bits if args.q_bits is not None else bits,
+            q_group_size=args.q_group_size if args.q_group_size is not None else group,
+            q_mode=mode,
             dtype=args.dtype,
             force=args.force,
             progress=not args.no_progress,
         )
         print(f"wrote {out}", file=sys.stderr)
-        if args.upload:
+        if args.upload is not None:
             url = upload(Path(out), args.upload, args.endpoint, args.private)
             print(f"uploaded to {args.upload}: {url}", file=sys.stderr)
 

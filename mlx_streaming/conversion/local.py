@@ -213,7 +213,8 @@ def _prepare_model(model, config, src, quantize, q_bits, q_group_size, q_mode, d
             # mlx-lm skips a layer whose inputs the group size does not divide.
             raise ConversionError(
                 f"--q-group-size {q_group_size} does not divide the inputs of the experts of "
-                f"{float_experts[0]}, which would stay unquantized; use 32, 64 or 128")
+                f"{float_experts[0]}, which would stay unquantized; use a smaller one "
+                f"({_smaller(q_group_size, q_mode)})")
     else:
         unquantized_floats_warning(model, blocks)
     return model, config, blocks
@@ -222,6 +223,20 @@ def _prepare_model(model, config, src, quantize, q_bits, q_group_size, q_mode, d
 # What mx.quantize takes, per mode: (bits, group sizes).
 QUANTIZATION = {"affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)), "mxfp4": ((4,), (32,)),
                 "nvfp4": ((4,), (16,)), "mxfp8": ((8,), (32,))}
+
+
+def _smaller(group_size: int, mode: str) -> str:
+    sizes = [g for g in QUANTIZATION.get(mode, ((), ()))[1] if g < group_size]
+    return " or ".join(map(str, sizes)) or f"none smaller is taken for {mode}"
+
+
+def quantization_defaults(mode: str):
+    """(bits, group size) a mode takes by default: mlx-lm's 4 and 64 for
+    affine, the only ones the others take."""
+    if mode == "affine":
+        return 4, 64
+    bits, groups = QUANTIZATION[mode]
+    return bits[0], groups[0]
 
 
 def check_quantization(bits: int, group_size: int, mode: str) -> None:

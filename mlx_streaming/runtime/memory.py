@@ -322,8 +322,9 @@ def _staging_note(staging: int) -> str:
 def _no_room(least: int, room: _Room) -> str:
     return (f"the model needs at least {_gb(least, up=True)} GB besides the "
             f"{_gb(room.headroom, up=True)} GB the rest of the process needs, and only "
-            f"{_gb(room.avail)} GB is available; free memory or use a machine with more "
-            "(or lower --reserve-gb, at the risk of the process being killed)")
+            f"{_gb(room.avail)} GB is available; free memory or use a machine with more"
+            + (" (or lower --reserve-gb, at the risk of the process being killed)"
+               if room.headroom else ""))
 
 
 def _cache_advice(least: int, room: _Room) -> str:

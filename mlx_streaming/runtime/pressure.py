@@ -60,7 +60,7 @@ class PressureWatch:
         if available < self.threshold and slots > self.min_slots:
             short = math.ceil((self.threshold - available) / self.per_slot)
             target = max(self.min_slots, slots - short)
-            log.warning("available memory %.2f GB is below %.2f GB: expert pools shrink "
+            log.warning("available memory %.3g GB is below %.3g GB: expert pools shrink "
                         "from %d to %d slots per layer", available / GB, self.threshold / GB,
                         slots, target)
             self.runtime.resize(target)

@@ -10,7 +10,7 @@ from http.server import ThreadingHTTPServer
 from ..cli import run_main
 from ..config import add_config_flags, config_from_args
 from ..errors import ConfigError
-from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, count
+from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count
 from ..runtime.prefill import step_of
 from .mlx_flags import add_mlx_lm_server_flags
 from .provider import make_provider
@@ -196,8 +196,9 @@ def _check_defaults(args) -> None:
     every client's."""
     if not (is_int(args.max_tokens) and args.max_tokens >= 1):
         raise ConfigError(f"--max-tokens must be 1 or more, got {args.max_tokens}")
-    if not (is_number(args.temp) and args.temp >= 0):
-        raise ConfigError(f"--temp must be a number of 0 or more, got {args.temp}")
+    if not (is_number(args.temp) and (args.temp == 0 or args.temp >= MIN_TEMPERATURE)):
+        raise ConfigError(f"--temp must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                          f"got {args.temp}")
     flags = {name: getattr(args, name) for name in ("top_p", "min_p", "top_k")}
     problem = check_sampling(flags, None, args.temp)
     if problem is not None:

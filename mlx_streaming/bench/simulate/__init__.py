@@ -48,7 +48,7 @@ from .model import project_case  # noqa: F401  (the tests and scripts replay wit
 from .machines import SHAPES  # noqa: F401
 from .project import project
 from .validate import validate
-from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number
+from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number, temperature
 
 
 def add_arguments(p) -> None:
@@ -75,7 +75,7 @@ def add_arguments(p) -> None:
                    help="validate with the reader emulating a disk of this rate "
                         "(read_pace_mbps), as bench decode")
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
-    p.add_argument("--temp", type=number(0), default=0.0)
+    p.add_argument("--temp", type=temperature, default=0.0)
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1)
     p.add_argument("--out", type=Path, default=Path("bench-results/simulate"))
 
