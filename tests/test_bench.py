@@ -773,8 +773,8 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     (["serve", "--clients", "0"], "--clients: must be an integer from 1 to 64"),
     (["serve", "--cases", "serial,fast"], "--cases: must be one of serial, batched, mlx-lm"),
     (["serve", "--requests", "0"], "--requests: must be an integer from 1"),
-    (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number above 0"),
-    (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number above 0"),
+    (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number at least 0.01"),
+    (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number at least 0.01"),
     (["fetch", "--latency-ms", "-100"], "--latency-ms: must be a finite number at least 0"),
     (["decode", "--pace-mbps", "inf"], "--pace-mbps: must be a finite number above 0"),
 ])
