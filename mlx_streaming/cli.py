@@ -3,7 +3,7 @@
     mlx_streaming convert  --model SRC --out DST [-q]
     mlx_streaming generate --model DIR --prompt "..."
     mlx_streaming demo
-    mlx_streaming bench    {decode,cache,overhead,simulate,speculative,prefill,io,serve,fetch} ...
+    mlx_streaming bench    {decode,cache,overhead,simulate,speculative,prefill,io,serve,fetch,quality} ...
     mlx_streaming check    DIR
     mlx_streaming serve    --model DIR [--port 8080] [--max-queue N] [--memo-mb M]
 """

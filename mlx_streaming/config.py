@@ -22,6 +22,7 @@ PREFETCH_CHOICES = ("off", "next-layer", "auto")
 POLICY_CHOICES = ("lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
 DEFAULT_POLICY = "lfu-decay"
 CHECKSUM_CHOICES = ("first-read", "always", "off")
+ROUTING_CHOICES = ("exact", "cache-aware", "top-k-cut", "skip-misses")
 # Command-line spelling of StreamConfig.direct_io.
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 ON_OFF = {"on": True, "off": False}
@@ -140,6 +141,26 @@ class StreamConfig:
     policy: str = _option(
         DEFAULT_POLICY, "which resident experts a miss evicts (bench cache compares them)",
         choices=POLICY_CHOICES)
+    routing: str = _option(
+        "exact", "cache-aware (approximate): among the router's top routing_window experts, "
+        "after its own top routing_keep, a token takes resident experts before missing "
+        "ones; baselines: top-k-cut (the router's top routing_keep only), skip-misses (its "
+        "top-k less the missing ones, the top routing_keep always); bench quality measures "
+        "what each costs", choices=ROUTING_CHOICES)
+    routing_keep: Optional[int] = _option(
+        None, "approximate routing: the router's own top experts always taken (default: "
+        "half the experts per token, skip-misses 1; all of them is exact)", type=int,
+        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="top-k / 2")
+    routing_window: Optional[int] = _option(
+        None, "cache-aware routing: the router's top candidates a resident expert may come "
+        "from (default: twice the experts per token)", type=int,
+        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="2 x top-k")
+    routing_bonus: Optional[float] = _option(
+        None, "cache-aware routing: instead of taking every resident candidate first, add "
+        "this to the resident candidates' selection scores (the logits of a softmax router: "
+        "their probability times e^bonus; sigmoid routers: their score plus bias) and take "
+        "the best (default: resident first)", type=float,
+        bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first")
     checksums: str = _option(
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
         "(and again after its blob changes on disk), on every read, or never",
@@ -180,6 +201,7 @@ class StreamConfig:
         _check_choice("prefetch", self.prefetch, PREFETCH_CHOICES)
         _check_choice("checksums", self.checksums, CHECKSUM_CHOICES)
         _check_choice("policy", self.policy, POLICY_CHOICES)
+        _check_choice("routing", self.routing, ROUTING_CHOICES)
         for name in ("prefetch_affinity", "overlap", "mtp"):
             _check_bool(name, getattr(self, name))
         if self.trace is not None:

@@ -124,6 +124,7 @@ def summarize(response, report: dict) -> dict:
         "syncs_per_token": t["syncs"] / max(1, t["tokens"] // max(1, report["moe_layers"])),
         "prefetch": report["prefetch_decision"],
         "draft_acceptance": report["speculative"]["acceptance_rate"],
+        "route_agreement": report["routing"].get("route_agreement"),
     }
 
 
@@ -139,7 +140,9 @@ def print_summary(s: dict) -> None:
         + ("" if s["spine_gb_read"] is None else
            f" | spine layers: {s['spine_gb_read']:.3f} GB read")
         + ("" if s["draft_acceptance"] is None else
-           f" | drafts accepted {s['draft_acceptance']:.0%}"),
+           f" | drafts accepted {s['draft_acceptance']:.0%}")
+        + ("" if s.get("route_agreement") is None else
+           f"\nrouting: approximate, {s['route_agreement']:.1%} of the router's choices kept"),
         file=sys.stderr,
     )
 

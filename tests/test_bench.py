@@ -165,6 +165,34 @@ def test_bench_io_prefetch_decode_runs(models, tmp_path):
     assert on["syncs_per_token"] == layers
 
 
+def test_bench_quality_measures_each_setting_against_exact(models, tmp_path):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    text = tmp_path / "text.txt"
+    text.write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 20)
+    _run(["quality", "--model", str(stream_dir), "--text", str(text), "--tokens", "48",
+          "--settings", "cache-aware:1:8,cache-aware:2:8:0.5", "--pace-mbps", "1000"],
+         tmp_path / "q")
+    result = json.loads((tmp_path / "q" / "quality.json").read_text())
+    exact, ca, bonus = result["rows"]
+    assert [r["status"] for r in result["rows"]] == ["ok"] * 3
+    assert exact["kl"] == 0 and exact["top1_agreement"] == 1 and exact["ppl_change"] == 0
+    assert exact["route_agreement"] == 1
+    assert ca["kl"] >= 0 and ca["route_agreement"] < 1 and ca["hit_rate"] > exact["hit_rate"]
+    assert ca["mb_per_token"] < exact["mb_per_token"]
+    assert bonus["route_agreement"] >= ca["route_agreement"]
+    assert all(r["speedup"] for r in result["rows"])
+    assert (tmp_path / "q" / "quality.png").exists()
+
+
+@pytest.mark.parametrize("settings", ["cache-aware:9:8", "fast", "cache-aware:1:x",
+                                      "cache-aware:1:8:-1", "exact,cache-aware,cache-aware"])
+def test_bench_quality_refuses_a_setting_it_cannot_run(models, tmp_path, capsys, settings):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    assert bench_main(["quality", "--model", str(stream_dir), "--settings", settings,
+                       "--out", str(tmp_path / "q")]) == 1
+    assert "--settings" in capsys.readouterr().err
+
+
 def test_bench_serve_compares_serial_batched_and_mlx_lm(models, tmp_path):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     _run(["serve", "--model", str(stream_dir), "--mlx-model", str(src), "--clients", "1,2",

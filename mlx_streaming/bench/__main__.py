@@ -12,6 +12,7 @@ PNG plot into --out.
     python -m mlx_streaming.bench io      [--model STREAM]
     python -m mlx_streaming.bench serve   --model STREAM --mlx-model MLX [--clients 1,4]
     python -m mlx_streaming.bench fetch   --model STREAM [--bandwidth-mbps 100 --latency-ms 20]
+    python -m mlx_streaming.bench quality --model STREAM [--text FILE --pace-mbps 50]
 """
 
 import argparse
@@ -22,7 +23,7 @@ from ..flags import Parser
 from .common import BenchError
 
 SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "speculative", "prefill", "io", "serve",
-               "fetch")
+               "fetch", "quality")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

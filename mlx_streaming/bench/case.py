@@ -236,7 +236,40 @@ def reads(case, model, tokenizer) -> dict:
                 record_bytes=spec.stride)
 
 
-OPS = {"decode": decode, "verify": verify, "prefill": prefill, "routing": routing,
+def quality(case, model, tokenizer) -> dict:
+    """Teacher-forced decode of ``tokens`` tokens of ``text``, one token per
+    call: perplexity, and with ``reference`` (the exact run's log-probs,
+    which ``save`` writes) top-1 agreement and mean KL(exact || this)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with open(case["text"], errors="ignore") as f:
+        tokens = tokenizer.encode(f.read())[: case["tokens"]]
+    if len(tokens) < 2:
+        raise ValueError(f"{case['text']} holds fewer than 2 tokens")
+    cache = make_prompt_cache(model)
+    rows, start = [], None
+    for i, t in enumerate(tokens[:-1]):
+        if i == WARMUP_TOKENS:
+            start = time.perf_counter()
+        logits = model(mx.array([[t]]), cache=cache)[0, -1].astype(mx.float32)
+        rows.append(logits - mx.logsumexp(logits))
+        mx.eval(rows[-1])
+    end = time.perf_counter()
+    logp = np.stack([np.array(r) for r in rows])
+    nll = -logp[np.arange(len(logp)), tokens[1:]]
+    out = dict(tokens=len(logp), ppl=float(np.exp(nll.mean())), stats=_streaming_totals(model))
+    if start is not None:
+        out["decode_tps"] = (len(logp) - WARMUP_TOKENS) / (end - start)
+    if case.get("save"):
+        np.save(case["save"], logp)
+    if case.get("reference"):
+        ref = np.load(case["reference"]).astype(np.float32)[: len(logp)]
+        out["top1_agreement"] = float(np.mean(ref.argmax(-1) == logp.argmax(-1)))
+        out["kl"] = float(np.mean(np.sum(np.exp(ref) * (ref - logp), axis=-1)))
+    return out
+
+
+OPS = {"quality": quality, "decode": decode, "verify": verify, "prefill": prefill, "routing": routing,
        "reads": reads, "speculative": speculative}
 
 

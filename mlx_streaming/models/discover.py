@@ -61,7 +61,7 @@ def parent_path(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def _is_router(module, num_experts: int, input_dims: int) -> bool:
+def is_router(module, num_experts: int, input_dims: int) -> bool:
     if isinstance(module, nn.QuantizedLinear):
         return module.weight.shape[0] == num_experts
     weight = module.get("weight") if isinstance(module, nn.Module) else None
@@ -129,7 +129,7 @@ def _routers(parent: nn.Module, num_experts: int, input_dims: int):
     """``(name, module)`` of the children of ``parent`` that look like the
     router of its ``num_experts``-expert block taking ``input_dims``."""
     for name, child in parent.children().items():
-        if isinstance(child, nn.Module) and _is_router(child, num_experts, input_dims):
+        if isinstance(child, nn.Module) and is_router(child, num_experts, input_dims):
             if isinstance(child, nn.QuantizedLinear):
                 if child.scales.shape[-1] * child.group_size != input_dims:
                     continue
@@ -187,17 +187,17 @@ def quantization_of(block: nn.Module) -> dict:
 ScoreFn = Callable[[mx.array], mx.array]
 
 
-class _Routed(Exception):
+class Routed(Exception):
     def __init__(self, top_k: int):
         self.top_k = top_k
 
 
-class _RoutingProbe(nn.Module):
+class RoutingProbe(nn.Module):
     """Stands in for an expert block and stops the parent's call as soon as
     the router hands it the expert ids."""
 
     def __call__(self, x, indices, *args, **kwargs):
-        raise _Routed(int(indices.shape[-1]))
+        raise Routed(int(indices.shape[-1]))
 
 
 def probe_top_k(model: nn.Module, block_path: str, widths) -> Optional[int]:
@@ -215,12 +215,12 @@ def probe_top_k(model: nn.Module, block_path: str, widths) -> Optional[int]:
     if not isinstance(parent, nn.Module) or name not in parent:
         return None
     original = parent[name]
-    setattr(parent, name, _RoutingProbe())
+    setattr(parent, name, RoutingProbe())
     try:
         for width in dict.fromkeys(w for w in widths if w):
             try:
                 parent(mx.zeros((1, 1, width)))
-            except _Routed as routed:
+            except Routed as routed:
                 return routed.top_k
             except Exception:
                 continue

@@ -78,8 +78,12 @@ class StreamingExperts(nn.Module):
         super().__init__()
         self.inner = inner
         self.residency = residency
+        # Called first: cache-aware routing's ``CacheAwareRouter.restore``.
+        self.routed = None
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.routed is not None:
+            self.routed()
         return self.residency(self.inner, x, indices)
 
 

@@ -26,6 +26,14 @@ from .runtime import Runtime
 from .wrap import one_pass_at_a_time
 
 
+def _say_if_approximate(runtime) -> None:
+    if runtime.routers:
+        warnings.warn(
+            f"mlx_streaming: routing={runtime.config.routing!r} "
+            f"({runtime.routers[0].describe()}): the output is approximate, not mlx-lm's; "
+            "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
+
+
 def load(
     path_or_hf_repo,
     tokenizer_config: Optional[Dict[str, Any]] = None,
@@ -104,6 +112,7 @@ def load(
     try:
         _install_spine(model, path, manifest, runtime)
         install_blocks(model, path, manifest, runtime)
+        _say_if_approximate(runtime)
         mx.eval(model.parameters() if not lazy else [s.pool.arrays for s in runtime.stores])
     except BaseException:
         runtime.close()

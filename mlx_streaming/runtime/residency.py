@@ -10,7 +10,8 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from ..errors import FormatError
 from ..format import blob_path
 from ..format import LayerSpec, Manifest
-from ..models.discover import find_expert_blocks, find_router, input_dims_of, projections, set_module
+from ..models.discover import (find_expert_blocks, find_router, get_module, input_dims_of,
+                               projections, set_module)
 from .block import Paged, Resident, StreamingExperts
 from .memory import staging_shape
 from .block import NativePaged, calls_in_graph
@@ -18,6 +19,7 @@ from .store import NativeStore, native_store_fits
 from .policy import make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
+from .routing import install_routers
 from .store import ExpertStore
 from .store import RecordSource
 
@@ -58,6 +60,14 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
             residency = Resident(store.layer, runtime.events)
         set_module(model, store.spec.module, StreamingExperts(blocks[store.spec.module],
                                                               residency))
+    if runtime.paged and config.routing != "exact":
+        # After the routers' scorers above were found: they score the
+        # router's own choice (prefetch, policies).
+        runtime.routers = install_routers(model, runtime.stores, blocks, config)
+        for store, router in zip(runtime.stores, runtime.routers):
+            # A router whose MoE module holds the selection bias gets it
+            # back once the block is called, before prefetch reads it.
+            get_module(model, store.spec.module).routed = router.restore
 
 
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,

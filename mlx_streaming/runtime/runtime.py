@@ -43,6 +43,7 @@ class Runtime:
         self.closed = False
         self.stores: List[ExpertStore] = []
         self.residencies: List[Paged] = []
+        self.routers = []  # routing.CacheAwareRouter of each paged layer, when not exact
         self.ring = None  # the SpineRing of streamed spine layers, if any
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
         self._overlap = None  # the thread that reads misses while experts compute
@@ -161,8 +162,11 @@ class Runtime:
         pending = [y for p in self.residencies for y in p.pending]
         for p in self.residencies:
             p.pending = []
+        counts = [r.take_counts() for r in self.routers]
         try:
-            mx.eval(pending)
+            mx.eval(pending, counts)
+            for router, taken in zip(self.routers, counts):
+                router.passed_over += sum(int(c.item()) for c in taken)
         except Exception:
             if report:
                 raise

@@ -216,6 +216,7 @@ def _report(runtime) -> dict:
     if remote is not None:
         report["remote"] = remote
     report["speculative"] = runtime.speculative.report()
+    report["routing"] = _routing_of(runtime)
     report["pressure"] = runtime.pressure.report()
     report["memory"] = runtime.plan.report()
     report["spine"] = runtime.ring.stats.report() if runtime.ring is not None else None
@@ -227,6 +228,20 @@ def _report(runtime) -> dict:
         t["prefetch_wasted_read_share"] = (
             max(0, read - t["prefetch_useful"]) / read if read > 0 else None)
     return report
+
+
+def _routing_of(runtime) -> dict:
+    """How the routing was changed: the router's own (token, expert) pairs
+    passed over for resident experts, of all routed, and the share kept."""
+    config = runtime.config
+    out = dict(mode=config.routing)
+    if config.routing == "exact" or not runtime.routers:
+        return out
+    routed = sum(r.routed for r in runtime.routers)
+    passed = sum(r.passed_over for r in runtime.routers)
+    top_k, keep, window, _ = runtime.routers[0].shape
+    return dict(out, keep=keep, window=window, routed=routed, substituted=passed,
+                route_agreement=1 - passed / routed if routed else None)
 
 
 def _prefetch_decision(runtime) -> str:
@@ -273,6 +288,8 @@ def _reset(runtime) -> None:
         store.drop_staged()
     runtime.stats.reset()
     runtime.speculative.reset()
+    for router in runtime.routers:
+        router.routed = router.passed_over = 0
     runtime.reader.reset()
     if runtime.ring is not None:
         runtime.ring.reset_stats()

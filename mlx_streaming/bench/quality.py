@@ -1,0 +1,197 @@
+"""bench quality: what an approximate setting costs, and what it saves.
+
+Reads a text through the streamed model one token per call (as decode
+does), once exactly and once per setting, each in its own process, and
+reports per setting: perplexity and its change, next-token top-1 agreement
+and mean KL divergence against exact, route agreement (the share of the
+router's own (token, layer, expert) choices kept), hit rate and bytes read
+per token. With --read-mbps or --pace-mbps the reads run at an emulated
+disk's rate and the decode tok/s, as a ratio to exact's in the same round,
+is the speed a read-bound machine gets.
+
+Settings (``--settings``): ``exact``; ``cache-aware`` (load()'s defaults),
+``cache-aware:KEEP:WINDOW`` (resident candidates first) or
+``cache-aware:KEEP:WINDOW:BONUS`` (routing_bonus); the baselines
+``top-k-cut:KEEP`` and ``skip-misses``. By default a sweep of them. The default
+text is Python standard library source past what scripts/train_moe.py
+trains on (held out for models trained there).
+"""
+
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from ..format import read_manifest
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number
+from .common import BenchError, figure, finish, paired_ratio, pool_slots, run_case
+
+# scripts/train_moe.py trains on the first 4,000,000 characters of the corpus.
+HELD_OUT_FROM = 4_000_000
+
+SETTING_FORMS = ("exact, cache-aware[:KEEP:WINDOW[:BONUS]], top-k-cut[:KEEP], "
+                 "skip-misses[:KEEP]")
+
+
+COLUMNS = [
+    ("setting", "setting", "s"), ("status", "status", "s"), ("ppl", "ppl", ".4g"),
+    ("ppl_change", "ppl +", "+.2%"), ("top1_agreement", "top-1 agree", ".1%"),
+    ("kl", "KL", ".4f"), ("route_agreement", "route agree", ".1%"),
+    ("hit_rate", "hit", ".1%"), ("mb_per_token", "MB/tok", ".3f"),
+    ("decode_tps", "tok/s", ".3g"), ("speedup", "x exact", ".2f"),
+]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="stream directory")
+    p.add_argument("--text", type=existing_file, default=None,
+                   help="held-out text to read (default: Python standard library source "
+                        "that scripts/train_moe.py does not train on)")
+    p.add_argument("--tokens", type=count(2, MAX_TOKENS), default=512,
+                   help="tokens of the text to read")
+    p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25,
+                   help="pool size as a fraction of each layer's experts")
+    p.add_argument("--settings", default=None,
+                   help=f"comma-separated, each one of: {SETTING_FORMS} (default: a sweep)")
+    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
+                   help="throttle the cases' disk reads to this many MB/s (cgroup v1 blkio, "
+                        "uncached reads)")
+    p.add_argument("--pace-mbps", type=number(0.01, open_low=False), default=None,
+                   help="emulate a disk of this many MB/s in the model's reader "
+                        "(read_pace_mbps)")
+    p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
+                   help="rounds of all cases, interleaved; speeds are paired per round")
+    p.add_argument("--out", type=Path, default=Path("bench-results/quality"))
+
+
+def parse_settings(text: Optional[str], top_k: int, num_experts: int) -> List[dict]:
+    """``[{name, load}]``: exact first, then each setting's load() options."""
+    if text is None:
+        keeps = sorted({max(1, top_k * q // 4) for q in (3, 2, 1)} | {top_k - 1} - {0},
+                       reverse=True)
+        window = min(num_experts, 4 * top_k)
+        names = [f"cache-aware:{k}:{window}" for k in keeps]
+        names += [f"cache-aware:1:{window}:{b:g}" for b in (0.25, 0.5, 1.0)]
+        names += [f"top-k-cut:{k}" for k in keeps[:2]] + ["skip-misses"]
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip() != "exact"]
+    out = [dict(name="exact", load=dict(routing="exact"))]
+    for name in names:
+        out.append(dict(name=name, load=_setting(name, top_k, num_experts)))
+    if len({s["name"] for s in out}) != len(out):
+        raise BenchError("--settings names a setting twice")
+    return out
+
+
+def _setting(name: str, top_k: int, num_experts: int) -> dict:
+    """The load() options of one ``--settings`` entry."""
+    mode, *values = name.split(":")
+    sizes = {"cache-aware": (0, 2, 3), "top-k-cut": (0, 1), "skip-misses": (0, 1)}
+    if mode not in sizes or len(values) not in sizes[mode]:
+        raise BenchError(f"--settings takes {SETTING_FORMS}; got {name!r}")
+    load = dict(routing=mode)
+    try:
+        numbers = [int(v) for v in values[:2]] + [float(v) for v in values[2:]]
+    except ValueError:
+        raise BenchError(f"--settings: KEEP and WINDOW are integers, BONUS a number; "
+                         f"got {name!r}") from None
+    if numbers:
+        if not 1 <= numbers[0] <= top_k:
+            raise BenchError(f"--settings {name}: KEEP must be 1-{top_k}")
+        load["routing_keep"] = numbers[0]
+    if len(numbers) > 1:
+        if not top_k <= numbers[1] <= num_experts:
+            raise BenchError(f"--settings {name}: WINDOW must be {top_k}-{num_experts}")
+        load["routing_window"] = numbers[1]
+    if len(numbers) > 2:
+        if not 0 <= numbers[2] < float("inf"):
+            raise BenchError(f"--settings {name}: BONUS must be 0 or more")
+        load["routing_bonus"] = numbers[2]
+    return load
+
+
+def held_out_text(out: Path, tokens: int) -> Path:
+    """The default text, written into ``out``."""
+    from ..testing.tiny import corpus_text
+
+    chars = max(20_000, 8 * tokens)
+    text = corpus_text(HELD_OUT_FROM + chars)[HELD_OUT_FROM:]
+    if len(text) < chars // 2:
+        raise BenchError("not enough local text past the training text; give --text")
+    path = Path(out) / "held-out.txt"
+    path.write_text(text)
+    return path
+
+
+def run(args) -> dict:
+    spec = read_manifest(args.model).layers[0]
+    settings = parse_settings(args.settings, spec.top_k, spec.num_experts)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = args.text or held_out_text(out, args.tokens)
+    slots = pool_slots(spec, args.pool)
+    base = dict(slots_per_layer=slots)
+    if args.pace_mbps:
+        base["read_pace_mbps"] = args.pace_mbps
+    if args.read_mbps:
+        base["direct_io"] = True  # page-cache hits are not throttled
+    reference = out / "exact-logprobs.npy"
+    rounds = {s["name"]: [] for s in settings}
+    for r in range(args.repeats):
+        for s in settings:
+            case = dict(op="quality", kind="streaming", model=str(args.model),
+                        text=str(text), tokens=args.tokens, load=dict(base, **s["load"]))
+            if r == 0:
+                case["save" if s["name"] == "exact" else "reference"] = str(reference)
+            rounds[s["name"]].append(run_case(case, read_mbps=args.read_mbps))
+    rows = [_row(s["name"], rounds[s["name"]], rounds["exact"]) for s in settings]
+    exact_ppl = rows[0].get("ppl")
+    for row in rows:
+        if row.get("ppl") and exact_ppl:
+            row["ppl_change"] = row["ppl"] / exact_ppl - 1
+    disk = (f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else "") + \
+        (f", reads paced at {args.pace_mbps:g} MB/s" if args.pace_mbps else "")
+    title = (f"bench quality: {Path(args.model).name}, {args.tokens} tokens of {Path(text).name}, "
+             f"pool {slots}/{spec.num_experts} experts per layer{disk}")
+    result = dict(model=str(args.model), text=str(text), tokens=args.tokens, slots=slots,
+                  read_mbps=args.read_mbps, pace_mbps=args.pace_mbps, rows=rows)
+    return finish(out, "quality", result, rows, COLUMNS, title, _plot)
+
+
+def _row(name: str, runs: List[dict], exact: List[dict]) -> dict:
+    first = runs[0]
+    row = dict(setting=name, status=first["status"])
+    if first["status"] != "ok":
+        row["error"] = first.get("error")
+        return row
+    t = first["stats"]["total"]
+    routing = first["stats"]["routing"]
+    row.update(ppl=first["ppl"], top1_agreement=first.get("top1_agreement", 1.0),
+               kl=first.get("kl", 0.0), route_agreement=routing.get("route_agreement", 1.0),
+               hit_rate=t["hit_rate"], mb_per_token=t["bytes_read"] / 1e6 / first["tokens"])
+    speeds = [r.get("decode_tps") if r["status"] == "ok" else None for r in runs]
+    ok = [s for s in speeds if s]
+    row["decode_tps"] = float(np.median(ok)) if ok else None
+    row["speedup"] = paired_ratio(speeds, [r.get("decode_tps") if r["status"] == "ok" else None
+                                           for r in exact])
+    return row
+
+
+def _plot(rows, path, title):
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ok = [r for r in rows if r.get("ppl_change") is not None]
+    paced = any(r.get("speedup") for r in ok[1:])
+    y_key, y_label = (("speedup", "decode tok/s, x exact") if paced else
+                      ("mb_per_token", "MB read per token"))
+    for r in ok:
+        ax.plot(100 * r["ppl_change"], r[y_key] or 0, "o" if r["setting"] != "exact" else "k*")
+        ax.annotate(r["setting"].replace("cache-aware", "ca"), (100 * r["ppl_change"],
+                    r[y_key] or 0), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("perplexity change against exact (%)")
+    ax.set_ylabel(y_label)
+    ax.set_title(title, fontsize=8, wrap=True)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

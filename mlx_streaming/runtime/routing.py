@@ -1,0 +1,310 @@
+"""Cache-aware routing (opt-in, approximate): among the router's top
+``window`` candidates, after keeping its own top ``keep``, a token takes
+resident experts before missing ones. Two baselines others ship run through
+the same mask: a static top-k cut (the router's top ``keep`` only) and
+skip-misses (its top-k less the missing ones, its top ``keep`` always).
+
+The router's module is wrapped; the family's own code still picks and
+weighs the experts. The wrapper scores the candidates as the family ranks
+them, chooses the ``top_k`` it prefers (``chosen``) and masks, with a large
+negative penalty on the gate's logits or on its selection bias, the
+candidates that rank above a chosen one but were passed over. So the
+family's top-k is the chosen set, and its softmax or sigmoid gives their
+weights. A token whose choice is the router's own gets no penalty at all:
+its logits are the exact ones, bit for bit (``keep == top_k`` is exact).
+
+Everything runs on the device in the router's graph: the resident set is
+the layer's expert-to-slot table, read before this call's misses are
+filled, so no host sync is added.
+"""
+
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ConfigError
+from ..models.discover import (Routed, RoutingProbe, get_module, input_dims_of, is_router,
+                                parent_path, router_paths)
+
+# Added to the logit (or selection score) of a masked candidate: exp and
+# sigmoid of it are exactly 0 in float32, and it fits float16.
+PENALTY = 1e4
+# The selection bias of DeepSeek-V3-style routers, by the names families give it.
+BIASES = ("e_score_correction_bias", "expert_bias")
+# Beyond any selection score: the top ``keep`` first, the outside of the window last.
+FAR = 1e30
+
+
+def default_keep(top_k: int, mode: str = "cache-aware") -> int:
+    """The router's own top experts always taken: half of them (cache-aware,
+    top-k-cut), or the top one (skip-misses)."""
+    return 1 if mode == "skip-misses" else max(1, top_k // 2)
+
+
+def default_window(top_k: int) -> int:
+    return 2 * top_k
+
+
+def group_limited(scores: mx.array, n_group: int, topk_group: int) -> mx.array:
+    """``scores`` with the experts of the groups the router drops at -inf
+    (DeepSeek-V3's group-limited selection: a group's score is the sum of
+    its two best)."""
+    if n_group <= 1:
+        return scores
+    grouped = mx.unflatten(scores, axis=-1, shape=(n_group, -1))
+    group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)
+    dropped = n_group - topk_group
+    idx = mx.argpartition(group_scores, kth=dropped - 1, axis=-2)[..., :dropped, :]
+    grouped = mx.put_along_axis(grouped, idx, mx.array(-mx.inf, grouped.dtype), axis=-2)
+    return mx.flatten(grouped, -2, -1)
+
+
+def choose(scores: mx.array, resident: mx.array, top_k: int, keep: int, window: int,
+           mask_all: bool, bonus: Optional[float] = None,
+           mode: str = "cache-aware") -> Tuple[mx.array, mx.array]:
+    """The penalty to add to each expert's selection score, and the number of
+    (token, expert) pairs of the router's own top-k passed over.
+
+    ``scores``: ``[..., E]`` in the family's selection order; ``resident``:
+    ``[E]`` bool. The router's top ``keep`` are always chosen. ``mode``
+    cache-aware: the rest from its top ``window``, resident ones first
+    (``bonus`` None), or by their scores with ``bonus`` added to the
+    resident ones'; top-k-cut: nothing else; skip-misses: the resident
+    ones of its own top-k. ``mask_all``: mask every expert not chosen (a
+    router that picks groups first, whose group scores the mask changes),
+    else only those ranked above a chosen one.
+    """
+    rank = mx.argsort(mx.argsort(-scores, axis=-1), axis=-1).astype(mx.int32)
+    # Experts of the groups a group-limited router drops are never candidates.
+    window = mx.minimum(window, (scores > -mx.inf).sum(axis=-1, keepdims=True))
+    own = rank < top_k
+    if mode == "top-k-cut":
+        chosen = rank < keep
+    elif mode == "skip-misses":
+        chosen = (rank < keep) | (own & resident)
+    else:
+        chosen = _preferred(scores, rank, resident, top_k, keep, window, bonus)
+    left_out = own & ~chosen
+    changed = mx.any(left_out, axis=-1, keepdims=True)
+    if mode != "cache-aware":
+        # Fewer than top_k chosen: the family's top-k takes resident experts
+        # (nothing to read) next, whose weight the penalty makes exactly 0.
+        penalty = mx.where(chosen, 0.0, mx.where(resident, -PENALTY, -2 * PENALTY))
+    elif mask_all:
+        penalty = mx.where(chosen, 0.0, -PENALTY)
+    else:
+        lowest = mx.max(mx.where(chosen, rank, -1), axis=-1, keepdims=True)
+        penalty = mx.where(~chosen & (rank < lowest), -PENALTY, 0.0)
+    return mx.where(changed, penalty, 0.0), left_out.sum()
+
+
+def _preferred(scores, rank, resident, top_k, keep, window, bonus):
+    """Cache-aware routing's ``top_k`` experts of each token."""
+    if bonus is None:
+        passed = (rank >= keep) & ~resident
+        # Ranked below the window: never chosen. Missing: after every resident one.
+        priority = mx.where(rank < window, rank + mx.where(passed, window, 0),
+                            2 * window + rank).astype(mx.float32)
+    else:
+        adjusted = -(scores + mx.where(resident, bonus, 0.0))
+        priority = mx.where(rank < keep, -FAR, mx.where(rank < window, adjusted, FAR))
+    kth = mx.sort(priority, axis=-1)[..., top_k - 1:top_k]
+    return priority <= kth
+
+
+def _groups(*modules) -> Tuple[int, int]:
+    """``(n_group, topk_group)`` of a router, from its gate or its MoE
+    module (DeepSeek's names, or Kimi's ``args``); (1, 1) when ungrouped."""
+    for m in modules:
+        if getattr(m, "n_group", None) is not None:
+            return int(m.n_group), int(getattr(m, "topk_group", 1))
+        args = getattr(m, "args", None)
+        if getattr(args, "num_expert_group", None) is not None:
+            return int(args.num_expert_group), int(getattr(args, "topk_group", 1))
+    return 1, 1
+
+
+def _sigmoid(owner, *modules) -> bool:
+    """Whether the router scores with a sigmoid: a family's own setting
+    (``score_function``, ``score_func``), else where it has a selection bias."""
+    for m in modules:
+        for name in ("score_function", "score_func"):
+            value = getattr(m, name, None)
+            if isinstance(value, str):
+                return value == "sigmoid"
+    return owner is not None
+
+
+class CacheAwareRouter(nn.Module):
+    """Stands in for a MoE layer's router: the router's output with the
+    passed-over candidates masked (``choose``)."""
+
+    def __init__(self, gate: nn.Module, owner: Optional[nn.Module], table: mx.array,
+                 top_k: int, keep: int, window: int, groups: Tuple[int, int],
+                 bonus: Optional[float] = None, mode: str = "cache-aware",
+                 sigmoid: bool = False):
+        super().__init__()
+        self.gate = gate
+        # Plain attributes, not module members (parameters, state).
+        state = dict(
+            # Holds the selection bias (a name of BIASES), or None.
+            owner=owner, table=table, sigmoid=sigmoid,
+            bias_name=next((b for b in BIASES if owner is not None and b in owner), None),
+            shape=(top_k, keep, window, groups), bonus=bonus, mode=mode,
+            counts=[],  # per call, summed by the runtime after each pass
+            passed_over=0, routed=0,
+            bias=None,  # the owner's own bias while a masked one stands in
+        )
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def linear(self) -> bool:
+        return isinstance(self.gate, (nn.Linear, nn.QuantizedLinear))
+
+    def scores(self, logits: mx.array) -> mx.array:
+        """The router's selection scores, in the order its top-k takes them."""
+        scores = logits.astype(mx.float32)
+        if self.owner is None and self.shape[3][0] <= 1:
+            return scores  # softmax and sigmoid keep the logits' order
+        scores = mx.sigmoid(scores) if self.sigmoid else mx.softmax(scores, axis=-1)
+        if self.owner is not None:
+            scores = scores + self.owner[self.bias_name]
+        return group_limited(scores, *self.shape[3])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        top_k, keep, window, groups = self.shape
+        self.restore()
+        logits = self.gate(x) if self.linear else x @ self.gate["weight"].T
+        scores = self.scores(logits)
+        penalty, passed = choose(scores, self.table >= 0, top_k, keep, window,
+                                 mask_all=groups[0] > 1, bonus=self.bonus, mode=self.mode)
+        self.counts.append(passed)
+        self.routed += scores.size // scores.shape[-1] * top_k
+        if self.owner is None:
+            return logits + penalty.astype(logits.dtype)
+        # The selection bias steers the choice; the weights stay the
+        # gate's own. Put back by ``restore`` before anything else reads it.
+        object.__setattr__(self, "bias", self.owner[self.bias_name])
+        self.owner[self.bias_name] = self.bias + penalty
+        if self.linear:
+            return logits
+        out = self.gate(x)
+        self.restore()
+        return out
+
+    def describe(self) -> str:
+        top_k, keep, window, _ = self.shape
+        if self.mode == "top-k-cut":
+            return f"the router's top {keep} of {top_k} only"
+        if self.mode == "skip-misses":
+            return f"the router's top {top_k} less the missing ones, its top {keep} always"
+        taken = "resident experts first" if self.bonus is None else \
+            f"resident experts' scores + {self.bonus:g}"
+        return f"the router's top {keep} of {top_k} kept, then its top {window} by {taken}"
+
+    def restore(self) -> None:
+        """Give the owner its own selection bias back (its MoE module has
+        used the masked one, for a router whose bias it holds)."""
+        if self.bias is not None:
+            self.owner[self.bias_name] = self.bias
+            object.__setattr__(self, "bias", None)
+
+    def take_counts(self) -> List[mx.array]:
+        counts = self.counts
+        object.__setattr__(self, "counts", [])
+        return counts
+
+
+def _find_gate(model, spec, inner):
+    """``(module holding the router, its name, the router)``: a child of
+    the MoE module scoring its experts on its input, or a child of one of
+    its children (a gate module around a ``Linear``)."""
+    parent = get_module(model, parent_path(spec.module))
+    dims = input_dims_of(inner)
+    paths = router_paths(model, spec.module, spec.num_experts, dims)
+    if len(paths) == 1:
+        name = paths[0].rsplit(".", 1)[-1]
+        return parent, name, parent[name]
+    if paths:
+        return None
+    for name, child in parent.children().items():
+        if not isinstance(child, nn.Module) or child is inner:
+            continue
+        for inner_name, g in child.children().items():
+            if isinstance(g, (nn.Linear, nn.QuantizedLinear)) and \
+                    is_router(g, spec.num_experts, dims):
+                return child, inner_name, g
+    return None
+
+
+def install_routers(model: nn.Module, stores, blocks: dict, config) -> list:
+    """Wrap the router of every paged layer for ``config.routing``; returns
+    the wrappers. Raises ConfigError for a router it cannot steer."""
+    routers = []
+    for store in stores:
+        spec = store.spec
+        parent = get_module(model, parent_path(spec.module))
+        found = _find_gate(model, spec, blocks[spec.module])
+        if found is None:
+            raise ConfigError(
+                f"routing={config.routing!r}: the router of {spec.module} was not found "
+                f"({type(parent).__name__} has no module that scores its experts on its "
+                "input, alone); use routing='exact'")
+        holder, name, gate = found
+        owner = next((m for m in (gate, holder, parent)
+                      if any(m.get(b) is not None for b in BIASES)), None)
+        linear = isinstance(gate, (nn.Linear, nn.QuantizedLinear))
+        if not linear and owner is not gate:
+            raise ConfigError(
+                f"routing={config.routing!r}: {type(parent).__name__}'s router "
+                f"{type(gate).__name__} selects its experts inside, with no logits or "
+                "selection bias to steer; use routing='exact'")
+        if owner is not None and config.routing != "cache-aware":
+            # Its weights are the gate's sigmoid, which a bias cannot zero.
+            raise ConfigError(
+                f"routing={config.routing!r} needs a softmax router; "
+                f"{type(parent).__name__}'s selects with a bias (use cache-aware)")
+        top_k = spec.top_k
+        keep = min(config.routing_keep or default_keep(top_k, config.routing), top_k)
+        window = max(config.routing_window or default_window(top_k), top_k)
+        router = CacheAwareRouter(gate, owner, store.pool.table, top_k, keep,
+                                  min(window, spec.num_experts), _groups(gate, holder, parent),
+                                  config.routing_bonus, config.routing,
+                                  _sigmoid(owner, gate, holder, parent))
+        setattr(holder, name, router)
+        if owner is not None and not _takes_token_biases(parent, spec, router):
+            setattr(holder, name, gate)
+            raise ConfigError(
+                f"routing={config.routing!r}: {type(parent).__name__} reshapes its router's selection "
+                "bias, which cache-aware routing steers per token; use routing='exact'")
+        routers.append(router)
+    return routers
+
+
+def _takes_token_biases(parent, spec, router) -> bool:
+    """Whether the MoE module runs a call of two tokens with the router's
+    per-token selection bias (a family may reshape the bias to ``[E]``).
+    Probed on zeros, the experts stood in for; True when it cannot be
+    called that way at all (nothing to judge by)."""
+    name = spec.module.rsplit(".", 1)[-1]
+    block = parent[name]
+    setattr(parent, name, RoutingProbe())
+    dims = input_dims_of(block.inner if hasattr(block, "inner") else block)
+    try:
+        results = []
+        for tokens in (1, 2):
+            try:
+                parent(mx.zeros((1, tokens, dims)))
+                results.append(None)
+            except Routed:
+                results.append(True)
+            except Exception:
+                results.append(False)
+            router.restore()
+    finally:
+        setattr(parent, name, block)
+        router.take_counts()
+        router.routed = 0
+    return not (results[0] is True and results[1] is False)
