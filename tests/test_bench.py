@@ -437,6 +437,36 @@ def test_simulate_project_refuses_what_it_cannot_project(tmp_path, capsys, trace
     assert says in err and "Traceback" not in err
 
 
+def test_simulate_project_adds_a_row_per_measured_setting(tmp_path, capsys):
+    path = _trace(tmp_path / "routing.jsonl")
+    quality = tmp_path / "quality.json"
+    rows = [dict(setting="exact", status="ok", hit_rate=0.4, mb_per_token=0.2, ppl_change=0.0),
+            dict(setting="cache-aware:2:8", status="ok", hit_rate=0.7, mb_per_token=0.1,
+                 ppl_change=0.012),
+            dict(setting="top-k-cut:1", status="error")]
+    quality.write_text(json.dumps(dict(rows=rows)))
+    _run(["simulate", "--project", "--trace", str(path), "--quality", str(quality)],
+         tmp_path / "p")
+    projected = json.loads((tmp_path / "p" / "projection.json").read_text())["rows"]
+    streamed = [r for r in projected if r.get("setting") == "exact" and r["pool"] < 1]
+    assert streamed
+    for exact in streamed:
+        ours = next(r for r in projected if r["machine"] == exact["machine"]
+                    and r["model"] == exact["model"]
+                    and r.get("setting", "").startswith("cache-aware:2:8 (+1.2% ppl)"))
+        # Half the bytes per token: the reads' share of the token halves.
+        share = exact["read_share"]
+        assert ours["projected_tps"] == pytest.approx(exact["projected_tps"]
+                                                       / (1 - share + share / 2))
+        assert ours["hit_rate"] == pytest.approx(1 - (1 - exact["hit_rate"]) * 0.5)
+    assert not any("top-k-cut" in r.get("setting", "") for r in projected)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert bench_main(["simulate", "--project", "--trace", str(path), "--quality", str(bad),
+                       "--out", str(tmp_path / "p2")]) == 1
+    assert "not a bench quality result" in capsys.readouterr().err
+
+
 def test_simulate_project_refuses_a_cut_trace_and_takes_router_policies(tmp_path, capsys):
     path = _trace(tmp_path / "routing.jsonl", probs=True)
     cut = tmp_path / "cut.jsonl"

@@ -60,6 +60,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", help="stream directory (validate: the model run)")
     p.add_argument("--mlx-model", help="the same model as an mlx-lm directory (validate)")
     p.add_argument("--trace", type=existing_file, help="routing trace for --project hit rates")
+    p.add_argument("--quality", type=existing_file,
+                   help="project: add a row per approximate setting of this bench quality "
+                        "JSON (its bytes read per token against exact's)")
     p.add_argument("--pools", default="0.25,0.5")
     p.add_argument("--policies", default=DEFAULT_POLICY)
     p.add_argument("--prefetch", default="off", help="off, next-layer, or both comma-separated")

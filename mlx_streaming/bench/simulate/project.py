@@ -63,9 +63,11 @@ def project(args) -> dict:
                                  projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
                                  read_ahead=p["read_ahead_per_token"],
                                  cover=p["cover"] if depth else None))
+    rows = _with_settings(rows, _quality_settings(args.quality))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
                   shapes={k: asdict(v) for k, v in SHAPES.items()}, trace=str(trace))
     cols = [("machine", "machine", "s"), ("model", "model", "s"), ("policy", "policy", "s"),
+            ("setting", "routing", "s"),
             ("spine_gb", "spine GB", ".1f"), ("experts_gb", "experts GB", ".0f"),
             ("pool", "pool", ".0%"), ("hit_rate", "hit", ".0%"),
             ("prefetch", "prefetch", "s"), ("projected_tps", "projected tok/s", ".3g"),
@@ -73,6 +75,48 @@ def project(args) -> dict:
             ("cover", "records a layer's compute reads", ".2f")]
     title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
+
+
+def _quality_settings(path) -> List[dict]:
+    """The approximate settings a ``bench quality`` JSON measured: per
+    setting its misses and bytes read per token as shares of exact's."""
+    if path is None:
+        return []
+    import json
+
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        exact = next(r for r in rows if r["setting"] == "exact" and r["status"] == "ok")
+    except (ValueError, KeyError, TypeError, StopIteration, OSError) as e:
+        raise BenchError(f"{path} is not a bench quality result with an exact row "
+                         f"({type(e).__name__}); run bench quality again") from None
+    out = []
+    for r in rows:
+        if r["setting"] == "exact" or r["status"] != "ok" or not exact["mb_per_token"]:
+            continue
+        out.append(dict(setting=r["setting"], ppl_change=r["ppl_change"],
+                        misses=(1 - r["hit_rate"]) / max(1e-12, 1 - exact["hit_rate"]),
+                        bytes=r["mb_per_token"] / exact["mb_per_token"]))
+    return out
+
+
+def _with_settings(rows: List[dict], settings: List[dict]) -> List[dict]:
+    """``rows`` (exact routing), each streamed one without prefetch followed
+    by a row per approximate setting: its reads scaled by the bytes it read
+    per token against exact's, as measured on the trace's own model."""
+    out = []
+    for row in rows:
+        out.append(dict(row, setting="exact") if row.get("projected_tps") else row)
+        if not row.get("projected_tps") or row["prefetch"] != "off" or row["pool"] >= 1:
+            continue
+        for s in settings:
+            share = row["read_share"]
+            scale = (1 - share) + share * s["bytes"]
+            out.append(dict(row, setting=f"{s['setting']} ({s['ppl_change']:+.1%} ppl)",
+                            hit_rate=1 - (1 - row["hit_rate"]) * s["misses"],
+                            projected_tps=row["projected_tps"] / scale,
+                            read_share=share * s["bytes"] / scale))
+    return out
 
 
 def _pool_fraction(prof: Profile, shape: ModelShape, prefetch: bool) -> float:
