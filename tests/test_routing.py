@@ -179,3 +179,26 @@ def test_generate_says_the_output_is_approximate(models):
     assert proc.returncode == 0, proc.stderr
     assert "the output is approximate" in proc.stderr
     assert "routing: approximate" in proc.stderr and "of the router's choices kept" in proc.stderr
+
+
+def test_batches_and_drafts_run_with_cache_aware_routing(models):
+    """Batched and verify calls route several tokens against one resident
+    set: they run, deterministically, and count their substitutions."""
+    src, stream_dir = models.get("qwen3_moe", True)
+    prompts = [[1, 7, 42, 300, 5], [18, 99, 260], [3, 77, 150, 11, 480, 23]]
+    texts = []
+    for _ in range(2):
+        model, tokenizer = mlx_streaming.load(stream_dir, slots_per_layer=6,
+                                              routing="cache-aware", routing_keep=1)
+        texts.append(mlx_streaming.batch_generate(model, tokenizer, prompts,
+                                                  max_tokens=12).texts)
+        assert mlx_streaming.stats(model)["routing"]["substituted"] > 0
+        model.streaming.close()
+    assert texts[0] == texts[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_streaming.generate", "--model", str(stream_dir),
+         "--prompt", "def f(x): return f(x) + f(x) + f(x)", "--max-tokens", "16",
+         "--slots-per-layer", "6", "--routing", "cache-aware", "--draft", "ngram"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "routing: approximate" in proc.stderr
