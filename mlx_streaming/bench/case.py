@@ -263,7 +263,10 @@ def quality(case, model, tokenizer) -> dict:
     if case.get("save"):
         np.save(case["save"], logp)
     if case.get("reference"):
-        ref = np.load(case["reference"]).astype(np.float32)[: len(logp)]
+        ref = np.load(case["reference"]).astype(np.float32)
+        if ref.shape != logp.shape:
+            raise ValueError(f"the exact run's log-probs are {ref.shape}, this run's "
+                             f"{logp.shape}: not the same text")
         out["top1_agreement"] = float(np.mean(ref.argmax(-1) == logp.argmax(-1)))
         out["kl"] = float(np.mean(np.sum(np.exp(ref) * (ref - logp), axis=-1)))
     return out

@@ -136,6 +136,7 @@ def run(args) -> dict:
     if args.read_mbps:
         base["direct_io"] = True  # page-cache hits are not throttled
     reference = out / "exact-logprobs.npy"
+    reference.unlink(missing_ok=True)  # never another run's
     rounds = {s["name"]: [] for s in settings}
     for r in range(args.repeats):
         for s in settings:
@@ -144,6 +145,9 @@ def run(args) -> dict:
             if r == 0:
                 case["save" if s["name"] == "exact" else "reference"] = str(reference)
             rounds[s["name"]].append(run_case(case, read_mbps=args.read_mbps))
+    if rounds["exact"][0]["status"] != "ok":
+        raise BenchError(f"the exact case failed ({rounds['exact'][0].get('error', 'see above')})"
+                         ": nothing to measure the settings against")
     rows = [_row(s["name"], rounds[s["name"]], rounds["exact"]) for s in settings]
     exact_ppl = rows[0].get("ppl")
     for row in rows:
@@ -185,7 +189,10 @@ def _plot(rows, path, title):
     y_key, y_label = (("speedup", "decode tok/s, x exact") if paced else
                       ("mb_per_token", "MB read per token"))
     for r in ok:
-        ax.plot(100 * r["ppl_change"], r[y_key] or 0, "o" if r["setting"] != "exact" else "k*")
+        # Ours round, the baselines others ship square.
+        style = "k*" if r["setting"] == "exact" else \
+            "o" if r["setting"].startswith("cache-aware") else "s"
+        ax.plot(100 * r["ppl_change"], r[y_key] or 0, style)
         ax.annotate(r["setting"].replace("cache-aware", "ca"), (100 * r["ppl_change"],
                     r[y_key] or 0), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("perplexity change against exact (%)")

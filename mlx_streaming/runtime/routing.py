@@ -34,6 +34,13 @@ PENALTY = 1e4
 BIASES = ("e_score_correction_bias", "expert_bias")
 # Beyond any selection score: the top ``keep`` first, the outside of the window last.
 FAR = 1e30
+MAX_PENDING_COUNTS = 256
+# Logits within this of the weakest chosen one are masked too: a family
+# ranks equal or near logits its own way (bf16 ties, its own rounding).
+MARGIN = 1.0
+# A baseline's filler sits this far below the weakest chosen logit: a
+# weight of e^-60 of it, yet above every missing expert (exactly 0).
+FILLER = 60.0
 
 
 def default_keep(top_k: int, mode: str = "cache-aware") -> int:
@@ -61,19 +68,18 @@ def group_limited(scores: mx.array, n_group: int, topk_group: int) -> mx.array:
 
 
 def choose(scores: mx.array, resident: mx.array, top_k: int, keep: int, window: int,
-           mask_all: bool, bonus: Optional[float] = None,
-           mode: str = "cache-aware") -> Tuple[mx.array, mx.array]:
-    """The penalty to add to each expert's selection score, and the number of
-    (token, expert) pairs of the router's own top-k passed over.
+           bonus: Optional[float] = None,
+           mode: str = "cache-aware") -> Tuple[mx.array, mx.array, mx.array]:
+    """``(chosen, changed, passed)``: the experts each token takes, whether
+    that differs from the router's own top-k, and the number of (token,
+    expert) pairs of the router's own top-k passed over.
 
-    ``scores``: ``[..., E]`` in the family's selection order; ``resident``:
-    ``[E]`` bool. The router's top ``keep`` are always chosen. ``mode``
-    cache-aware: the rest from its top ``window``, resident ones first
-    (``bonus`` None), or by their scores with ``bonus`` added to the
-    resident ones'; top-k-cut: nothing else; skip-misses: the resident
-    ones of its own top-k. ``mask_all``: mask every expert not chosen (a
-    router that picks groups first, whose group scores the mask changes),
-    else only those ranked above a chosen one.
+    ``scores``: ``[..., E]`` in the family's selection order (-inf: an
+    expert the router cannot pick); ``resident``: ``[E]`` bool. The
+    router's top ``keep`` are always chosen. ``mode`` cache-aware: the rest
+    from its top ``window``, resident ones first (``bonus`` None), or by
+    their scores with ``bonus`` added to the resident ones'; top-k-cut:
+    nothing else; skip-misses: the resident ones of its own top-k.
     """
     rank = mx.argsort(mx.argsort(-scores, axis=-1), axis=-1).astype(mx.int32)
     # Experts of the groups a group-limited router drops are never candidates.
@@ -86,17 +92,36 @@ def choose(scores: mx.array, resident: mx.array, top_k: int, keep: int, window: 
     else:
         chosen = _preferred(scores, rank, resident, top_k, keep, window, bonus)
     left_out = own & ~chosen
-    changed = mx.any(left_out, axis=-1, keepdims=True)
-    if mode != "cache-aware":
-        # Fewer than top_k chosen: the family's top-k takes resident experts
-        # (nothing to read) next, whose weight the penalty makes exactly 0.
-        penalty = mx.where(chosen, 0.0, mx.where(resident, -PENALTY, -2 * PENALTY))
-    elif mask_all:
-        penalty = mx.where(chosen, 0.0, -PENALTY)
+    return chosen, mx.any(left_out, axis=-1, keepdims=True), left_out.sum()
+
+
+def bias_boost(chosen: mx.array, changed: mx.array) -> mx.array:
+    """What to add to a selection bias so that the family's top-k (and the
+    groups it keeps) are the chosen experts: far above anything else. The
+    bias only selects; the weights stay the gate's own."""
+    return mx.where(chosen & changed, PENALTY, 0.0)
+
+
+def logit_penalty(logits: mx.array, scores: mx.array, chosen: mx.array, changed: mx.array,
+                  resident: mx.array, fill: bool, mask_all: bool) -> mx.array:
+    """What to add to a softmax (or sigmoid) router's logits so that its
+    top-k takes the chosen experts. Passed-over experts that score near or
+    above a chosen one (within ``MARGIN``, against ties and rounding) are
+    masked; all of them for a router that picks groups first. With ``fill``
+    (fewer than top-k chosen) the rest of the top-k are resident experts
+    (nothing to read) at ``FILLER`` below the weakest chosen logit, whose
+    weight is negligible, and missing ones are masked."""
+    logits = logits.astype(mx.float32)
+    big = mx.array(PENALTY)
+    if fill:
+        weakest = mx.min(mx.where(chosen, logits, mx.inf), axis=-1, keepdims=True)
+        penalty = mx.where(chosen, 0.0,
+                           mx.where(resident, weakest - FILLER - logits, -big))
     else:
-        lowest = mx.max(mx.where(chosen, rank, -1), axis=-1, keepdims=True)
-        penalty = mx.where(~chosen & (rank < lowest), -PENALTY, 0.0)
-    return mx.where(changed, penalty, 0.0), left_out.sum()
+        lowest = mx.min(mx.where(chosen, scores, mx.inf), axis=-1, keepdims=True)
+        near = mx.ones_like(chosen) if mask_all else scores >= lowest - MARGIN
+        penalty = mx.where(~chosen & near, -big, 0.0)
+    return mx.where(changed, penalty, 0.0)
 
 
 def _preferred(scores, rank, resident, top_k, keep, window, bonus):
@@ -109,8 +134,9 @@ def _preferred(scores, rank, resident, top_k, keep, window, bonus):
     else:
         adjusted = -(scores + mx.where(resident, bonus, 0.0))
         priority = mx.where(rank < keep, -FAR, mx.where(rank < window, adjusted, FAR))
-    kth = mx.sort(priority, axis=-1)[..., top_k - 1:top_k]
-    return priority <= kth
+    # Exactly top_k, ties broken by position.
+    idx = mx.argpartition(priority, kth=top_k - 1, axis=-1)[..., :top_k]
+    return mx.put_along_axis(mx.zeros(priority.shape, mx.bool_), idx, mx.array(True), axis=-1)
 
 
 def _groups(*modules) -> Tuple[int, int]:
@@ -125,15 +151,17 @@ def _groups(*modules) -> Tuple[int, int]:
     return 1, 1
 
 
-def _sigmoid(owner, *modules) -> bool:
-    """Whether the router scores with a sigmoid: a family's own setting
-    (``score_function``, ``score_func``), else where it has a selection bias."""
+def _activation(owner, *modules) -> str:
+    """The function a router scores its logits with: a family's own setting
+    (``score_function``, ``score_func``, Kimi's ``moe_router_activation_func``),
+    else sigmoid where it has a selection bias, softmax where not."""
     for m in modules:
-        for name in ("score_function", "score_func"):
-            value = getattr(m, name, None)
+        for holder, name in ((m, "score_function"), (m, "score_func"),
+                             (getattr(m, "args", None), "moe_router_activation_func")):
+            value = getattr(holder, name, None)
             if isinstance(value, str):
-                return value == "sigmoid"
-    return owner is not None
+                return value
+    return "sigmoid" if owner is not None else "softmax"
 
 
 class CacheAwareRouter(nn.Module):
@@ -178,16 +206,19 @@ class CacheAwareRouter(nn.Module):
         self.restore()
         logits = self.gate(x) if self.linear else x @ self.gate["weight"].T
         scores = self.scores(logits)
-        penalty, passed = choose(scores, self.table >= 0, top_k, keep, window,
-                                 mask_all=groups[0] > 1, bonus=self.bonus, mode=self.mode)
-        self.counts.append(passed)
+        resident = self.table >= 0
+        chosen, changed, passed = choose(scores, resident, top_k, keep, window,
+                                         bonus=self.bonus, mode=self.mode)
+        self._count(passed)
         self.routed += scores.size // scores.shape[-1] * top_k
         if self.owner is None:
+            penalty = logit_penalty(logits, scores, chosen, changed, resident,
+                                    fill=self.mode != "cache-aware", mask_all=groups[0] > 1)
             return logits + penalty.astype(logits.dtype)
         # The selection bias steers the choice; the weights stay the
         # gate's own. Put back by ``restore`` before anything else reads it.
         object.__setattr__(self, "bias", self.owner[self.bias_name])
-        self.owner[self.bias_name] = self.bias + penalty
+        self.owner[self.bias_name] = self.bias + bias_boost(chosen, changed)
         if self.linear:
             return logits
         out = self.gate(x)
@@ -210,6 +241,13 @@ class CacheAwareRouter(nn.Module):
         if self.bias is not None:
             self.owner[self.bias_name] = self.bias
             object.__setattr__(self, "bias", None)
+
+    def _count(self, passed: mx.array) -> None:
+        self.counts.append(passed)
+        if len(self.counts) > MAX_PENDING_COUNTS:
+            # Calls outside a runtime pass (nothing takes the counts): one
+            # lazy sum holds what they hold.
+            object.__setattr__(self, "counts", [mx.sum(mx.stack(self.counts))])
 
     def take_counts(self) -> List[mx.array]:
         counts = self.counts
@@ -269,10 +307,16 @@ def install_routers(model: nn.Module, stores, blocks: dict, config) -> list:
         top_k = spec.top_k
         keep = min(config.routing_keep or default_keep(top_k, config.routing), top_k)
         window = max(config.routing_window or default_window(top_k), top_k)
+        groups = _groups(gate, holder, parent)
+        activation = _activation(owner, gate, holder, parent)
+        if activation not in ("sigmoid", "softmax") and (owner is not None or groups[0] > 1):
+            raise ConfigError(
+                f"routing={config.routing!r}: {type(parent).__name__}'s router scores with "
+                f"{activation!r}, which cache-aware routing does not rank; use routing='exact'")
         router = CacheAwareRouter(gate, owner, store.pool.table, top_k, keep,
-                                  min(window, spec.num_experts), _groups(gate, holder, parent),
+                                  min(window, spec.num_experts), groups,
                                   config.routing_bonus, config.routing,
-                                  _sigmoid(owner, gate, holder, parent))
+                                  activation == "sigmoid")
         setattr(holder, name, router)
         if owner is not None and not _takes_token_biases(parent, spec, router):
             setattr(holder, name, gate)

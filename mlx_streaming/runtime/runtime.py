@@ -163,6 +163,8 @@ class Runtime:
         for p in self.residencies:
             p.pending = []
         counts = [r.take_counts() for r in self.routers]
+        for router in self.routers:
+            router.restore()  # a pass that raised between a router and its block
         try:
             mx.eval(pending, counts)
             for router, taken in zip(self.routers, counts):
