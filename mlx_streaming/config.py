@@ -157,9 +157,9 @@ class StreamConfig:
         bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="2 x top-k")
     routing_bonus: Optional[float] = _option(
         None, "cache-aware routing: instead of taking every resident candidate first, add "
-        "this to the resident candidates' selection scores (the logits of a softmax router: "
-        "their probability times e^bonus; sigmoid routers: their score plus bias) and take "
-        "the best (default: resident first)", type=float,
+        "this to the resident candidates' selection scores and take the best (an ungrouped "
+        "softmax router's logits: a resident expert counts as e^bonus times as likely; "
+        "docs/routing.md gives the others' units; default: resident first)", type=float,
         bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first")
     checksums: str = _option(
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
