@@ -124,7 +124,8 @@ def summarize(response, report: dict) -> dict:
         "syncs_per_token": t["syncs"] / max(1, t["tokens"] // max(1, report["moe_layers"])),
         "prefetch": report["prefetch_decision"],
         "draft_acceptance": report["speculative"]["acceptance_rate"],
-        "route_agreement": report["routing"].get("route_agreement"),
+        "route_agreement": (report["routing"].get("route_agreement")
+                            if report["routing"].get("approximate") else None),
     }
 
 

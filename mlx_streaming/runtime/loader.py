@@ -27,7 +27,7 @@ from .wrap import one_pass_at_a_time
 
 
 def _say_if_approximate(runtime) -> None:
-    if runtime.routers:
+    if runtime.routers and not all(r.exact for r in runtime.routers):
         warnings.warn(
             f"mlx_streaming: routing={runtime.config.routing!r} "
             f"({runtime.routers[0].describe()}): the output is approximate, not mlx-lm's; "

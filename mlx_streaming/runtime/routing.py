@@ -225,6 +225,13 @@ class CacheAwareRouter(nn.Module):
         self.restore()
         return out
 
+    @property
+    def exact(self) -> bool:
+        """Whether every token keeps the router's own top-k (cache-aware with
+        ``keep`` or ``window`` at top-k)."""
+        top_k, keep, window, _ = self.shape
+        return self.mode == "cache-aware" and (keep >= top_k or window <= top_k)
+
     def describe(self) -> str:
         top_k, keep, window, _ = self.shape
         if self.mode == "top-k-cut":

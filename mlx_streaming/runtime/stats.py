@@ -241,7 +241,8 @@ def _routing_of(runtime) -> dict:
     passed = sum(r.passed_over for r in runtime.routers)
     top_k, keep, window, _ = runtime.routers[0].shape
     return dict(out, keep=keep, window=window, routed=routed, substituted=passed,
-                route_agreement=1 - passed / routed if routed else None)
+                route_agreement=1 - passed / routed if routed else None,
+                approximate=not all(r.exact for r in runtime.routers))
 
 
 def _prefetch_decision(runtime) -> str:
