@@ -79,11 +79,11 @@ class StreamingExperts(nn.Module):
         self.inner = inner
         self.residency = residency
         # Called first: cache-aware routing's ``CacheAwareRouter.restore``.
-        self.routed = None
+        self.after_routing = None
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if self.routed is not None:
-            self.routed()
+        if self.after_routing is not None:
+            self.after_routing()
         return self.residency(self.inner, x, indices)
 
 

@@ -67,7 +67,7 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
         for store, router in zip(runtime.stores, runtime.routers):
             # A router whose MoE module holds the selection bias gets it
             # back once the block is called, before prefetch reads it.
-            get_module(model, store.spec.module).routed = router.restore
+            get_module(model, store.spec.module).after_routing = router.restore
 
 
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
