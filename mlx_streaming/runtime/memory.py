@@ -329,8 +329,10 @@ def _no_room(least: int, room: _Room) -> str:
 
 def _cache_advice(least: int, room: _Room) -> str:
     """A ``--cache-gb`` that loads and leaves the headroom free, or none."""
-    # 1% under the room: available memory moves between this run and the next.
-    value = _gb_in(least, max(least, int(room.usable * 0.99)), high_end=True)
+    # 1% under the room where that still fits: available memory moves between
+    # this run and the next.
+    margin = int(room.usable * 0.99)
+    value = _gb_in(least, margin if margin >= least else room.usable, high_end=True)
     return f"use --cache-gb {value} or less" if value is not None else _no_room(least, room)
 
 
