@@ -33,6 +33,8 @@ _LAZY = {
     "batch_generate": (".decode.batch", "batch_generate"),
     "convert": (".conversion.local", "convert"),
     "load": (".runtime.loader", "load"),
+    "sharded_load": (".runtime.loader", "sharded_load"),
+    "sharded_stats": (".runtime.sharding", "sharded_stats"),
     "format": (".format", None),
     "stream_generate": (".decode.batch", "stream_generate"),
 }
@@ -51,6 +53,8 @@ __all__ = [
     "format",
     "load",
     "reset_stats",
+    "sharded_load",
+    "sharded_stats",
     "stats",
     "stream_generate",
 ]

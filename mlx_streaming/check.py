@@ -30,8 +30,7 @@ def main(argv=None) -> int:
                 f"{len(spine)} damaged or missing spine files ({', '.join(spine)}); "
                 "re-convert the model"
             )
-        total = sum(l.num_experts for l in manifest.layers +
-                    (manifest.mtp.layers if manifest.mtp else ()))
+        total = sum(l.num_experts for l in manifest.expert_layers())
         with tqdm(total=total, unit="expert", file=sys.stderr,
                   disable=not sys.stderr.isatty()) as bar:
             bad = damaged_records(args.model, progress=bar.update)

@@ -47,3 +47,8 @@ class ConfigError(StreamingError, ValueError):
 
 class ConversionError(StreamingError):
     """A model cannot be converted to a stream directory."""
+
+
+class RankError(StreamingError):
+    """A model split over ranks lost one of them (it died, was killed, or
+    stopped answering)."""

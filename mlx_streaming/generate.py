@@ -19,6 +19,7 @@ from .config import add_config_flags, config_from_args
 from .errors import ConfigError, first_line
 from .flags import Parser
 from .flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count, number, temperature
+from .split import add_split_flags, load_split, lost, watch
 
 # Heavy imports (mlx, mlx-lm) happen inside main's body, where an
 # interrupt during start-up is one line, not a traceback.
@@ -57,6 +58,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=count(1, MAX_NUM_DRAFT), default=DEFAULT_NUM_DRAFT,
                    help="tokens drafted per verify call")
     add_config_flags(p)
+    add_split_flags(p)
     return p
 
 
@@ -75,6 +77,8 @@ def check_args(args) -> None:
         _check_writable(Path(args.stats_json))
     if (args.draft or args.draft_model) and args.top_p < 1:
         raise ConfigError("--top-p is not supported with drafts; use --temp alone")
+    if (args.draft or args.draft_model) and (args.tensor_parallel or args.pipeline):
+        raise ConfigError("drafts do not run on a model split over ranks; leave out --draft")
 
 
 def _check_writable(out: Path) -> None:
@@ -198,6 +202,57 @@ def same_tokenizer(a, b) -> bool:
         b.encode(TOKENIZER_PROBE)
 
 
+def _generation(args, model, tokenizer, prompt, sampler, split, dog):
+    """The responses, each a heartbeat of the watchdog of a split run; a
+    collective that fails there is a lost rank."""
+    try:
+        for response in _responses(args, model, tokenizer, prompt, sampler):
+            if dog is not None:
+                dog.beat()
+            yield response
+    except RuntimeError as e:
+        if split is None:
+            raise
+        raise lost(split[2], e) from None
+    finally:
+        if dog is not None:
+            dog.stop()
+
+
+def _follow(args, model, tokenizer, split) -> int:
+    """A rank other than 0: the same generation, silently, then its stats
+    gathered to rank 0."""
+    from mlx_lm.sample_utils import make_sampler
+
+    prompt = format_prompt(tokenizer, args.prompt, args.ignore_chat_template)
+    sampler = make_sampler(args.temp, args.top_p)
+    dog = watch(split, args.rank_timeout)
+    response = None
+    for response in _generation(args, model, tokenizer, prompt, sampler, split, dog):
+        pass
+    if response is not None:
+        _rank_stats(model, split)
+    model.streaming.close()
+    return 0
+
+
+def _rank_stats(model, split):
+    """Every rank's stats, printed one line each by rank 0 (None alone)."""
+    if split is None:
+        return None
+    from .runtime.sharding import sharded_stats
+
+    ranks = sharded_stats(model)
+    if split[2] == 0:
+        for r, report in enumerate(ranks):
+            t = report["total"]
+            hit = "n/a" if t["hit_rate"] is None else f"{t['hit_rate']:.1%}"
+            tokens = t["tokens"] // max(1, report["moe_layers"])
+            print(f"rank {r}: hit rate {hit}, {t['bytes_read'] / 1e9:.3f} GB read over "
+                  f"{tokens} tokens ({report['moe_layers']} MoE layers)", file=sys.stderr)
+    return ranks
+
+
 def _read_stdin() -> str:
     """The prompt from standard input, as UTF-8 text whatever the locale."""
     if sys.stdin is None:
@@ -226,7 +281,13 @@ def main(argv=None) -> int:
         from .runtime.stats import stats
 
         mx.random.seed(args.seed)
-        model, tokenizer = load(args.model, revision=args.revision, config=config)
+        split = load_split(args, config)
+        if split is None:
+            model, tokenizer = load(args.model, revision=args.revision, config=config)
+        else:
+            model, tokenizer, rank = split
+            if rank != 0:  # rank 0 speaks for every rank
+                return _follow(args, model, tokenizer, split)
         report = stats(model)
         print(f"[mlx_streaming] reader: {report['io']} ({report['io_reason']}); "
               f"{report['slots_per_layer']}/{report['num_experts']} experts per layer "
@@ -244,7 +305,8 @@ def main(argv=None) -> int:
         if args.echo_prompt:
             write_out(args.prompt)
         response = None
-        for response in _responses(args, model, tokenizer, prompt, sampler):
+        dog = watch(split, args.rank_timeout)
+        for response in _generation(args, model, tokenizer, prompt, sampler, split, dog):
             text = response.text
             if args.echo_prompt and response.generation_tokens == 1 and text and \
                     not text[0].isspace() and tokenizer.decode([response.token]).startswith(" "):
@@ -259,10 +321,12 @@ def main(argv=None) -> int:
         report = stats(model)
         summary = summarize(response, report)
         print_summary(summary)
+        ranks = _rank_stats(model, split)
         if args.stats_json:
             try:
                 with open(args.stats_json, "w") as f:
-                    json.dump({"summary": summary, "stats": report}, f, indent=1)
+                    json.dump({"summary": summary, "stats": report, "ranks": ranks}, f,
+                              indent=1)
             except OSError as e:
                 raise ConfigError(f"cannot write --stats-json {args.stats_json} "
                                   f"({e.strerror})") from None

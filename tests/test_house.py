@@ -21,7 +21,7 @@ LAYERS = [
     {"hub"},
     {"runtime"},
     {"decode"},
-    {"generate", "server", "check", "convert", "demo", "testing", "bench", "__init__",
+    {"generate", "server", "check", "convert", "demo", "testing", "bench", "split", "__init__",
      "__main__"},
 ]
 MAX_LINES = 450

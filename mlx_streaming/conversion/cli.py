@@ -37,6 +37,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="cast floating weights before quantizing (float32 scales "
                         "are fastest on MLX's CPU backend)")
     p.add_argument("--force", action="store_true", help="overwrite another converted model")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split every expert into N ranks' slices, each rank's in files of "
+                        "its own (for --tensor-parallel runs on N machines)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--upload", default=None, metavar="ORG/REPO",
                    help="then publish the stream directory to this Hub model repo, which "
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
             dtype=args.dtype,
             force=args.force,
             progress=not args.no_progress,
+            tensor_parallel=args.tensor_parallel,
         )
         print(f"wrote {out}", file=sys.stderr)
         if args.upload is not None:

@@ -20,6 +20,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, quantize_model, save_config
 from ..models.discover import (
     find_expert_blocks,
+    get_module,
     layer_index,
     num_experts,
 )
@@ -43,6 +44,7 @@ from ..format import (
 )
 from .dense import convert_dense, write_spine, resident_modules
 from .experts import convert_layer, release_experts, find_top_k
+from .tensor_parallel import check_ranks, rank_file, rank_models
 from .resume import SKIP_FILES, State, check_dst, check_not_source, clear_dst, dst_state, conversion_fingerprint, fsync_written, os_error
 from ..format import TOKENIZER_PATTERNS
 from ..models.discover import projections
@@ -104,6 +106,7 @@ def convert(
     force: bool = False,
     progress: bool = True,
     on_layer: Optional[Callable[[LayerSpec], None]] = None,
+    tensor_parallel: int = 1,
 ) -> Path:
     """Convert the mlx-lm MoE model at ``src`` into a stream directory.
 
@@ -115,6 +118,9 @@ def convert(
         dtype: cast floating weights first (``float16``, ``bfloat16``,
             ``float32``); quantization scales take this dtype.
         force: overwrite a different model already converted at ``dst``.
+        tensor_parallel: split every expert into this many ranks' slices, as
+            the family's ``shard()`` does, each rank's in blobs of its own
+            (for ``sharded_load(tensor_group=...)`` with as many ranks).
         progress: show a progress bar.
         on_layer: called after each layer's blob is complete.
 
@@ -130,9 +136,12 @@ def convert(
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}")
     if quantize:
         check_quantization(q_bits, q_group_size, q_mode)
+    check_ranks(tensor_parallel)
     options = dict(
         quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode, dtype=dtype
     )
+    if tensor_parallel > 1:  # absent otherwise: earlier conversions keep their fingerprint
+        options["tensor_parallel"] = tensor_parallel
     src_path = None
     try:
         src_path = resolve_source(str(src))
@@ -148,17 +157,29 @@ def convert(
         check_dst(dst, holds, force)
         # Everything that can refuse the source runs before dst is touched.
         model, config = _load_source(src, src_path)
-        model, config, blocks = _prepare_model(model, config, src, quantize, q_bits,
+        prepare = lambda m, c: _prepare_model(m, c, src, quantize, q_bits,  # noqa: E731
                                                q_group_size, q_mode, dtype)
+        model, config, blocks = prepare(model, config)
+        ranks = []
+        if tensor_parallel > 1:
+            ranks = rank_models(lambda: _quiet(prepare, *_load_source(src, src_path))[0],
+                                tensor_parallel, config.get("model_type"))
         if holds in ("done", "stream", "model"):
             clear_dst(dst)
         experts_dir(dst).mkdir(parents=True, exist_ok=True)
         state = State(dst, fingerprint)
         state.start()
         return _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprint,
-                               options, progress, on_layer)
+                               options, progress, on_layer, ranks)
     except OSError as e:
         raise os_error(e, src_path, dst) from None
+
+
+def _quiet(prepare, model, config):
+    """``prepare`` without its warnings (said once, of the main model)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return prepare(model, config)
 
 
 def _load_source(src, src_path: Path):
@@ -270,24 +291,36 @@ def unquantized_floats_warning(model, blocks) -> None:
 
 
 def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprint, options,
-                    progress, on_layer) -> Path:
-    layers, streamed = [], set()
+                    progress, on_layer, ranks) -> Path:
+    """Every expert block's blob (one per rank of ``ranks``, the models
+    sharded per rank, where given), then the spine and the manifest."""
+    layers, streamed, rank_layers = [], set(), []
     keep = resident_modules(model, blocks)
-    total = sum(num_experts(b) for _, b in blocks)
+    total = sum(num_experts(b) for _, b in blocks) * max(1, len(ranks))
     bar = _progress_bar(total, progress)
     for ordinal, (path, block) in enumerate(blocks):
         layer = layer_index(path, ordinal)
         file = f"layer{layer:03d}.blob"
         if any(l.file == file for l in layers):
             file = f"block{ordinal:03d}.blob"
-        spec = state.done(file, dst)
-        if spec is None:
-            bar.set_description(f"experts of {path}")
-            top_k = find_top_k(model, path, block, config)
-            spec = convert_layer(block, path, layer, file, top_k, dst, bar.update)
-            state.record(spec)
-        else:
-            bar.update(spec.num_experts)
+        top_k = None
+        sources = [(file, block)] if not ranks else \
+            [(rank_file(layer, r, len(ranks)), get_module(m, path)) for r, m in enumerate(ranks)]
+        specs = []
+        for name, source in sources:
+            spec = state.done(name, dst)
+            if spec is None:
+                bar.set_description(f"experts of {path}")
+                top_k = top_k or find_top_k(model, path, block, config)
+                spec = convert_layer(source, path, layer, name, top_k, dst, bar.update)
+                state.record(spec)
+            else:
+                bar.update(spec.num_experts)
+            if ranks:
+                release_experts(source, spec)
+            specs.append(spec)
+        spec = specs[0]
+        rank_layers.append(specs)
         layers.append(spec)
         streamed.update(f"{path}.{s.name}" for s in spec.segments)
         release_experts(block, spec)
@@ -303,8 +336,9 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
     _copy_tokenizer(src_path, dst)
     fsync_written(dst)
     source = {"model": str(src), "fingerprint": fingerprint, "options": options}
+    by_rank = tuple(zip(*rank_layers)) if ranks else ()
     write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source, spine_manifest(dst),
-                                 mtp_spec, dense))
+                                 mtp_spec, dense, by_rank))
     state.path.unlink(missing_ok=True)
     return dst
 

@@ -34,7 +34,7 @@ def damaged_records(path, progress=None) -> List[Tuple[int, int]]:
     """
     manifest = read_manifest(path)
     bad = []
-    for spec in manifest.layers + (manifest.mtp.layers if manifest.mtp else ()):
+    for spec in manifest.expert_layers():
         with open(blob_path(path, spec), "rb", buffering=0) as f:
             buf = bytearray(spec.stride)
             view = memoryview(buf)

@@ -106,7 +106,7 @@ def read_manifest(path, blobs: bool = True) -> Manifest:
     except Malformed as e:
         raise FormatError(f"{mpath} is malformed ({e}); re-convert the model") from None
     if blobs:
-        for spec in manifest.layers + (manifest.mtp.layers if manifest.mtp else ()):
+        for spec in manifest.expert_layers():
             check_blob_size(path, spec)
     for spec in manifest.dense:
         check_dense_size(path, spec)

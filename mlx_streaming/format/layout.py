@@ -175,6 +175,19 @@ class Manifest:
     mtp: Optional["MtpSpec"] = None
     # Version 2: per-layer dense records, in layer order (empty: all in spine).
     dense: Tuple[DenseSpec, ...] = ()
+    # A tensor-parallel conversion: each rank's expert layers (its slices of
+    # every expert, in files of its own); ``layers`` are rank 0's. Empty: none.
+    ranks: Tuple[Tuple[LayerSpec, ...], ...] = ()
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The number of ranks the experts were split for (1: not split)."""
+        return max(1, len(self.ranks))
+
+    def expert_layers(self) -> Tuple[LayerSpec, ...]:
+        """Every expert layer with a blob: all ranks' and the MTP layers."""
+        main = tuple(l for rank in self.ranks for l in rank) if self.ranks else self.layers
+        return main + (self.mtp.layers if self.mtp else ())
 
     @property
     def dense_nbytes(self) -> int:

@@ -166,9 +166,36 @@ def manifest_from_dict(d) -> Manifest:
             if any(full.startswith(m + ".") for m in experts):
                 raise Malformed(f"dense record of layer {spec.layer} holds {full}, a "
                                  "streamed expert tensor")
+    ranks = _ranks_from_dict(d["tensor_parallel"], specs) if "tensor_parallel" in d else ()
     return Manifest(version=d["version"], layers=specs,
                     source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp,
-                    dense=dense)
+                    dense=dense, ranks=ranks)
+
+
+def _ranks_from_dict(d, main: Tuple[LayerSpec, ...]) -> Tuple[Tuple[LayerSpec, ...], ...]:
+    """Each rank's expert layers of a tensor-parallel conversion: the same
+    layers as rank 0's (``main``), each rank in files of its own."""
+    n = _nonneg(get_field(d, "ranks", int, "tensor_parallel"), "tensor_parallel.ranks", 2)
+    lists = get_field(d, "layers", list, "tensor_parallel")
+    if len(lists) != n:
+        raise Malformed(f"tensor_parallel.layers has {len(lists)} ranks, not {n}")
+    ranks = []
+    for r, entries in enumerate(lists):
+        if not isinstance(entries, list):
+            raise Malformed(f"tensor_parallel.layers[{r}] is not a list")
+        specs = tuple(layer_from_dict(l, f"tensor_parallel.layers[{r}][{i}]")
+                      for i, l in enumerate(entries))
+        same = [(s.layer, s.module, s.num_experts, s.top_k) for s in specs] == \
+            [(s.layer, s.module, s.num_experts, s.top_k) for s in main]
+        if not same:
+            raise Malformed(f"tensor_parallel.layers[{r}] are not the manifest's layers")
+        ranks.append(specs)
+    if ranks[0] != main:
+        raise Malformed("tensor_parallel.layers[0] are not the manifest's layers")
+    files = [s.file for rank in ranks for s in rank]
+    if len(set(files)) != len(files):
+        raise Malformed("two ranks' layers share a file")
+    return tuple(ranks)
 
 
 def dense_from_dict(d, where: str = "dense") -> DenseSpec:
@@ -232,4 +259,7 @@ def manifest_to_dict(manifest: Manifest) -> dict:
                     "layers": [asdict(l) for l in manifest.mtp.layers]}}
            if manifest.mtp is not None else {}),
         **({"dense": [asdict(d) for d in manifest.dense]} if manifest.version >= 2 else {}),
+        **({"tensor_parallel": {"ranks": len(manifest.ranks),
+                                "layers": [[asdict(l) for l in rank] for rank in manifest.ranks]}}
+           if manifest.ranks else {}),
     }

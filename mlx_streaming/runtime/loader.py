@@ -10,10 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
 from .. import hub
-from . import spine
+from . import sharding, spine
 from ..config import StreamConfig, config_fields, renamed_options
 from ..errors import ConfigError, FormatError, first_line
-from ..format import check_spine_files, has_vocabulary, read_manifest
+from ..format import check_blob_size, check_spine_files, has_vocabulary, read_manifest
 from ..format import Manifest
 from ..io.choice import make_reader, choose_direct_io
 from ..io.python import PythonReader
@@ -85,6 +85,62 @@ def load(
         ConfigError: an option is unknown or out of range.
     """
     config = _make_config(config, options)
+    _check_arguments(tokenizer_config, model_config, adapter_path)
+    model, tokenizer, model_config = _open(path_or_hf_repo, revision, config, tokenizer_config,
+                                           model_config, trust_remote_code, lazy)
+    if return_config:
+        return model, tokenizer, model_config
+    return model, tokenizer
+
+
+def sharded_load(
+    path_or_hf_repo,
+    pipeline_group: Optional[mx.distributed.Group] = None,
+    tensor_group: Optional[mx.distributed.Group] = None,
+    return_config: bool = False,
+    *,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    trust_remote_code: bool = False,
+    config: Optional[StreamConfig] = None,
+    **options,
+):
+    """Load one rank's share of a stream directory split over
+    ``mx.distributed`` groups, as ``mlx_lm.sharded_load`` does: the
+    family's ``pipeline()`` and ``shard()`` applied, then the rank streams
+    only its layers' records and its slices of each expert. Run every rank
+    (``mlx.launch``); each loads with the same call.
+
+    Args:
+        path_or_hf_repo: as for ``load``; tensor parallelism needs a
+            directory converted with ``tensor_parallel`` equal to the
+            tensor group's size.
+        pipeline_group: split the layers into stages, one per rank.
+        tensor_group: split every layer across the ranks. With neither
+            group, tensor parallel over all ranks where the family can,
+            else a pipeline (mlx-lm's choice).
+        return_config, tokenizer_config, trust_remote_code: as for ``load``.
+        config, **options: as for ``load``; ``cache_gb`` is per rank.
+
+    Raises:
+        ConfigError: the family lacks ``shard()``/``pipeline()`` for the
+            groups given, or an option cannot run split.
+        FormatError: the conversion is for another number of ranks, or a
+            rank's directory differs from rank 0's.
+    """
+    config = _make_config(config, options)
+    _check_arguments(tokenizer_config, None, None)
+    if config.mtp:
+        raise ConfigError("MTP drafting does not run on a split model; draft with --draft "
+                          "ngram or a draft model")
+    groups = (pipeline_group, tensor_group)
+    model, tokenizer, model_config = _open(path_or_hf_repo, None, config, tokenizer_config,
+                                           None, trust_remote_code, False, groups)
+    if return_config:
+        return model, tokenizer, model_config
+    return model, tokenizer
+
+
+def _check_arguments(tokenizer_config, model_config, adapter_path) -> None:
     for name, value in (("tokenizer_config", tokenizer_config), ("model_config", model_config)):
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{name} must be a dict, got {type(value).__name__}")
@@ -93,11 +149,22 @@ def load(
             "adapter_path is not supported on streamed models: fuse the adapters with "
             "`mlx_lm.fuse` and convert the fused model"
         )
-    path, repo = _locate(str(path_or_hf_repo), revision, config)
+
+
+def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
+          trust_remote_code: bool, lazy: bool, groups=None):
+    """``(model, tokenizer, model config)``; split over ``groups``
+    (pipeline, tensor) where given."""
+    path, repo = _locate(str(name), revision, config)
     if config.trace is not None and Path(config.trace).resolve().is_relative_to(path.resolve()):
         raise ConfigError(f"the trace {config.trace} would be written into the model's own "
                           "directory; write it elsewhere")
-    manifest = read_manifest(path, blobs=repo is None)
+    manifest = read_manifest(path, blobs=False)
+    if groups is None and manifest.ranks:
+        raise FormatError(
+            f"{path} was converted for {manifest.tensor_parallel} tensor-parallel ranks: load "
+            "it with mlx_streaming.sharded_load (or --tensor-parallel) on as many ranks under "
+            "`mlx.launch`, or convert it again without --tensor-parallel")
     if repo is not None:
         hub.check_remote_blobs(repo, manifest)
     check_spine_files(path, manifest, checksums=config.checksums == "always")
@@ -106,9 +173,23 @@ def load(
     # Before the runtime and the weights: a broken tokenizer is known
     # without waiting for a large model to load.
     tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
+    split = None
+    if groups is not None:
+        split = sharding.choose(model, *groups, model_config.get("model_type"))
+        sharding.check_manifest(manifest, path, split)
+        sharding.apply_pipeline(model, split)
+        manifest = sharding.rank_view(manifest, model, split)
+    if repo is None:
+        for spec in manifest.expert_layers():
+            check_blob_size(path, spec)
     if config.mtp:
         manifest = attach_mtp(model, path, manifest, model_config, config)
-    runtime = _build_runtime(path, manifest, config, model_config, repo)
+    base = spine_bytes(path)
+    if split is not None and split.tensor is not None:
+        manifest, base = sharding.load_spine_sliced(model, path, manifest, split,
+                                                    config.checksums)
+    runtime = _build_runtime(path, manifest, config, model_config, repo, base)
+    runtime.sharding = split
     try:
         _install_spine(model, path, manifest, runtime)
         install_blocks(model, path, manifest, runtime)
@@ -117,6 +198,15 @@ def load(
     except BaseException:
         runtime.close()
         raise
+    _start(model, runtime)
+    if split is not None:
+        sharding.synchronize(split.group)
+    return model, tokenizer, model_config
+
+
+def _start(model: nn.Module, runtime: Runtime) -> None:
+    """The loaded model's runtime attached, watched and released with it."""
+    config = runtime.config
     runtime.stats.reset()
     if runtime.plan.headroom < int(config.reserve_gb * GB):
         # A small machine: freed buffers go back to the OS.
@@ -128,13 +218,10 @@ def load(
         # does not shrink at its first check.
         threshold = min(int(config.pressure_gb * GB), runtime.plan.headroom // 2)
         runtime.pressure = PressureWatch(runtime, threshold,
-                                         bytes_per_slot(manifest),
-                                         min_slots(manifest))
+                                         bytes_per_slot(runtime.manifest),
+                                         min_slots(runtime.manifest))
     if runtime.paged or runtime.ring is not None:
         one_pass_at_a_time(model, runtime)
-    if return_config:
-        return model, tokenizer, model_config
-    return model, tokenizer
 
 
 def _load_tokenizer(path: Path, tokenizer_config, model_config: dict):
@@ -182,8 +269,8 @@ def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
 
 
 def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig, model_config: dict,
-                   repo: Optional["hub.HubRepo"] = None) -> Runtime:
-    plan = plan_memory(manifest, config, spine_bytes(path), model_config=model_config)
+                   repo: Optional["hub.HubRepo"], base_bytes: int) -> Runtime:
+    plan = plan_memory(manifest, config, base_bytes, model_config=model_config)
     if repo is not None:
         reader = hub.make_remote_reader(repo, path, manifest, config)
         reasons = (f"HTTP range requests to {repo.repo_id}",

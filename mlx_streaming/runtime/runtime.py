@@ -45,6 +45,7 @@ class Runtime:
         self.residencies: List[Paged] = []
         self.routers = []  # routing.CacheAwareRouter of each paged layer, when not exact
         self.ring = None  # the SpineRing of streamed spine layers, if any
+        self.sharding = None  # sharding.Sharding of a model split over ranks, if any
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
         self._overlap = None  # the thread that reads misses while experts compute
         self._cache_limit = None  # MLX's buffer cache limit before cap_buffer_cache

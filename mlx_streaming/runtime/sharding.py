@@ -1,0 +1,174 @@
+"""A model split over ``mx.distributed`` groups as mlx-lm's ``sharded_load``
+splits it: the family's ``pipeline()`` gives each rank its layers, its
+``shard()`` each rank a slice of every layer. Each rank then streams only its
+share: its layers' records, its slices of each expert (docs/distributed.md).
+"""
+
+import json
+import zlib
+from dataclasses import dataclass, replace
+from typing import List, Optional
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from ..errors import ConfigError, FormatError
+from mlx_lm.generate import generation_stream
+from ..format import Manifest, manifest_to_dict
+from ..io.python import PythonReader
+from . import spine
+from .stats import stats
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """The groups a rank's model is split over (either may be None)."""
+
+    pipeline: Optional[mx.distributed.Group] = None
+    tensor: Optional[mx.distributed.Group] = None
+
+    @property
+    def group(self) -> mx.distributed.Group:
+        """The group whose ranks all load this model (for checks and stats)."""
+        return self.tensor if self.tensor is not None else self.pipeline
+
+    def describe(self) -> str:
+        parts = [f"{name} rank {g.rank()} of {g.size()}"
+                 for name, g in (("pipeline", self.pipeline), ("tensor", self.tensor))
+                 if g is not None]
+        return ", ".join(parts)
+
+
+def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str) -> Sharding:
+    """The groups to split ``model`` over, as mlx-lm chooses them: those
+    given, else tensor parallel where the family has ``shard()``, else a
+    pipeline.
+
+    Raises:
+        ConfigError: the family lacks what a given group needs.
+    """
+    has_pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    has_shard = hasattr(model, "shard")
+    if pipeline_group is not None and not has_pipeline:
+        raise ConfigError(f"{model_type}'s mlx-lm model has no model.pipeline(), so it cannot "
+                          "run as a pipeline" + (": use tensor parallelism (--tensor-parallel)"
+                                                 if has_shard else ""))
+    if tensor_group is not None and not has_shard:
+        raise ConfigError(f"{model_type}'s mlx-lm model has no shard(), so it cannot run "
+                          "tensor parallel" + (": use a pipeline (--pipeline)"
+                                               if has_pipeline else ""))
+    if pipeline_group is None and tensor_group is None:
+        if not (has_shard or has_pipeline):
+            raise ConfigError(f"{model_type}'s mlx-lm model has neither shard() nor "
+                              "model.pipeline(): it runs on one machine only")
+        world = mx.distributed.init()
+        return Sharding(tensor=world) if has_shard else Sharding(pipeline=world)
+    return Sharding(pipeline_group, tensor_group)
+
+
+def check_manifest(manifest: Manifest, path, sharding: Sharding) -> None:
+    """The conversion fits the groups, and every rank loads the same one.
+
+    Raises:
+        FormatError: a tensor-parallel conversion for another number of
+            ranks, or a rank whose manifest differs from rank 0's.
+    """
+    ranks = manifest.tensor_parallel
+    size = sharding.tensor.size() if sharding.tensor is not None else 1
+    if ranks != size:
+        how = (f"convert it with --tensor-parallel {size}" if size > 1
+               else "convert it without --tensor-parallel to run it as a pipeline")
+        raise FormatError(f"{path} was converted for {ranks} tensor-parallel rank(s), but "
+                          f"{size} run tensor parallel here: {how}")
+    group = sharding.group
+    mine = _identity(manifest)
+    everyone = all_gather_ints([mine >> 16, mine & 0xFFFF], group)
+    theirs = [(a << 16) | b for a, b in everyone]
+    for rank, value in enumerate(theirs):
+        if value != theirs[0]:
+            raise FormatError(
+                f"rank {rank}'s stream directory differs from rank 0's (manifest checksum "
+                f"{value:08x}, not {theirs[0]:08x}): every rank must load the same "
+                f"conversion; copy rank 0's directory to rank {rank}'s machine")
+
+
+def _identity(manifest: Manifest) -> int:
+    """A checksum of what a conversion holds (its records' and spine's
+    checksums among it), not of where it was converted from."""
+    text = json.dumps(manifest_to_dict(replace(manifest, source={})), sort_keys=True)
+    return zlib.crc32(text.encode()) & 0xFFFFFFFF
+
+
+# Collectives run on mlx-lm's generation stream, after the forward passes
+# that stream still has in flight: on another stream, the ranks could meet
+# in different collectives.
+
+
+def all_gather_ints(values: List[int], group) -> List[List[int]]:
+    """Each rank's ``values`` (non-negative, below 2**31), by rank."""
+    gathered = mx.distributed.all_gather(mx.array([values], dtype=mx.int32), group=group,
+                                         stream=generation_stream)
+    return gathered.tolist()
+
+
+def apply_pipeline(model: nn.Module, sharding: Sharding) -> None:
+    if sharding.pipeline is not None:
+        model.model.pipeline(sharding.pipeline)
+
+
+def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manifest:
+    """The manifest of what this rank streams: its slices of the experts
+    (tensor parallel), of its stage's layers only (pipeline)."""
+    layers, dense = manifest.layers, manifest.dense
+    if sharding.tensor is not None and manifest.ranks:
+        layers = manifest.ranks[sharding.tensor.rank()]
+    if sharding.pipeline is not None:
+        start, end = model.model.start_idx, model.model.end_idx
+        layers = tuple(l for l in layers if start <= l.layer < end)
+        dense = tuple(d for d in dense if start <= d.layer < end)
+    return replace(manifest, layers=layers, dense=dense, ranks=())
+
+
+def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Sharding,
+                      checksums: str):
+    """Tensor parallel: every spine layer read once and sliced by the
+    family's ``shard()``; each rank keeps its slice of every layer resident
+    (each runs at every token). Returns ``(the manifest without the dense
+    records, now loaded, bytes of the rank's resident spine)``."""
+    reader = PythonReader(1)
+    for spec in manifest.dense:
+        spine.load_pinned(model, path, spec, reader, checksums)
+    reader.close()
+    model.shard(sharding.tensor)
+    experts = tuple(f"{l.module}." for l in manifest.layers)
+    kept = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith(experts)]
+    # x * 1 is x to the bit, in arrays of their own: views of a whole
+    # record would keep it all resident.
+    own = [(k, v * mx.array(1, dtype=v.dtype)) for k, v in kept]
+    mx.eval([v for _, v in own])
+    model.update(tree_unflatten(own))
+    return replace(manifest, dense=()), sum(v.nbytes for _, v in own)
+
+
+def synchronize(group) -> None:
+    """Every rank has loaded (mlx-lm's sharded_load ends so too)."""
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=generation_stream))
+
+
+def gather(record: dict, group) -> List[dict]:
+    """Each rank's ``record`` (JSON-serializable), by rank, on every rank."""
+    data = json.dumps(record, default=float).encode()
+    (sizes,) = zip(*all_gather_ints([len(data)], group))
+    most = max(sizes)
+    padded = mx.array(list(data + b" " * (most - len(data))), dtype=mx.uint8)[None]
+    rows = mx.distributed.all_gather(padded, group=group, stream=generation_stream)
+    return [json.loads(bytes(row[:n].tolist()).decode()) for row, n in zip(rows, sizes)]
+
+
+def sharded_stats(model: nn.Module) -> List[dict]:
+    """Every rank's ``mlx_streaming.stats(model)``, by rank (a collective:
+    every rank calls it). A model on one machine: its own, alone."""
+    mine = stats(model)
+    split = model.streaming.sharding
+    if split is None:
+        return [mine]
+    return gather(mine, split.group)

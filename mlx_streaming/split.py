@@ -1,0 +1,98 @@
+"""Runs of a model split over the ranks of ``mlx.launch``: the flags that
+ask for it, the load, and the watchdog that stops a rank whose peers
+stopped answering (docs/distributed.md).
+"""
+
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+from .errors import ConfigError, RankError, first_line
+from .flags import number
+
+# Seconds a rank waits for the next token before it gives its peers up.
+DEFAULT_RANK_TIMEOUT = 300.0
+
+
+def add_split_flags(p) -> None:
+    g = p.add_argument_group("split over machines (run under `mlx.launch -n N`)")
+    g.add_argument("--tensor-parallel", action="store_true",
+                   help="split every layer across the ranks (a directory converted with "
+                        "--tensor-parallel N)")
+    g.add_argument("--pipeline", action="store_true",
+                   help="split the layers into one stage per rank")
+    g.add_argument("--rank-timeout", type=number(1, 86400), default=DEFAULT_RANK_TIMEOUT,
+                   help="seconds a rank waits for the next token before it stops with an "
+                        "error (a peer died or hangs)")
+
+
+def world_size() -> int:
+    import mlx.core as mx
+
+    return mx.distributed.init().size()
+
+
+def load_split(args, config):
+    """``(model, tokenizer, rank)`` of a run under ``mlx.launch`` with more
+    than one rank, or None for a process that runs alone.
+
+    Raises:
+        ConfigError: split flags without ranks, or both kinds asked.
+    """
+    import mlx.core as mx
+
+    from .runtime.loader import sharded_load
+
+    if args.tensor_parallel and args.pipeline:
+        raise ConfigError("pass either --tensor-parallel or --pipeline, not both")
+    world = mx.distributed.init()
+    if world.size() == 1:
+        if args.tensor_parallel or args.pipeline:
+            raise ConfigError("--tensor-parallel and --pipeline split the model over the ranks "
+                              "of `mlx.launch -n N ...`; this process runs alone")
+        return None
+    groups = (world, None) if args.pipeline else (None, world) if args.tensor_parallel \
+        else (None, None)
+    try:
+        model, tokenizer = sharded_load(args.model, *groups, config=config)
+    except RuntimeError as e:
+        raise lost(world.rank(), e) from None
+    return model, tokenizer, world.rank()
+
+
+def lost(rank: int, error: BaseException) -> RankError:
+    """The error of a collective that failed: a peer is gone."""
+    return RankError(f"rank {rank} lost its peers ({first_line(error)}): a rank died or was "
+                     "killed, or the network between them broke; every rank stops")
+
+
+class Watchdog:
+    """Ends this process with an error when no token comes for ``timeout``
+    seconds: a collective waits forever on a peer that hangs."""
+
+    def __init__(self, rank: int, timeout: float):
+        self.rank, self.timeout = rank, timeout
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rank-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            if time.monotonic() - self._last > self.timeout:
+                print(f"error: rank {self.rank} waited {self.timeout:g} s for its peers: a "
+                      "rank died, hangs or was stopped; every rank stops", file=sys.stderr,
+                      flush=True)
+                os._exit(1)
+
+
+def watch(split, timeout: float) -> Optional[Watchdog]:
+    return Watchdog(split[2], timeout) if split is not None else None

@@ -1,0 +1,99 @@
+"""One rank's check of a split model, run by the tests under ``mlx.launch``:
+the logits of ``mlx_streaming.sharded_load`` against mlx-lm's own
+``sharded_load`` of the source (and, for a pipeline, mlx-lm on one rank).
+
+    mlx.launch -n 2 --backend ring --python PY -m? (run this file)
+        --source SRC --model STREAM --mode tensor|pipeline --slots 4,8,16 --out DIR
+
+Each rank writes ``DIR/rank{r}.json``: per pool size whether its logits are
+bit-identical, and its stats; or the error it stopped with.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
+DECODE_STEPS = 4
+
+
+def logits_trace(model, steps: int = DECODE_STEPS):
+    """Prefill logits, then those of ``steps`` greedy decode steps."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([PROMPT]), cache=cache)[:, -1]]
+    mx.eval(out[-1])
+    for _ in range(steps):
+        token = mx.argmax(out[-1], axis=-1, keepdims=True)
+        out.append(model(token, cache=cache)[:, -1])
+        mx.eval(out[-1])
+    return out
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def groups(mode: str, world):
+    return (world, None) if mode == "pipeline" else (None, world)
+
+
+def check(args, world) -> dict:
+    import mlx_lm
+    from mlx_lm.utils import sharded_load as mlx_sharded_load
+
+    import mlx_streaming
+
+    want, result = None, {"pools": {}}
+    if args.source:
+        reference, _ = mlx_sharded_load(args.source, *groups(args.mode, world))
+        want = logits_trace(reference)
+        del reference
+    if args.source and args.mode == "pipeline":
+        alone, _ = mlx_lm.load(args.source)
+        result["pipeline_is_one_rank"] = same(want, logits_trace(alone))
+        del alone
+    model_dir = args.model
+    if world.rank() == 1 and args.model_rank1:
+        model_dir = args.model_rank1
+    for slots in args.slots:
+        model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world),
+                                              slots_per_layer=slots)
+        got = logits_trace(model)
+        if world.rank() == 1 and args.die_after_load:
+            os._exit(3)
+        result["pools"][slots] = {"same": want is not None and same(want, got),
+                                  "stats": mlx_streaming.sharded_stats(model)[world.rank()]}
+        model.streaming.close()
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--source", default=None, help="mlx-lm's model (none: no reference)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--model-rank1", default=None, help="rank 1 loads this instead")
+    p.add_argument("--mode", choices=("tensor", "pipeline"), required=True)
+    p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--die-after-load", action="store_true", help="rank 1 exits mid-run")
+    args = p.parse_args(argv)
+    world = mx.distributed.init()
+    from mlx_streaming.errors import StreamingError
+
+    try:
+        result = check(args, world)
+    except (StreamingError, RuntimeError) as e:
+        result = {"error": f"{type(e).__name__}: {e}"}
+    out = Path(args.out) / f"rank{world.rank()}.json"
+    out.write_text(json.dumps(result, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

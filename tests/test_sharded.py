@@ -1,0 +1,225 @@
+"""Models split over ranks: two ranks on this box (``mlx.launch``, ring
+backend), each streaming only its share, bit-identical to mlx-lm's own
+``sharded_load`` of the same weights; the refusals and a lost rank."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_streaming
+from mlx_streaming.conversion.local import convert
+from mlx_streaming.errors import ConfigError, ConversionError, FormatError
+from mlx_streaming.format import read_manifest, record_checksum
+from mlx_streaming.testing import sharded
+
+from helpers import pool_sizes
+
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+# Expert widths that split into two ranks' 4-bit groups of 64.
+SPLITTABLE = dict(moe_intermediate_size=128)
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def split_models(models, tmp_path_factory):
+    """``family -> (mlx-lm source, plain stream dir, 2-rank tensor-parallel dir)``."""
+    root = tmp_path_factory.mktemp("split")
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            src, plain = models.get(family, True, **SPLITTABLE)
+            tp = convert(src, root / f"{family}-tp2", tensor_parallel=2, progress=False)
+            cache[family] = (src, plain, tp)
+        return cache[family]
+
+    return get
+
+
+def launch(tmp_path, *args, timeout=TIMEOUT):
+    """Run the rank check on two ranks; each rank's result, by rank."""
+    out = tmp_path / "ranks"
+    out.mkdir(exist_ok=True)
+    proc = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable,
+                           sharded.__file__, "--out", str(out), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+    results = []
+    for r in range(2):
+        f = out / f"rank{r}.json"
+        assert f.exists(), f"rank {r} wrote nothing:\n{proc.stdout}\n{proc.stderr}"
+        results.append(json.loads(f.read_text()))
+    return results
+
+
+def rank_bytes(stream_dir):
+    """Bytes of each rank's slice of one expert (of the first layer)."""
+    return [rank[0].expert_nbytes for rank in read_manifest(stream_dir).ranks]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_k3"])
+def test_tensor_parallel_streaming_is_mlx_lms(split_models, family, tmp_path):
+    src, plain, tp = split_models(family)
+    pools = pool_sizes(tp)
+    results = launch(tmp_path, "--source", src, "--model", tp, "--mode", "tensor",
+                     "--slots", ",".join(map(str, pools)))
+    whole = read_manifest(plain).layers[0].expert_nbytes
+    for rank, (result, share) in enumerate(zip(results, rank_bytes(tp))):
+        assert "error" not in result, result
+        for slots in pools:
+            pool = result["pools"][str(slots)]
+            assert pool["same"], f"rank {rank}, {slots} slots: logits differ from mlx-lm's"
+            total = pool["stats"]["total"]
+            # One read per missed expert, of this rank's slice alone.
+            assert total["bytes_read"] == total["records_read"] * share
+        assert share * 2 == whole
+    # A pool of one call's experts reads; a pool of every expert does not.
+    assert results[0]["pools"][str(pools[0])]["stats"]["total"]["records_read"] > 0
+    assert results[0]["pools"][str(pools[-1])]["stats"]["total"]["records_read"] == 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k3"])
+def test_pipeline_streaming_is_mlx_lms(split_models, family, tmp_path):
+    src, plain, _ = split_models(family)
+    pools = pool_sizes(plain)
+    results = launch(tmp_path, "--source", src, "--model", plain, "--mode", "pipeline",
+                     "--slots", ",".join(map(str, pools)))
+    moe_layers = len(read_manifest(plain).layers)
+    stage_layers = []
+    for rank, result in enumerate(results):
+        assert "error" not in result, result
+        assert result["pipeline_is_one_rank"]
+        for slots in pools:
+            assert result["pools"][str(slots)]["same"], f"rank {rank}, {slots} slots"
+        stage_layers.append(len(result["pools"][str(pools[0])]["stats"]["layers"]))
+    # Each rank streams its stage's layers only.
+    assert sum(stage_layers) == moe_layers and min(stage_layers) >= 1
+
+
+def test_ranks_loading_different_conversions_are_refused(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    other = tmp_path / "other"
+    shutil.copytree(tp, other)
+    manifest = other / "experts" / "manifest.json"
+    d = json.loads(manifest.read_text())
+    d["layers"][0]["checksums"][0] ^= 1
+    d["tensor_parallel"]["layers"][0][0]["checksums"][0] ^= 1
+    manifest.write_text(json.dumps(d))
+    results = launch(tmp_path, "--model", tp, "--model-rank1", other, "--mode", "tensor",
+                     "--slots", "4")
+    for result in results:
+        assert "FormatError" in result["error"] and "rank 1's stream directory differs" in \
+            result["error"], result
+
+
+def test_what_cannot_split_is_refused_clearly(split_models, models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    alone = mx.distributed.init()  # a group of one: the refusals come before any collective
+    with pytest.raises(FormatError, match="converted for 2 tensor-parallel ranks.*sharded_load"):
+        mlx_streaming.load(tp)
+    with pytest.raises(FormatError, match="converted for 2 tensor-parallel rank.*1 run tensor"):
+        mlx_streaming.sharded_load(tp, tensor_group=alone)
+    _, gpt_oss = models.get("gpt_oss", True)
+    with pytest.raises(ConfigError, match="gpt_oss's mlx-lm model has no model.pipeline.*"
+                                          "--tensor-parallel"):
+        mlx_streaming.sharded_load(gpt_oss, pipeline_group=alone)
+    src, mixtral = models.get("mixtral", True)
+    with pytest.raises(ConfigError, match="mixtral's mlx-lm model has no shard()"):
+        mlx_streaming.sharded_load(mixtral, tensor_group=alone)
+    with pytest.raises(ConversionError, match="mixtral's mlx-lm model has no shard()"):
+        convert(src, tmp_path / "mixtral-tp", tensor_parallel=2, progress=False)
+    narrow, _ = models.get("qwen3_moe", True)  # 64-wide experts: one 4-bit group
+    with pytest.raises(ConversionError, match="cannot be split into 2 tensor-parallel ranks"):
+        convert(narrow, tmp_path / "narrow-tp", tensor_parallel=2, progress=False)
+    with pytest.raises(ConversionError, match="--tensor-parallel must be"):
+        convert(narrow, tmp_path / "none", tensor_parallel=0, progress=False)
+
+
+def test_check_reads_every_ranks_records(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    copy = tmp_path / "tp"
+    shutil.copytree(tp, copy)
+    assert mlx_streaming.format.damaged_records(copy) == []
+    spec = read_manifest(copy).ranks[1][0]
+    with open(copy / "experts" / spec.file, "r+b") as f:
+        f.seek(spec.record_offset(3) + spec.segments[0].offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert mlx_streaming.format.damaged_records(copy) == [(spec.layer, 3)]
+    # The rank's checksums are of its own slice's bytes.
+    with open(copy / "experts" / spec.file, "rb") as f:
+        f.seek(spec.record_offset(0))
+        record = f.read(spec.stride)
+    assert record_checksum(record[s.offset:s.offset + s.nbytes] for s in spec.segments) == \
+        spec.checksums[0]
+
+
+def _generate(model, *flags):
+    return [sys.executable, "-m", "mlx_streaming.generate", "--model", str(model),
+            "--prompt", "def", "--ignore-chat-template", *flags]
+
+
+def test_generate_runs_split_and_rank_0_speaks(split_models):
+    _, plain, _ = split_models("deepseek_v3")
+    one = subprocess.run(_generate(plain, "--max-tokens", "12"), capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable,
+                          *_generate(plain, "--max-tokens", "12", "--pipeline")[1:]],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert two.returncode == 0, two.stderr
+    # A pipeline is mlx-lm on one rank: the same text, printed once.
+    assert two.stdout == one.stdout
+    assert "rank 0: hit rate" in two.stderr and "rank 1: hit rate" in two.stderr
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _ranks_by_hand(tmp_path, model, *flags):
+    """Two ranks started without mlx.launch (which would stop the others
+    itself): only our own handling of a lost rank is left."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(rank))
+        procs.append(subprocess.Popen(_generate(model, *flags), env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_lost_rank_stops_the_others(split_models, tmp_path, how):
+    _, _, tp = split_models("qwen3_moe")
+    rank0, rank1 = _ranks_by_hand(tmp_path, tp, "--tensor-parallel", "--max-tokens", "1000000",
+                                  "--rank-timeout", "5")
+    try:
+        assert rank0.stdout.read(1)  # rank 0 is generating
+        rank1.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = rank0.communicate(timeout=60)
+        assert rank0.returncode == 1
+        assert time.monotonic() - start < 60
+        expected = "lost its peers" if how == "killed" else "waited 5 s for its peers"
+        assert f"error: rank 0 {expected}" in err, err
+    finally:
+        for p in (rank0, rank1):
+            p.kill()
+            p.communicate()
