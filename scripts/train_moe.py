@@ -71,7 +71,7 @@ def train(args) -> None:
     tok = tiny.train_tokenizer(out / "tokenizer", args.vocab, args.corpus_chars)
     config = tiny.tiny_config("qwen3_moe", args.vocab, **DEFAULTS)
     config.update(num_experts=args.experts, num_experts_per_tok=args.top_k,
-                  num_hidden_layers=args.layers)
+                  num_hidden_layers=args.layers, moe_intermediate_size=args.expert_width)
     model = tiny.build_model(config, seed=args.seed)
     sink = []
     blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "switch_mlp")]
@@ -128,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=DEFAULTS["num_hidden_layers"],
                    help="decoder layers, each with an MoE block (a deeper model leaves "
                    "the first layer, which prefetch cannot see coming, a smaller share)")
+    p.add_argument("--expert-width", type=int, default=DEFAULTS["moe_intermediate_size"],
+                   help="each expert's intermediate size (a multiple of 64 times the ranks "
+                   "of a tensor-parallel conversion, at 4 bits)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)

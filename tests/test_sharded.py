@@ -223,3 +223,37 @@ def test_a_lost_rank_stops_the_others(split_models, tmp_path, how):
         for p in (rank0, rank1):
             p.kill()
             p.communicate()
+
+
+def test_the_server_serves_a_split_model(split_models):
+    """Rank 0 answers; rank 1 decodes each request with it (mlx-lm's loop)."""
+    import urllib.request
+
+    _, _, tp = split_models("qwen3_moe")
+    (port,) = _free_ports(1)
+    server = subprocess.Popen(
+        [LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, "-m",
+         "mlx_streaming.server", "--model", str(tp), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        body = json.dumps({"prompt": "def", "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            text = json.loads(r.read())["choices"][0]["text"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.communicate(timeout=60)
+    split = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable,
+                            *_generate(tp, "--max-tokens", "8", "--tensor-parallel")[1:]],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+    assert split.returncode == 0, split.stderr
+    assert text and split.stdout.strip() == text.strip()

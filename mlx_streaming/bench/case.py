@@ -4,7 +4,8 @@
 
 Prints one JSON line with the numbers. ``kind`` is ``mlx-lm`` (the model
 loaded fully), ``mlx-lm-lazy`` (mlx-lm loading weights as they are first
-used: the naive way to run a model larger than memory) or ``streaming``.
+used: the naive way to run a model larger than memory), ``streaming`` or
+``sharded`` (one rank of a tensor-parallel run).
 """
 
 import json
@@ -26,6 +27,11 @@ def _load(case):
         from ..runtime.loader import load
 
         return load(case["model"], **case.get("load", {}))
+    if case["kind"] == "sharded":  # one rank of a tensor-parallel run (bench.ranks)
+        from ..runtime.loader import sharded_load
+
+        return sharded_load(case["model"], tensor_group=mx.distributed.init(),
+                            **case.get("load", {}))
     import mlx_lm
 
     return mlx_lm.load(case["model"], lazy=case["kind"] == "mlx-lm-lazy")

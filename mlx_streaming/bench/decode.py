@@ -17,7 +17,7 @@ from ..config import (CHECKSUM_CHOICES, DIRECT_IO_CHOICES, IO_CHOICES, MAX_GB, O
                       POLICY_CHOICES, PREFETCH_CHOICES, StreamConfig)
 from ..errors import ConfigError
 from ..format import blob_path, read_manifest
-from . import routing
+from . import ranks, routing
 from .common import (
     BenchError,
     on_off,
@@ -94,6 +94,11 @@ def add_arguments(p) -> None:
     p.add_argument("--routing-tokens", type=count(1, MAX_TOKENS), default=64)
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
+    p.add_argument("--ranks", type=count(1, 8), default=1,
+                   help="compare N tensor-parallel local ranks, --cache-gb each, against 1 "
+                        "rank with --cache-gb and with N times it (needs --tp-model)")
+    p.add_argument("--tp-model", default=None,
+                   help="with --ranks: the model converted with --tensor-parallel N")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
 
 
@@ -176,6 +181,8 @@ def _pools(text: str) -> list:
 
 
 def run(args) -> dict:
+    if args.ranks > 1 or args.tp_model:
+        return ranks.run(args)
     _check_choices(args)
     affinities = on_off("--prefetch-affinity", args.prefetch_affinity)
     overlaps = on_off("--overlap", args.overlap)

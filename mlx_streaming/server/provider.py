@@ -14,7 +14,7 @@ def make_provider(mlx_args: argparse.Namespace, config):
     import mlx_lm.server as mlx_server
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..runtime.loader import load
+    from ..runtime.loader import load, sharded_load
 
     class StreamingModelProvider(mlx_server.ModelProvider):
         def __init__(self, cli_args):
@@ -34,9 +34,15 @@ def make_provider(mlx_args: argparse.Namespace, config):
             self.reset()
             gc.collect()
             mx.clear_cache()
-            model, tokenizer, model_config = load(
-                model_path, tokenizer_config=self._tokenizer_config, return_config=True,
-                trust_remote_code=self.cli_args.trust_remote_code, config=config)
+            if self.is_distributed:  # under mlx.launch: every rank streams its share
+                model, tokenizer, model_config = sharded_load(
+                    model_path, self.pipeline_group, self.tensor_group, return_config=True,
+                    tokenizer_config=self._tokenizer_config,
+                    trust_remote_code=self.cli_args.trust_remote_code, config=config)
+            else:
+                model, tokenizer, model_config = load(
+                    model_path, tokenizer_config=self._tokenizer_config, return_config=True,
+                    trust_remote_code=self.cli_args.trust_remote_code, config=config)
             if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
                 tokenizer.chat_template = tokenizer.default_chat_template
             self.model_key = (model_path, adapter_path, draft_model_path)

@@ -63,6 +63,10 @@ def add_arguments(p) -> None:
     p.add_argument("--quality", type=existing_file,
                    help="project: add a row per approximate setting of this bench quality "
                         "JSON (its bytes read per token against exact's)")
+    p.add_argument("--ranks", default="1",
+                   help="project: Macs splitting each model tensor parallel, comma-separated "
+                        "(e.g. 1,2,4): each holds a slice of every expert and reads it from "
+                        "its own SSD")
     p.add_argument("--pools", default="0.25,0.5")
     p.add_argument("--policies", default=DEFAULT_POLICY)
     p.add_argument("--prefetch", default="off", help="off, next-layer, or both comma-separated")

@@ -3,7 +3,7 @@ projected from a trace's hit rates (projections, not measurements).
 """
 
 import itertools
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Dict, List
 from ...runtime.memory import staging_records
@@ -29,44 +29,47 @@ def project(args) -> dict:
     policies = config_values("--policies", args.policies, "policy", str)
     settings = _project_prefetch(args, calls)
     rows = []
-    for key, prof in PROFILES.items():
-        for shape in SHAPES.values():
-            row = dict(machine=prof.name, model=shape.name, spine_gb=shape.spine_bytes() / 1e9,
-                       experts_gb=shape.moe_layers * shape.experts * shape.expert_bytes() / 1e9)
-            fraction = _pool_fraction(prof, shape, prefetch=False)
-            if fraction < shape.top_k / shape.experts:
-                row.update(pool=max(0.0, fraction), note="pool below one token's experts")
-                rows.append(row)
+    for (key, prof), whole, ranks in itertools.product(PROFILES.items(), SHAPES.values(),
+                                                       _ranks(args)):
+        shape = split_shape(whole, ranks)
+        row = dict(machine=prof.name, model=whole.name, ranks=ranks,
+                   spine_gb=shape.spine_bytes() / 1e9,
+                   experts_gb=shape.moe_layers * shape.experts * shape.expert_bytes() / 1e9)
+        fraction = _pool_fraction(prof, shape, prefetch=False)
+        if fraction < shape.top_k / shape.experts:
+            row.update(pool=max(0.0, fraction), note="pool below one token's experts")
+            rows.append(row)
+            continue
+        active = shape.dense_active_params * 4.5 / 8 + \
+            shape.moe_layers * shape.top_k * shape.expert_bytes()
+        compute = active / (prof.weight_gbps * 1e9) + all_reduces_s(shape, ranks)
+        # Every call syncs on a GPU; its resident experts compute while
+        # its misses are read (Paged's overlap).
+        hit_compute = shape.expert_bytes() / (prof.weight_gbps * 1e9)
+        for policy, (prefetch, depth, precision) in itertools.product(policies, settings):
+            case = dict(row, policy=policy, prefetch=prefetch)
+            fraction = _pool_fraction(prof, shape, prefetch=bool(depth))
+            if fraction >= 1:  # every expert resident: mlx-lm's own decode
+                if prefetch == "off":
+                    rows.append(dict(case, pool=1.0, hit_rate=1.0,
+                                     projected_tps=1 / compute, read_share=0.0))
                 continue
-            active = shape.dense_active_params * 4.5 / 8 + \
-                shape.moe_layers * shape.top_k * shape.expert_bytes()
-            compute = active / (prof.weight_gbps * 1e9)
-            # Every call syncs on a GPU; its resident experts compute while
-            # its misses are read (Paged's overlap).
-            hit_compute = shape.expert_bytes() / (prof.weight_gbps * 1e9)
-            for policy, (prefetch, depth, precision) in itertools.product(policies, settings):
-                case = dict(row, policy=policy, prefetch=prefetch)
-                fraction = _pool_fraction(prof, shape, prefetch=bool(depth))
-                if fraction >= 1:  # every expert resident: mlx-lm's own decode
-                    if prefetch == "off":
-                        rows.append(dict(case, pool=1.0, hit_rate=1.0,
-                                         projected_tps=1 / compute, read_share=0.0))
-                    continue
-                p = project_pool(calls, fraction, policy=policy, prefetch=depth,
-                                  compute_s=compute, sync_s=prof.sync_s,
-                                  moe_layers=shape.moe_layers, expert_bytes=shape.expert_bytes(),
-                                  top_k=shape.top_k, ssd_gbps=prof.ssd_gbps,
-                                  ssd_latency_s=prof.ssd_latency_s, skip=WARMUP_TOKENS,
-                                  miss_s=prof.miss_s, hit_compute_s=hit_compute,
-                                  precision=precision)
-                rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
-                                 projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
-                                 read_ahead=p["read_ahead_per_token"],
-                                 cover=p["cover"] if depth else None))
+            p = project_pool(calls, fraction, policy=policy, prefetch=depth,
+                              compute_s=compute, sync_s=prof.sync_s,
+                              moe_layers=shape.moe_layers, expert_bytes=shape.expert_bytes(),
+                              top_k=shape.top_k, ssd_gbps=prof.ssd_gbps,
+                              ssd_latency_s=prof.ssd_latency_s, skip=WARMUP_TOKENS,
+                              miss_s=prof.miss_s, hit_compute_s=hit_compute,
+                              precision=precision)
+            rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
+                             projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
+                             read_ahead=p["read_ahead_per_token"],
+                             cover=p["cover"] if depth else None))
     rows = _with_settings(rows, _quality_settings(args.quality))
     result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
                   shapes={k: asdict(v) for k, v in SHAPES.items()}, trace=str(trace))
-    cols = [("machine", "machine", "s"), ("model", "model", "s"), ("policy", "policy", "s"),
+    cols = [("machine", "machine", "s"), ("model", "model", "s"), ("ranks", "Macs", "d"),
+            ("policy", "policy", "s"),
             ("setting", "routing", "s"),
             ("spine_gb", "spine GB", ".1f"), ("experts_gb", "experts GB", ".0f"),
             ("pool", "pool", ".0%"), ("hit_rate", "hit", ".0%"),
@@ -75,6 +78,38 @@ def project(args) -> dict:
             ("cover", "records a layer's compute reads", ".2f")]
     title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
+
+
+# One all-reduce of a token's hidden state between Macs (JACCL over
+# Thunderbolt 5 RDMA): ~50 us, an assumption; two per layer (attention, MoE).
+ALL_REDUCE_S = 50e-6
+
+
+def _ranks(args) -> List[int]:
+    text = getattr(args, "ranks", None) or "1"
+    try:
+        ranks = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise BenchError(f"--ranks takes numbers of Macs, comma-separated; got {text!r}") from None
+    if not all(1 <= n <= 64 for n in ranks):
+        raise BenchError(f"--ranks takes 1 to 64 Macs each; got {text!r}")
+    return ranks
+
+
+def split_shape(shape: ModelShape, ranks: int) -> ModelShape:
+    """One rank's share of a tensor-parallel model: a slice of every
+    expert and of the spine (the embeddings, in truth replicated, are
+    counted split too: a small part of these models)."""
+    if ranks == 1:
+        return shape
+    return replace(shape, expert_params=shape.expert_params / ranks,
+                   dense_active_params=shape.dense_active_params / ranks,
+                   total_params=shape.total_params / ranks)
+
+
+def all_reduces_s(shape: ModelShape, ranks: int) -> float:
+    """A token's time in all-reduces between ``ranks`` Macs."""
+    return 0.0 if ranks == 1 else 2 * shape.moe_layers * ALL_REDUCE_S
 
 
 def _quality_settings(path) -> List[dict]:
