@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from .errors import ConfigError, RankError, first_line
+from .runtime.events import Observer
 from .flags import number
 
 # Seconds a rank waits for the next token before it gives its peers up.
@@ -26,12 +27,6 @@ def add_split_flags(p) -> None:
     g.add_argument("--rank-timeout", type=number(1, 86400), default=DEFAULT_RANK_TIMEOUT,
                    help="seconds a rank waits for the next token before it stops with an "
                         "error (a peer died or hangs)")
-
-
-def world_size() -> int:
-    import mlx.core as mx
-
-    return mx.distributed.init().size()
 
 
 def load_split(args, config):
@@ -53,24 +48,30 @@ def load_split(args, config):
             raise ConfigError("--tensor-parallel and --pipeline split the model over the ranks "
                               "of `mlx.launch -n N ...`; this process runs alone")
         return None
+    if getattr(args, "draft", None) or getattr(args, "draft_model", None):
+        raise ConfigError("drafts do not run on a model split over ranks; leave out --draft")
     groups = (world, None) if args.pipeline else (None, world) if args.tensor_parallel \
         else (None, None)
-    try:
-        model, tokenizer = sharded_load(args.model, *groups, config=config)
-    except RuntimeError as e:
-        raise lost(world.rank(), e) from None
+    model, tokenizer = sharded_load(args.model, *groups, config=config)
     return model, tokenizer, world.rank()
 
 
-def lost(rank: int, error: BaseException) -> RankError:
-    """The error of a collective that failed: a peer is gone."""
+# How MLX's distributed backends name the errors of a collective.
+BACKENDS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
+
+
+def lost(rank: int, error: RuntimeError) -> BaseException:
+    """A failed collective as a lost rank; any other error as it is."""
+    if not any(name in str(error) for name in BACKENDS):
+        return error
     return RankError(f"rank {rank} lost its peers ({first_line(error)}): a rank died or was "
                      "killed, or the network between them broke; every rank stops")
 
 
-class Watchdog:
-    """Ends this process with an error when no token comes for ``timeout``
-    seconds: a collective waits forever on a peer that hangs."""
+class Watchdog(Observer):
+    """Ends this process with an error when the model makes no progress (no
+    token, no MoE call) for ``timeout`` seconds: a collective waits forever
+    on a peer that hangs."""
 
     def __init__(self, rank: int, timeout: float):
         self.rank, self.timeout = rank, timeout
@@ -81,6 +82,12 @@ class Watchdog:
 
     def beat(self) -> None:
         self._last = time.monotonic()
+
+    def on_call(self, layer, tokens) -> None:
+        self.beat()
+
+    def on_graph_calls(self, layer, *counts) -> None:
+        self.beat()
 
     def stop(self) -> None:
         self._stop.set()
@@ -95,4 +102,9 @@ class Watchdog:
 
 
 def watch(split, timeout: float) -> Optional[Watchdog]:
-    return Watchdog(split[2], timeout) if split is not None else None
+    """A watchdog of a split run's progress, told of every MoE call."""
+    if split is None:
+        return None
+    dog = Watchdog(split[2], timeout)
+    split[0].streaming.events.add(dog)
+    return dog

@@ -120,6 +120,15 @@ def test_ranks_loading_different_conversions_are_refused(split_models, tmp_path)
             result["error"], result
 
 
+def test_a_rank_that_cannot_load_stops_every_rank(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--model", tp, "--model-rank1", tmp_path / "missing",
+                     "--mode", "tensor", "--slots", "4")
+    assert "FormatError" in results[1]["error"] and "does not exist" in results[1]["error"]
+    assert "RankError" in results[0]["error"] and "rank(s) 1 could not load" in \
+        results[0]["error"], results[0]
+
+
 def test_what_cannot_split_is_refused_clearly(split_models, models, tmp_path):
     _, _, tp = split_models("qwen3_moe")
     alone = mx.distributed.init()  # a group of one: the refusals come before any collective
@@ -131,6 +140,11 @@ def test_what_cannot_split_is_refused_clearly(split_models, models, tmp_path):
     with pytest.raises(ConfigError, match="gpt_oss's mlx-lm model has no model.pipeline.*"
                                           "--tensor-parallel"):
         mlx_streaming.sharded_load(gpt_oss, pipeline_group=alone)
+    with pytest.raises(ConfigError, match="routing='cache-aware' chooses by the experts "
+                                          "resident on a rank"):
+        mlx_streaming.sharded_load(tp, tensor_group=alone, routing="cache-aware")
+    with pytest.raises(ConfigError, match="either pipeline_group or tensor_group"):
+        mlx_streaming.sharded_load(tp, pipeline_group=alone, tensor_group=alone)
     src, mixtral = models.get("mixtral", True)
     with pytest.raises(ConfigError, match="mixtral's mlx-lm model has no shard()"):
         mlx_streaming.sharded_load(mixtral, tensor_group=alone)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from ..config import DIRECT_IO_CHOICES
 from ..format import read_manifest
 from .common import (BenchError, MemoryLimit, ReadLimit, drop_page_cache, figure, finish,
                      median_run, paired_ratio, run_case)
@@ -49,7 +50,7 @@ def run(args) -> dict:
     check(args)
     common = dict(op="decode", max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                   temp=args.temp)
-    load = dict(io=args.io, prefetch="off")
+    load = dict(io=args.io, prefetch="off", direct_io=DIRECT_IO_CHOICES[args.direct_io])
     if args.pace_mbps:
         load["read_pace_mbps"] = args.pace_mbps
     n, budget = args.ranks, args.cache_gb

@@ -157,8 +157,9 @@ def convert(
         check_dst(dst, holds, force)
         # Everything that can refuse the source runs before dst is touched.
         model, config = _load_source(src, src_path)
-        prepare = lambda m, c: _prepare_model(m, c, src, quantize, q_bits,  # noqa: E731
-                                               q_group_size, q_mode, dtype)
+        def prepare(m, c):
+            return _prepare_model(m, c, src, quantize, q_bits, q_group_size, q_mode, dtype)
+
         model, config, blocks = prepare(model, config)
         ranks = []
         if tensor_parallel > 1:
@@ -328,7 +329,9 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
             on_layer(spec)
     bar.close()
 
-    mtp_spec = _convert_mtp(model, config, src_path, dst, layers[-1].top_k, options, bar)
+    # MTP layers do not run split: a tensor-parallel conversion leaves them out.
+    mtp_spec = None if ranks else _convert_mtp(model, config, src_path, dst, layers[-1].top_k,
+                                               options, bar)
     dense = convert_dense(model, blocks, keep, streamed, dst)
     streamed.update(f"{d.prefix}.{s.name}" for d in dense for s in d.segments)
     write_spine(model, streamed, dst)

@@ -50,6 +50,10 @@ class Events:
     def __init__(self, observers: Sequence[Observer]):
         self.observers = tuple(observers)
 
+    def add(self, observer: Observer) -> None:
+        """Announce to ``observer`` too, from the next event on."""
+        self.observers = self.observers + (observer,)
+
     def on_call(self, layer, tokens):
         for o in self.observers:
             o.on_call(layer, tokens)

@@ -12,7 +12,7 @@ from mlx_lm.utils import load_tokenizer
 from .. import hub
 from . import sharding, spine
 from ..config import StreamConfig, config_fields, renamed_options
-from ..errors import ConfigError, FormatError, first_line
+from ..errors import ConfigError, FormatError, StreamingError, first_line
 from ..format import check_blob_size, check_spine_files, has_vocabulary, read_manifest
 from ..format import Manifest
 from ..io.choice import make_reader, choose_direct_io
@@ -129,12 +129,17 @@ def sharded_load(
     """
     config = _make_config(config, options)
     _check_arguments(tokenizer_config, None, None)
-    if config.mtp:
-        raise ConfigError("MTP drafting does not run on a split model; draft with --draft "
-                          "ngram or a draft model")
+    sharding.check_options(config, pipeline_group, tensor_group)
     groups = (pipeline_group, tensor_group)
-    model, tokenizer, model_config = _open(path_or_hf_repo, None, config, tokenizer_config,
-                                           None, trust_remote_code, False, groups)
+    # Every rank loads alone, then all meet once: a rank that failed is
+    # known to the others, which would otherwise wait for it forever.
+    try:
+        model, tokenizer, model_config = _open(path_or_hf_repo, None, config, tokenizer_config,
+                                               None, trust_remote_code, False, groups)
+        failure = None
+    except (StreamingError, OSError, ValueError, RuntimeError) as e:
+        model, failure = None, e
+    sharding.agree(model, pipeline_group or tensor_group or mx.distributed.init(), failure)
     if return_config:
         return model, tokenizer, model_config
     return model, tokenizer
@@ -165,8 +170,6 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
             f"{path} was converted for {manifest.tensor_parallel} tensor-parallel ranks: load "
             "it with mlx_streaming.sharded_load (or --tensor-parallel) on as many ranks under "
             "`mlx.launch`, or convert it again without --tensor-parallel")
-    if repo is not None:
-        hub.check_remote_blobs(repo, manifest)
     check_spine_files(path, manifest, checksums=config.checksums == "always")
     check_experts_compute_here(manifest)
     model, model_config = load_spine(path, manifest, model_config, trust_remote_code)
@@ -175,10 +178,11 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
     tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
     split = None
     if groups is not None:
-        split = sharding.choose(model, *groups, model_config.get("model_type"))
-        sharding.check_manifest(manifest, path, split)
+        split = sharding.choose(model, *groups, model_config.get("model_type"), manifest, path)
         sharding.apply_pipeline(model, split)
         manifest = sharding.rank_view(manifest, model, split)
+    if repo is not None:
+        hub.check_remote_blobs(repo, manifest)
     if repo is None:
         for spec in manifest.expert_layers():
             check_blob_size(path, spec)
@@ -199,8 +203,6 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
         runtime.close()
         raise
     _start(model, runtime)
-    if split is not None:
-        sharding.synchronize(split.group)
     return model, tokenizer, model_config
 
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from ..errors import ConfigError, FormatError
+from ..errors import ConfigError, FormatError, RankError, first_line
 from mlx_lm.generate import generation_stream
 from ..format import Manifest, manifest_to_dict
 from ..io.python import PythonReader
@@ -21,30 +21,50 @@ from .stats import stats
 
 @dataclass(frozen=True)
 class Sharding:
-    """The groups a rank's model is split over (either may be None)."""
+    """The group a rank's model is split over (one of the two), and what
+    every rank must agree on: the checksum of the conversion it loaded."""
 
     pipeline: Optional[mx.distributed.Group] = None
     tensor: Optional[mx.distributed.Group] = None
+    identity: int = 0
 
     @property
     def group(self) -> mx.distributed.Group:
         """The group whose ranks all load this model (for checks and stats)."""
         return self.tensor if self.tensor is not None else self.pipeline
 
-    def describe(self) -> str:
-        parts = [f"{name} rank {g.rank()} of {g.size()}"
-                 for name, g in (("pipeline", self.pipeline), ("tensor", self.tensor))
-                 if g is not None]
-        return ", ".join(parts)
+
+# Routing that every rank of a tensor group computes alike: the others
+# choose by the rank's own residency, which ranks need not share.
+SPLIT_ROUTING = ("exact", "top-k-cut")
 
 
-def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str) -> Sharding:
-    """The groups to split ``model`` over, as mlx-lm chooses them: those
+def check_options(config, pipeline_group, tensor_group) -> None:
+    """What a split model cannot run, refused before anything loads.
+
+    Raises:
+        ConfigError: MTP, both groups at once, or routing by residency.
+    """
+    if config.mtp:
+        raise ConfigError("MTP drafting does not run on a split model; draft with --draft "
+                          "ngram or a draft model")
+    if pipeline_group is not None and tensor_group is not None:
+        raise ConfigError("pass either pipeline_group or tensor_group, not both")
+    if pipeline_group is None and config.routing not in SPLIT_ROUTING:
+        raise ConfigError(f"routing={config.routing!r} chooses by the experts resident on a "
+                          "rank, which tensor-parallel ranks need not share; use "
+                          f"{' or '.join(SPLIT_ROUTING)}, or a pipeline")
+
+
+def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
+           manifest: Manifest, path) -> Sharding:
+    """The group to split ``model`` over, as mlx-lm chooses it: the one
     given, else tensor parallel where the family has ``shard()``, else a
-    pipeline.
+    pipeline; checked against the conversion.
 
     Raises:
         ConfigError: the family lacks what a given group needs.
+        FormatError: a tensor-parallel conversion for another number of ranks.
     """
     has_pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
     has_shard = hasattr(model, "shard")
@@ -61,34 +81,54 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str) -> S
             raise ConfigError(f"{model_type}'s mlx-lm model has neither shard() nor "
                               "model.pipeline(): it runs on one machine only")
         world = mx.distributed.init()
-        return Sharding(tensor=world) if has_shard else Sharding(pipeline=world)
-    return Sharding(pipeline_group, tensor_group)
-
-
-def check_manifest(manifest: Manifest, path, sharding: Sharding) -> None:
-    """The conversion fits the groups, and every rank loads the same one.
-
-    Raises:
-        FormatError: a tensor-parallel conversion for another number of
-            ranks, or a rank whose manifest differs from rank 0's.
-    """
-    ranks = manifest.tensor_parallel
-    size = sharding.tensor.size() if sharding.tensor is not None else 1
-    if ranks != size:
+        pipeline_group, tensor_group = (None, world) if has_shard else (world, None)
+    split = Sharding(pipeline_group, tensor_group, _identity(manifest))
+    size = tensor_group.size() if tensor_group is not None else 1
+    if manifest.tensor_parallel != size:
         how = (f"convert it with --tensor-parallel {size}" if size > 1
                else "convert it without --tensor-parallel to run it as a pipeline")
-        raise FormatError(f"{path} was converted for {ranks} tensor-parallel rank(s), but "
-                          f"{size} run tensor parallel here: {how}")
-    group = sharding.group
-    mine = _identity(manifest)
-    everyone = all_gather_ints([mine >> 16, mine & 0xFFFF], group)
-    theirs = [(a << 16) | b for a, b in everyone]
-    for rank, value in enumerate(theirs):
-        if value != theirs[0]:
-            raise FormatError(
-                f"rank {rank}'s stream directory differs from rank 0's (manifest checksum "
-                f"{value:08x}, not {theirs[0]:08x}): every rank must load the same "
-                f"conversion; copy rank 0's directory to rank {rank}'s machine")
+        raise FormatError(f"{path} was converted for {manifest.tensor_parallel} tensor-parallel "
+                          f"rank(s), but {size} run tensor parallel here: {how}")
+    return split
+
+
+def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -> None:
+    """Every rank's load, met once: each rank's outcome, conversion and
+    prompt step gathered; the ranks then all stop, or all prefill in steps
+    of the smallest (a pass is a collective: each rank must make the same).
+
+    Raises:
+        the rank's own ``failure``; RankError for another rank's; FormatError
+        where ranks loaded different conversions.
+    """
+    runtime = model.streaming if model is not None else None
+    identity = runtime.sharding.identity if runtime is not None else 0
+    step = runtime.plan.prefill_step if runtime is not None else 0
+    mine = [int(failure is None), identity >> 16, identity & 0xFFFF, step]
+    try:
+        everyone = all_gather_ints(mine, group)
+    except RuntimeError as e:
+        everyone, failure = None, failure or RankError(f"the ranks could not meet after loading "
+                                                       f"({first_line(e)}): a rank is gone")
+    try:
+        if failure is not None:
+            raise failure
+        failed = [r for r, row in enumerate(everyone) if not row[0]]
+        if failed:
+            raise RankError(f"rank(s) {', '.join(map(str, failed))} could not load the model "
+                            "(each says why); every rank stops")
+        ids = [(row[1] << 16) | row[2] for row in everyone]
+        for rank, value in enumerate(ids):
+            if value != ids[0]:
+                raise FormatError(
+                    f"rank {rank}'s stream directory differs from rank 0's (manifest checksum "
+                    f"{value:08x}, not {ids[0]:08x}): every rank must load the same "
+                    f"conversion; copy rank 0's directory to rank {rank}'s machine")
+    except BaseException:
+        if runtime is not None:
+            runtime.close()
+        raise
+    runtime.plan = replace(runtime.plan, prefill_step=min(row[3] for row in everyone))
 
 
 def _identity(manifest: Manifest) -> int:
@@ -125,7 +165,11 @@ def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manif
         start, end = model.model.start_idx, model.model.end_idx
         layers = tuple(l for l in layers if start <= l.layer < end)
         dense = tuple(d for d in dense if start <= d.layer < end)
-    return replace(manifest, layers=layers, dense=dense, ranks=())
+        if not layers:
+            raise ConfigError(f"pipeline rank {sharding.pipeline.rank()}'s stage (layers "
+                              f"{start} to {end - 1}) holds no MoE layer: use fewer ranks")
+    # MTP layers do not run split; their blobs need not be on a rank's disk.
+    return replace(manifest, layers=layers, dense=dense, ranks=(), mtp=None)
 
 
 def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Sharding,
@@ -135,9 +179,11 @@ def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Shar
     (each runs at every token). Returns ``(the manifest without the dense
     records, now loaded, bytes of the rank's resident spine)``."""
     reader = PythonReader(1)
-    for spec in manifest.dense:
-        spine.load_pinned(model, path, spec, reader, checksums)
-    reader.close()
+    try:
+        for spec in manifest.dense:
+            spine.load_pinned(model, path, spec, reader, checksums)
+    finally:
+        reader.close()
     model.shard(sharding.tensor)
     experts = tuple(f"{l.module}." for l in manifest.layers)
     kept = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith(experts)]
@@ -147,11 +193,6 @@ def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Shar
     mx.eval([v for _, v in own])
     model.update(tree_unflatten(own))
     return replace(manifest, dense=()), sum(v.nbytes for _, v in own)
-
-
-def synchronize(group) -> None:
-    """Every rank has loaded (mlx-lm's sharded_load ends so too)."""
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=generation_stream))
 
 
 def gather(record: dict, group) -> List[dict]:

@@ -69,7 +69,7 @@ def serve(args) -> None:
         raise ConfigError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if not 0 <= args.memo_mb <= 1e6:
         raise ConfigError(f"--memo-mb must be between 0 and 1e6, got {args.memo_mb}")
-    if args.draft and _ranks() > 1:
+    if args.draft and mx_group().size() > 1:
         raise ConfigError("--draft does not run on a model split over ranks")
     if args.adapter_path or args.draft_model:
         raise ConfigError("--adapter-path and --draft-model are not supported on a streamed "
@@ -117,7 +117,7 @@ def serve(args) -> None:
         from .generation import ResilientResponseGenerator
 
         generator = ResilientResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
-    if provider.is_distributed and mx_rank() != 0:
+    if provider.is_distributed and mx_group().rank() != 0:
         # Rank 0 serves; the others decode every request with it (mlx-lm's loop).
         generator.join()
         return
@@ -192,16 +192,11 @@ def _quiet_mlx_lm_progress(record: logging.LogRecord) -> bool:
     return not (record.levelno < logging.WARNING and "mlx_lm" in record.pathname)
 
 
-def _ranks() -> int:
+def mx_group():
+    """The ranks this server runs on (one, unless under ``mlx.launch``)."""
     import mlx.core as mx
 
-    return mx.distributed.init().size()
-
-
-def mx_rank() -> int:
-    import mlx.core as mx
-
-    return mx.distributed.init().rank()
+    return mx.distributed.init()
 
 
 class _Server(ThreadingHTTPServer):

@@ -8,6 +8,7 @@ starts its loop again for the requests that follow.
 """
 
 import logging
+import os
 import sys
 import threading
 
@@ -80,6 +81,12 @@ class ResilientResponseGenerator(mlx_server.ResponseGenerator):
                 self._generate()
                 return
             except Exception as e:
+                if self._is_distributed:
+                    # Ranks decode in lockstep: one that goes on alone would
+                    # wait for the others forever, or meet them mid-pass.
+                    log.error("generation failed on rank %d: %s; every rank stops",
+                              self._rank, " ".join(str(e).split()))
+                    os._exit(1)
                 log.error("generation failed: %s; the requests in flight get the error, "
                           "the next ones are served", " ".join(str(e).split()))
                 with self._in_flight_lock:

@@ -11,7 +11,6 @@ bit-identical, and its stats; or the error it stopped with.
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -65,8 +64,6 @@ def check(args, world) -> dict:
         model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world),
                                               slots_per_layer=slots)
         got = logits_trace(model)
-        if world.rank() == 1 and args.die_after_load:
-            os._exit(3)
         result["pools"][slots] = {"same": want is not None and same(want, got),
                                   "stats": mlx_streaming.sharded_stats(model)[world.rank()]}
         model.streaming.close()
@@ -81,7 +78,6 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("tensor", "pipeline"), required=True)
     p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--die-after-load", action="store_true", help="rank 1 exits mid-run")
     args = p.parse_args(argv)
     world = mx.distributed.init()
     from mlx_streaming.errors import StreamingError
