@@ -4,8 +4,8 @@ stopped answering (docs/distributed.md).
 """
 
 import os
+import subprocess
 import sys
-import threading
 import time
 from typing import Optional
 
@@ -68,20 +68,48 @@ def lost(rank: int, error: RuntimeError) -> BaseException:
                      "killed, or the network between them broke; every rank stops")
 
 
+# The watchdog's own process: a rank blocked in a collective may hold the
+# GIL (mlx-lm's clear_cache waits on the pass in flight), so no thread of
+# the rank itself can be relied on to notice. It hears a byte per beat on
+# stdin; silence for the timeout prints the error and kills the rank.
+_WATCHER = """
+import os, select, signal, sys
+parent, timeout, rank = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+while True:
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    if not ready:
+        print(f"error: rank {rank} waited {timeout:g} s for its peers: a rank died, hangs or "
+              "was stopped; every rank stops", file=sys.stderr, flush=True)
+        os.kill(parent, signal.SIGKILL)
+        sys.exit(1)
+    if not os.read(sys.stdin.fileno(), 4096):
+        sys.exit(0)  # the rank ended
+"""
+
+# Seconds between beats sent to the watcher at most.
+BEAT_EVERY = 0.5
+
+
 class Watchdog(Observer):
-    """Ends this process with an error when the model makes no progress (no
+    """Ends this rank with an error when the model makes no progress (no
     token, no MoE call) for ``timeout`` seconds: a collective waits forever
     on a peer that hangs."""
 
     def __init__(self, rank: int, timeout: float):
-        self.rank, self.timeout = rank, timeout
-        self._last = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="rank-watchdog", daemon=True)
-        self._thread.start()
+        self._watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()),
+                                          str(timeout), str(rank)], stdin=subprocess.PIPE)
+        self._pipe = self._watcher.stdin.fileno()
+        os.set_blocking(self._pipe, False)
+        self._sent = 0.0
 
     def beat(self) -> None:
-        self._last = time.monotonic()
+        now = time.monotonic()
+        if now - self._sent >= BEAT_EVERY:
+            self._sent = now
+            try:
+                os.write(self._pipe, b".")
+            except (BlockingIOError, BrokenPipeError):
+                pass
 
     def on_call(self, layer, tokens) -> None:
         self.beat()
@@ -90,15 +118,10 @@ class Watchdog(Observer):
         self.beat()
 
     def stop(self) -> None:
-        self._stop.set()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            if time.monotonic() - self._last > self.timeout:
-                print(f"error: rank {self.rank} waited {self.timeout:g} s for its peers: a "
-                      "rank died, hangs or was stopped; every rank stops", file=sys.stderr,
-                      flush=True)
-                os._exit(1)
+        """The run ended: the watcher leaves."""
+        self._sent = float("inf")  # no beat after this
+        self._watcher.stdin.close()
+        self._watcher.wait()
 
 
 def watch(split, timeout: float) -> Optional[Watchdog]:

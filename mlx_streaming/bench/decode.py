@@ -96,7 +96,8 @@ def add_arguments(p) -> None:
                    help="rounds of all cases, interleaved; each case reports its median")
     p.add_argument("--ranks", type=count(1, 8), default=1,
                    help="compare N tensor-parallel local ranks, --cache-gb each, against 1 "
-                        "rank with --cache-gb and with N times it (needs --tp-model)")
+                        "rank with --cache-gb and with N times it (needs --tp-model; prefetch "
+                        "off, the default policy)")
     p.add_argument("--tp-model", default=None,
                    help="with --ranks: the model converted with --tensor-parallel N")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
@@ -181,9 +182,9 @@ def _pools(text: str) -> list:
 
 
 def run(args) -> dict:
+    _check_choices(args)
     if args.ranks > 1 or args.tp_model:
         return ranks.run(args)
-    _check_choices(args)
     affinities = on_off("--prefetch-affinity", args.prefetch_affinity)
     overlaps = on_off("--overlap", args.overlap)
     # A cache size in GB sizes the pools instead of --pools.

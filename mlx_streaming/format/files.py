@@ -60,9 +60,10 @@ def write_manifest(path, manifest: Manifest) -> None:
     write_json_atomic(manifest_path(path), manifest_to_dict(manifest))
 
 
-def read_manifest(path, blobs: bool = True) -> Manifest:
+def read_manifest(path, blobs: bool = True, dense: bool = True) -> Manifest:
     """Read and validate ``experts/manifest.json`` of a stream directory
-    (and, with ``blobs``, that each blob is there and long enough).
+    (and, with ``blobs``, that each blob is there and long enough; with
+    ``dense``, each dense record).
 
     Raises:
         FormatError: the directory is not a complete stream directory of a
@@ -108,7 +109,7 @@ def read_manifest(path, blobs: bool = True) -> Manifest:
     if blobs:
         for spec in manifest.expert_layers():
             check_blob_size(path, spec)
-    for spec in manifest.dense:
+    for spec in manifest.dense if dense else ():
         check_dense_size(path, spec)
     return manifest
 

@@ -5,6 +5,7 @@ from .repo import (  # noqa: F401
     HubRepo,
     check_remote_blobs,
     check_revision_use,
+    download_dense,
     is_repo_id,
     looks_like_repo_id,
     make_remote_reader,

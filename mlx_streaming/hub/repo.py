@@ -20,7 +20,7 @@ from typing import Dict, Optional
 
 from ..config import StreamConfig
 from ..errors import ConfigError, FormatError, first_line
-from ..format import EXPERTS_DIR, MANIFEST_NAME, Manifest, blob_path
+from ..format import EXPERTS_DIR, MANIFEST_NAME, SPINE_DIR, Manifest, blob_path
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 COMMIT = re.compile(r"[0-9a-fA-F]{7,40}")
@@ -109,17 +109,31 @@ class HubUnreachable(FormatError):
     """The Hub did not answer (a network error, not a refusal)."""
 
 
-def download_metadata(repo: HubRepo, config: StreamConfig) -> Path:
+def download_metadata(repo: HubRepo, config: StreamConfig, dense: bool = True) -> Path:
     """Config, tokenizer, spine and manifest of a stream repo; every file
-    but the blobs. Returns the local directory (huggingface_hub's cache
-    layout under ``disk_cache_dir/hub``)."""
+    but the blobs (and, without ``dense``, but the dense records: a split
+    model's rank fetches its own with ``download_dense``). Returns the
+    local directory (huggingface_hub's cache layout under
+    ``disk_cache_dir/hub``)."""
+    ignore = [f"{EXPERTS_DIR}/*.blob"] + ([] if dense else [f"{SPINE_DIR}/*.blob"])
+    return _snapshot(repo, config, ignore_patterns=ignore)
+
+
+def download_dense(repo: HubRepo, config: StreamConfig, specs) -> Path:
+    """The dense records of ``specs`` (``DenseSpec``s) into the same
+    directory as ``download_metadata``'s."""
+    return _snapshot(repo, config, allow_patterns=[f"{SPINE_DIR}/{d.file}" for d in specs]
+                     or ["config.json"])
+
+
+def _snapshot(repo: HubRepo, config: StreamConfig, **patterns) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(
             repo.repo_id, revision=repo.commit, endpoint=repo.endpoint,
             cache_dir=str(cache_root(config) / "hub"), etag_timeout=config.fetch_timeout,
-            ignore_patterns=[f"{EXPERTS_DIR}/*.blob"]))
+            **patterns))
     except Exception as e:
         raise FormatError(f"cannot download {repo.repo_id} ({type(e).__name__}: {first_line(e)}); "
                           "check the network and the disk") from None
@@ -188,17 +202,18 @@ def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: S
     return RemoteReader(blobs, fetcher, cache, config.fetch_threads)
 
 
-def open_model(name: str, revision: Optional[str], config: StreamConfig):
+def open_model(name: str, revision: Optional[str], config: StreamConfig, dense: bool = True):
     """A repo id as ``(local directory, repo or None)``: the repo when its
     experts are to be fetched, None when the directory has everything (a
-    converted plain model)."""
+    converted plain model). Without ``dense``, a stream repo's dense
+    records are left to fetch (``download_dense``)."""
     try:
         repo = resolve(name, revision, config.endpoint)
     except HubUnreachable as e:
         return _offline(name, revision, config, e)
     if repo.is_stream:
         _check_no_pace(config)  # before the spine's download
-        return download_metadata(repo, config), repo
+        return download_metadata(repo, config, dense), repo
     if "config.json" not in repo.files or not any(
             f.endswith(".safetensors") for f in repo.files):
         raise FormatError(f"{name} is neither a stream directory nor an mlx-lm model "

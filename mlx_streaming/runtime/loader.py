@@ -13,7 +13,8 @@ from .. import hub
 from . import sharding, spine
 from ..config import StreamConfig, config_fields, renamed_options
 from ..errors import ConfigError, FormatError, StreamingError, first_line
-from ..format import check_blob_size, check_spine_files, has_vocabulary, read_manifest
+from ..format import (check_blob_size, check_dense_size, check_spine_files, has_vocabulary,
+                      read_manifest)
 from ..format import Manifest
 from ..io.choice import make_reader, choose_direct_io
 from ..io.python import PythonReader
@@ -160,11 +161,12 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
           trust_remote_code: bool, lazy: bool, groups=None):
     """``(model, tokenizer, model config)``; split over ``groups``
     (pipeline, tensor) where given."""
-    path, repo = _locate(str(name), revision, config)
+    # A split model's rank fetches only its own dense records from a repo.
+    path, repo = _locate(str(name), revision, config, dense=groups is None)
     if config.trace is not None and Path(config.trace).resolve().is_relative_to(path.resolve()):
         raise ConfigError(f"the trace {config.trace} would be written into the model's own "
                           "directory; write it elsewhere")
-    manifest = read_manifest(path, blobs=False)
+    manifest = read_manifest(path, blobs=False, dense=repo is None or groups is None)
     if groups is None and manifest.ranks:
         raise FormatError(
             f"{path} was converted for {manifest.tensor_parallel} tensor-parallel ranks: load "
@@ -183,6 +185,10 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
         manifest = sharding.rank_view(manifest, model, split)
     if repo is not None:
         hub.check_remote_blobs(repo, manifest)
+        if groups is not None:
+            hub.download_dense(repo, config, manifest.dense)
+            for spec in manifest.dense:
+                check_dense_size(path, spec)
     if repo is None:
         for spec in manifest.expert_layers():
             check_blob_size(path, spec)
@@ -237,13 +243,14 @@ def _load_tokenizer(path: Path, tokenizer_config, model_config: dict):
             from None
 
 
-def _locate(name: str, revision: Optional[str], config: StreamConfig):
-    """``(stream directory, Hub repo whose blobs are fetched, or None)``."""
+def _locate(name: str, revision: Optional[str], config: StreamConfig, dense: bool = True):
+    """``(stream directory, Hub repo whose blobs are fetched, or None)``;
+    a repo's dense records left to fetch without ``dense``."""
     if revision is not None and not isinstance(revision, str):
         raise ConfigError(f"revision must be a branch, tag or commit (a string), got "
                           f"{revision!r}")
     if hub.is_repo_id(name):
-        return hub.open_model(name, revision, config)
+        return hub.open_model(name, revision, config, dense)
     if hub.looks_like_repo_id(name):
         warnings.warn(f"mlx_streaming: loading the local directory {name}, not the Hugging "
                       f"Face repo of that name (give ./{name} to say so)", UserWarning,

@@ -61,8 +61,10 @@ def check(args, world) -> dict:
     if world.rank() == 1 and args.model_rank1:
         model_dir = args.model_rank1
     for slots in args.slots:
+        options = {k: v.format(rank=world.rank()) if isinstance(v, str) else v
+                   for k, v in json.loads(args.options).items()}
         model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world),
-                                              slots_per_layer=slots)
+                                              slots_per_layer=slots, **options)
         got = logits_trace(model)
         result["pools"][slots] = {"same": want is not None and same(want, got),
                                   "stats": mlx_streaming.sharded_stats(model)[world.rank()]}
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-rank1", default=None, help="rank 1 loads this instead")
     p.add_argument("--mode", choices=("tensor", "pipeline"), required=True)
     p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], required=True)
+    p.add_argument("--options", default="{}",
+                   help="more load options, as JSON; {rank} in a string is the rank")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     world = mx.distributed.init()
