@@ -7,11 +7,11 @@ from typing import Dict, Tuple
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
 from mlx_streaming.io.native import load_extension
 from mlx_streaming.testing import tiny
+from mlx_streaming.testing.logits import logits_trace as trace_of
 from mlx_streaming.conversion.local import convert
 
 # The native extension, when built; the reader paths to test with it.
@@ -54,14 +54,7 @@ def pool_sizes(stream_dir: Path):
 
 def logits_trace(model, steps: int = DECODE_STEPS):
     """Prefill logits and the logits of ``steps`` greedy decode steps."""
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([PROMPT]), cache=cache)[:, -1]]
-    mx.eval(out[-1])
-    for _ in range(steps):
-        token = mx.argmax(out[-1], axis=-1, keepdims=True)
-        out.append(model(token, cache=cache)[:, -1])
-        mx.eval(out[-1])
-    return out
+    return trace_of(model, PROMPT, steps)
 
 
 def assert_same_logits(reference, streamed):

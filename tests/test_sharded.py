@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import mlx_streaming
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConfigError, ConversionError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
+from mlx_streaming.bench.ranks import free_ports
 from mlx_streaming.testing import sharded
 
 from helpers import pool_sizes
@@ -187,6 +187,16 @@ def test_check_reads_every_ranks_records(split_models, tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert mlx_streaming.format.damaged_records(copy) == [(spec.layer, 3)]
+    # A machine holding one rank's files checks them alone.
+    for f in (copy / "experts").glob("*.rank0of2.blob"):
+        f.unlink()
+    one = subprocess.run([sys.executable, "-m", "mlx_streaming.check", str(copy), "--rank", "1"],
+                         capture_output=True, text=True)
+    assert one.returncode == 1 and "1 damaged expert records: layer " in one.stderr, one.stderr
+    with pytest.raises(FormatError, match="expert blob .* is missing"):
+        mlx_streaming.format.damaged_records(copy)
+    with pytest.raises(FormatError, match="no tensor-parallel rank 2"):
+        mlx_streaming.format.damaged_records(copy, rank=2)
     # The rank's checksums are of its own slice's bytes.
     with open(copy / "experts" / spec.file, "rb") as f:
         f.seek(spec.record_offset(0))
@@ -214,21 +224,11 @@ def test_generate_runs_split_and_rank_0_speaks(split_models):
     assert "rank 0: hit rate" in two.stderr and "rank 1: hit rate" in two.stderr
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _ranks_by_hand(tmp_path, model, *flags):
     """Two ranks started without mlx.launch (which would stop the others
     itself): only our own handling of a lost rank is left."""
     hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(rank))
@@ -263,7 +263,7 @@ def test_the_server_serves_a_split_model(split_models):
     import urllib.request
 
     _, _, tp = split_models("qwen3_moe")
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     server = subprocess.Popen(
         [LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, "-m",
          "mlx_streaming.server", "--model", str(tp), "--port", str(port)],

@@ -115,7 +115,8 @@ def _row(name: str, results: List[dict]) -> dict:
     return row
 
 
-def _free_ports(n: int) -> List[int]:
+def free_ports(n: int) -> List[int]:
+    """``n`` TCP ports on 127.0.0.1 free a moment ago (for local ranks)."""
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -133,7 +134,7 @@ def run_ranks(case: dict, n: int, memory_limit_gb: Optional[float], cold: bool,
         drop_page_cache()
     with tempfile.TemporaryDirectory(prefix="mlx-streaming-ranks-") as tmp:
         hosts = Path(tmp) / "hosts.json"
-        hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
+        hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
         procs, cgroups = [], []
         start = time.perf_counter()
         try:

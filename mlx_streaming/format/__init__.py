@@ -75,5 +75,6 @@ from .files import (  # noqa: F401
 )
 from .check import (  # noqa: F401
     damaged_spine,
+    checked_layers,
     damaged_records,
 )

@@ -5,7 +5,8 @@
 from pathlib import Path
 from typing import List, Tuple
 from ..errors import FormatError
-from .files import blob_path, crc_or_none, dense_checksum, read_dense, read_manifest
+from .files import (blob_path, check_blob_size, crc_or_none, dense_checksum, read_dense,
+                    read_manifest)
 from .layout import Manifest, SPINE_DIR, record_checksum
 
 
@@ -26,15 +27,33 @@ def damaged_spine(path, manifest: Manifest) -> List[str]:
     return bad
 
 
-def damaged_records(path, progress=None) -> List[Tuple[int, int]]:
-    """Check every expert record against its checksum.
+def checked_layers(path, rank=None):
+    """The expert layers whose records ``damaged_records`` checks: every
+    one, or one tensor-parallel rank's (its blobs alone need be there).
+
+    Raises:
+        FormatError: a blob missing or short, or no such rank.
+    """
+    manifest = read_manifest(path, blobs=rank is None)
+    if rank is None:
+        return manifest.expert_layers()
+    if not 0 <= rank < len(manifest.ranks):
+        raise FormatError(f"{path} holds no tensor-parallel rank {rank} (it was converted for "
+                          f"{manifest.tensor_parallel} rank(s))")
+    for spec in manifest.ranks[rank]:
+        check_blob_size(path, spec)
+    return manifest.ranks[rank]
+
+
+def damaged_records(path, progress=None, rank=None) -> List[Tuple[int, int]]:
+    """Check every expert record (or one tensor-parallel rank's) against
+    its checksum.
 
     Returns:
         ``(layer, expert)`` of every record whose checksum does not match.
     """
-    manifest = read_manifest(path)
     bad = []
-    for spec in manifest.expert_layers():
+    for spec in checked_layers(path, rank):
         with open(blob_path(path, spec), "rb", buffering=0) as f:
             buf = bytearray(spec.stride)
             view = memoryview(buf)

@@ -16,22 +16,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_streaming.testing.logits import logits_trace as trace_of
+
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 DECODE_STEPS = 4
 
 
-def logits_trace(model, steps: int = DECODE_STEPS):
-    """Prefill logits, then those of ``steps`` greedy decode steps."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([PROMPT]), cache=cache)[:, -1]]
-    mx.eval(out[-1])
-    for _ in range(steps):
-        token = mx.argmax(out[-1], axis=-1, keepdims=True)
-        out.append(model(token, cache=cache)[:, -1])
-        mx.eval(out[-1])
-    return out
+def logits_trace(model):
+    return trace_of(model, PROMPT, DECODE_STEPS)
 
 
 def same(a, b) -> bool:
