@@ -245,11 +245,9 @@ def test_a_lost_rank_stops_the_others(split_models, tmp_path, how):
     try:
         assert rank0.stdout.read(1)  # rank 0 is generating
         rank1.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        start = time.monotonic()
-        _, err = rank0.communicate(timeout=60)
+        _, err = rank0.communicate(timeout=60)  # within the timeout, or the test fails
         # A rank that hangs is killed by its watchdog (it may be blocked holding the GIL).
         assert rank0.returncode == (1 if how == "killed" else -signal.SIGKILL)
-        assert time.monotonic() - start < 60
         expected = "lost its peers" if how == "killed" else "waited 5 s for its peers"
         assert f"error: rank 0 {expected}" in err, err
     finally:
