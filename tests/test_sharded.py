@@ -147,6 +147,25 @@ def test_a_rank_that_cannot_load_stops_every_rank(split_models, tmp_path):
         results[0]["error"], results[0]
 
 
+def test_a_budget_too_small_on_a_rank_says_what_fits(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "0",
+                     "--options", json.dumps({"cache_gb": 1e-5}))
+    for result in results:
+        assert "BudgetError" in result["error"] and "use --cache-gb" in result["error"]
+        assert "safetensors" not in result["error"], result  # no advice to convert again
+
+
+def test_split_flags_without_ranks_are_refused(split_models):
+    _, _, tp = split_models("qwen3_moe")
+    for module in ("mlx_streaming.generate", "mlx_streaming.server"):
+        run = subprocess.run([sys.executable, "-m", module, "--model", str(tp),
+                              "--tensor-parallel"], capture_output=True, text=True,
+                             timeout=TIMEOUT)
+        assert run.returncode == 1 and "this process runs alone" in run.stderr or \
+            "this server runs alone" in run.stderr, run.stderr
+
+
 def test_what_cannot_split_is_refused_clearly(split_models, models, tmp_path):
     _, _, tp = split_models("qwen3_moe")
     alone = mx.distributed.init()  # a group of one: the refusals come before any collective
@@ -154,6 +173,9 @@ def test_what_cannot_split_is_refused_clearly(split_models, models, tmp_path):
         mlx_streaming.load(tp)
     with pytest.raises(FormatError, match="converted for 2 tensor-parallel rank.*1 run tensor"):
         mlx_streaming.sharded_load(tp, tensor_group=alone)
+    with pytest.raises(FormatError, match="a conversion for 2 tensor-parallel ranks: run it "
+                                          "tensor parallel"):
+        mlx_streaming.sharded_load(tp, pipeline_group=alone)
     _, gpt_oss = models.get("gpt_oss", True)
     with pytest.raises(ConfigError, match="gpt_oss's mlx-lm model has no model.pipeline.*"
                                           "--tensor-parallel"):

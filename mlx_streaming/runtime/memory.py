@@ -234,7 +234,8 @@ def _plan(manifest: Manifest, cfg: StreamConfig, base_bytes: int, room: _Room) -
             f"{source} holds less than one token's experts (the minimum of {need} per "
             f"layer, {_gb(need * per_slot)} GB) and the {_gb(least_spine)} GB the spine "
             f"needs at least{_staging_note(staging_of(need))}: {advice}"
-            + ("" if dense else "; this directory keeps its whole spine in safetensors, "
+            + ("" if dense or manifest.version >= 2 else
+               "; this directory keeps its whole spine in safetensors, "
                "while one converted by `mlx_streaming convert` (format version 2) "
                "streams its spine layers too"))
     spine_room = budget - base_bytes - need * per_slot - staging_of(need)

@@ -83,6 +83,11 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
         world = mx.distributed.init()
         pipeline_group, tensor_group = (None, world) if has_shard else (world, None)
     split = Sharding(pipeline_group, tensor_group, _identity(manifest))
+    if tensor_group is None and manifest.ranks:
+        raise FormatError(f"{path} is a conversion for {manifest.tensor_parallel} "
+                          "tensor-parallel ranks: run it tensor parallel (--tensor-parallel) on "
+                          "as many ranks, or convert it again without --tensor-parallel to run "
+                          "it as a pipeline")
     size = tensor_group.size() if tensor_group is not None else 1
     if manifest.tensor_parallel != size:
         how = (f"convert it with --tensor-parallel {size}" if size > 1

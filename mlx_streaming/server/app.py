@@ -50,6 +50,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         f"model's context, at most {DEFAULT_MAX_CONTEXT}); longer requests get "
                         "HTTP 400")
     add_mlx_lm_server_flags(p)
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="under mlx.launch: split every layer across the ranks (the default "
+                        "there without --pipeline, as mlx-lm's server does)")
     # Sequences decoded together: fewer than mlx-lm's 32 by default, since
     # each holds a KV cache beside the pools in memory the model shares.
     p.set_defaults(decode_concurrency=DEFAULT_DECODE_CONCURRENCY,
@@ -71,6 +74,11 @@ def serve(args) -> None:
         raise ConfigError(f"--memo-mb must be between 0 and 1e6, got {args.memo_mb}")
     if args.draft and mx_group().size() > 1:
         raise ConfigError("--draft does not run on a model split over ranks")
+    if args.tensor_parallel and args.pipeline:
+        raise ConfigError("pass either --tensor-parallel or --pipeline, not both")
+    if (args.tensor_parallel or args.pipeline) and mx_group().size() == 1:
+        raise ConfigError("--tensor-parallel and --pipeline split the model over the ranks of "
+                          "`mlx.launch -n N ...`; this server runs alone")
     if args.adapter_path or args.draft_model:
         raise ConfigError("--adapter-path and --draft-model are not supported on a streamed "
                           "model")

@@ -55,8 +55,9 @@ def check(args, world) -> dict:
     for slots in args.slots:
         options = {k: v.format(rank=world.rank()) if isinstance(v, str) else v
                    for k, v in json.loads(args.options).items()}
-        model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world),
-                                              slots_per_layer=slots, **options)
+        if slots:  # 0: the budget in --options sizes the pools
+            options["slots_per_layer"] = slots
+        model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world), **options)
         got = logits_trace(model)
         result["pools"][slots] = {"same": want is not None and same(want, got),
                                   "stats": mlx_streaming.sharded_stats(model)[world.rank()]}
