@@ -250,15 +250,19 @@ def _run_case(case, memory_limit_gb, cold, timeout, read_mbps) -> dict:
         limit.close()
     else:
         oom = False
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode == 0 and lines:
-        result.update(json.loads(lines[-1]), status="ok")
-    elif oom or proc.returncode in (-9, 137):
-        result["status"] = "oom"
-    else:
-        result["status"] = "error"
-        result["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    result.update(case_outcome(proc.returncode, proc.stdout, proc.stderr, oom))
     return result
+
+
+def case_outcome(returncode: int, stdout: str, stderr: str, oom: bool = False) -> dict:
+    """What a case's process printed (its last JSON line) with ``status``
+    ok, or ``status`` oom or error (with the last line it wrote to stderr)."""
+    lines = [l for l in stdout.splitlines() if l.startswith("{")]
+    if returncode == 0 and lines:
+        return dict(json.loads(lines[-1]), status="ok")
+    if oom or returncode in (-9, 137):
+        return dict(status="oom")
+    return dict(status="error", error=(stderr.strip().splitlines() or ["?"])[-1])
 
 
 def _progress(case: dict, result: dict, seconds: float) -> None:

@@ -25,8 +25,8 @@ from typing import List, Optional
 
 from ..config import DIRECT_IO_CHOICES
 from ..format import read_manifest
-from .common import (BenchError, MemoryLimit, ReadLimit, drop_page_cache, figure, finish,
-                     median_run, paired_ratio, run_case)
+from .common import (BenchError, MemoryLimit, ReadLimit, case_outcome, drop_page_cache, figure,
+                     finish, median_run, paired_ratio, run_case)
 
 COLUMNS = [
     ("case", "case", "s"), ("status", "status", "s"), ("decode_tps", "tok/s", ".3g"),
@@ -135,13 +135,14 @@ def run_ranks(case: dict, n: int, memory_limit_gb: Optional[float], cold: bool,
     with tempfile.TemporaryDirectory(prefix="mlx-streaming-ranks-") as tmp:
         hosts = Path(tmp) / "hosts.json"
         hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
-        procs, cgroups = [], []
+        procs, cgroups, limits = [], [], []
         start = time.perf_counter()
         try:
             for rank in range(n):
-                mine = [c for c in (MemoryLimit(memory_limit_gb) if memory_limit_gb else None,
-                                    ReadLimit(read_mbps, Path(case["model"])) if read_mbps
-                                    else None) if c is not None]
+                limit = MemoryLimit(memory_limit_gb) if memory_limit_gb else None
+                limits.append(limit)
+                mine = [c for c in (limit, ReadLimit(read_mbps, Path(case["model"]))
+                                    if read_mbps else None) if c is not None]
                 cgroups += mine
                 env = dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(rank))
                 procs.append(subprocess.Popen(
@@ -149,6 +150,7 @@ def run_ranks(case: dict, n: int, memory_limit_gb: Optional[float], cold: bool,
                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     preexec_fn=(lambda cs=mine: [c.enter() for c in cs]) if mine else None))
             outputs = [p.communicate(timeout=timeout) for p in procs]
+            ooms = [limit is not None and limit.oom_kills() > 0 for limit in limits]
         except subprocess.TimeoutExpired:
             return dict(case, status="timeout")
         finally:
@@ -158,17 +160,12 @@ def run_ranks(case: dict, n: int, memory_limit_gb: Optional[float], cold: bool,
                     p.communicate()
             for c in cgroups:
                 c.close()
-    results = []
-    for p, (out, err) in zip(procs, outputs):
-        lines = [l for l in out.splitlines() if l.startswith("{")]
-        if p.returncode == 0 and lines:
-            results.append(dict(json.loads(lines[-1]), status="ok"))
-        else:
-            results.append(dict(status="error", error=(err.strip().splitlines() or ["?"])[-1]))
+    results = [case_outcome(p.returncode, out, err, oom)
+               for p, (out, err), oom in zip(procs, outputs, ooms)]
     failed = [r for r in results if r["status"] != "ok"]
     first = dict(case, **results[0], wall_s=time.perf_counter() - start)
     if failed:
-        first.update(status="error", error=failed[0].get("error"))
+        first.update(status=failed[0]["status"], error=failed[0].get("error"))
     first["ranks"] = results
     print(f"bench: decode sharded on {n} ranks: {first['status']}", file=sys.stderr, flush=True)
     return first
