@@ -268,10 +268,14 @@ def test_a_lost_rank_stops_the_others(split_models, tmp_path, how):
         assert rank0.stdout.read(1)  # rank 0 is generating
         rank1.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         _, err = rank0.communicate(timeout=60)  # within the timeout, or the test fails
-        # A rank that hangs is killed by its watchdog (it may be blocked holding the GIL).
-        assert rank0.returncode == (1 if how == "killed" else -signal.SIGKILL)
-        expected = "lost its peers" if how == "killed" else "waited 5 s for its peers"
-        assert f"error: rank 0 {expected}" in err, err
+        # A rank that hangs is killed by its watchdog (it may be blocked holding the GIL),
+        # unless the backend gives the stopped peer up first: either way a clear error.
+        lost = "error: rank 0 lost its peers" in err
+        waited = "error: rank 0 waited 5 s for its peers" in err
+        assert (lost and rank0.returncode == 1) or (waited and rank0.returncode == -signal.SIGKILL), \
+            (rank0.returncode, err)
+        if how == "killed":
+            assert lost, err
     finally:
         for p in (rank0, rank1):
             p.kill()
