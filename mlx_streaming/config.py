@@ -23,6 +23,8 @@ POLICY_CHOICES = ("lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate
 DEFAULT_POLICY = "lfu-decay"
 CHECKSUM_CHOICES = ("first-read", "always", "off")
 ROUTING_CHOICES = ("exact", "cache-aware", "top-k-cut", "skip-misses")
+# Widths of low-bit miss reads (format.LOW_BITS).
+MISS_BITS = (2, 3, 4, 5, 6, 8)
 # Command-line spelling of StreamConfig.direct_io.
 DIRECT_IO_CHOICES = {"auto": None, "on": True, "off": False}
 ON_OFF = {"on": True, "off": False}
@@ -161,6 +163,16 @@ class StreamConfig:
         "softmax router's logits: a resident expert counts as e^bonus times as likely; "
         "docs/routing.md gives the others' units; default: resident first)", type=float,
         bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first")
+    miss_bits: Optional[int] = _option(
+        None, "read a missed expert's low-bit copy of this width (approximate; made by "
+        "convert --miss-bits) instead of its full record, for that call only: hits always "
+        "compute with the full weights (docs/routing.md)", type=int,
+        bounds=dict(low=2, high=8, optional=True), shown_default="off")
+    miss_bits_weight: Optional[float] = _option(
+        None, "with miss_bits: only a missed expert whose router probability stays below "
+        "this for every token of the call takes its low-bit copy; the others are read in "
+        "full and join the pool (default: every miss that the call's low-bit slots hold)",
+        type=float, bounds=dict(low=0, high=1, optional=True), shown_default="every miss")
     checksums: str = _option(
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
         "(and again after its blob changes on disk), on every read, or never",
@@ -202,6 +214,11 @@ class StreamConfig:
         _check_choice("checksums", self.checksums, CHECKSUM_CHOICES)
         _check_choice("policy", self.policy, POLICY_CHOICES)
         _check_choice("routing", self.routing, ROUTING_CHOICES)
+        if self.miss_bits is not None and self.miss_bits not in MISS_BITS:
+            raise ConfigError(f"miss_bits must be one of {', '.join(map(str, MISS_BITS))}, "
+                              f"got {self.miss_bits!r}")
+        if self.miss_bits_weight is not None and self.miss_bits is None:
+            raise ConfigError("miss_bits_weight is a setting of miss_bits: set miss_bits too")
         for name in ("prefetch_affinity", "overlap", "mtp"):
             _check_bool(name, getattr(self, name))
         if self.trace is not None:

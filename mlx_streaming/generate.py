@@ -130,6 +130,7 @@ def summarize(response, report: dict) -> dict:
         "draft_acceptance": report["speculative"]["acceptance_rate"],
         "route_agreement": (report["routing"].get("route_agreement")
                             if report["routing"].get("approximate") else None),
+        "miss_bits": report["miss_bits"],
     }
 
 
@@ -147,9 +148,18 @@ def print_summary(s: dict) -> None:
         + ("" if s["draft_acceptance"] is None else
            f" | drafts accepted {s['draft_acceptance']:.0%}")
         + ("" if s.get("route_agreement") is None else
-           f"\nrouting: approximate, {s['route_agreement']:.1%} of the router's choices kept"),
+           f"\nrouting: approximate, {s['route_agreement']:.1%} of the router's choices kept")
+        + _miss_bits_line(s.get("miss_bits")),
         file=sys.stderr,
     )
+
+
+def _miss_bits_line(m) -> str:
+    if m is None:
+        return ""
+    share = "" if m["share_of_misses"] is None else f" ({m['share_of_misses']:.0%} of misses)"
+    return (f"\nmiss reads: approximate, {m['substituted']} missed (token, expert) pairs "
+            f"computed from {m['bits']}-bit copies{share}")
 
 
 def _responses(args, model, tokenizer, prompt, sampler):

@@ -12,7 +12,9 @@ is the speed a read-bound machine gets.
 Settings (``--settings``): ``exact``; ``cache-aware`` (load()'s defaults),
 ``cache-aware:KEEP:WINDOW`` (resident candidates first) or
 ``cache-aware:KEEP:WINDOW:BONUS`` (routing_bonus); the baselines
-``top-k-cut:KEEP`` and ``skip-misses``. By default a sweep of them. The default
+``top-k-cut:KEEP`` and ``skip-misses``; low-bit miss reads ``miss-bits:BITS``
+or ``miss-bits:BITS:WEIGHT`` (miss_bits_weight), alone or after a routing
+setting and a ``+``. By default a sweep of them. The default
 text is Python standard library source past what scripts/train_moe.py
 trains on (held out for models trained there).
 """
@@ -30,14 +32,16 @@ from .common import BenchError, figure, finish, paired_ratio, pool_slots, run_ca
 HELD_OUT_FROM = 4_000_000
 
 SETTING_FORMS = ("exact, cache-aware[:KEEP:WINDOW[:BONUS]], top-k-cut[:KEEP], "
-                 "skip-misses[:KEEP]")
+                 "skip-misses[:KEEP], miss-bits:BITS[:WEIGHT], or a routing setting "
+                 "+miss-bits:BITS[:WEIGHT]")
 
 
 COLUMNS = [
     ("setting", "setting", "s"), ("status", "status", "s"), ("ppl", "ppl", ".4g"),
     ("ppl_change", "ppl +", "+.2%"), ("top1_agreement", "top-1 agree", ".1%"),
     ("kl", "KL", ".4f"), ("route_agreement", "route agree", ".1%"),
-    ("hit_rate", "hit", ".1%"), ("mb_per_token", "MB/tok", ".3f"),
+    ("hit_rate", "hit", ".1%"), ("low_bit_share", "low-bit", ".1%"),
+    ("mb_per_token", "MB/tok", ".3f"),
     ("decode_tps", "tok/s", ".3g"), ("speedup", "x exact", ".2f"),
 ]
 
@@ -64,8 +68,11 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/quality"))
 
 
-def parse_settings(text: Optional[str], top_k: int, num_experts: int) -> List[dict]:
-    """``[{name, load}]``: exact first, then each setting's load() options."""
+def parse_settings(text: Optional[str], top_k: int, num_experts: int,
+                   low_bits=()) -> List[dict]:
+    """``[{name, load}]``: exact first, then each setting's load() options
+    (the default sweep adds miss-bits settings for the ``low_bits`` widths
+    the model holds)."""
     if text is None:
         keeps = sorted({max(1, top_k * q // 4) for q in (3, 2, 1)} | {top_k - 1} - {0},
                        reverse=True)
@@ -73,6 +80,7 @@ def parse_settings(text: Optional[str], top_k: int, num_experts: int) -> List[di
         names = [f"cache-aware:{k}:{window}" for k in keeps]
         names += [f"cache-aware:1:{window}:{b:g}" for b in (0.25, 0.5, 1.0)]
         names += [f"top-k-cut:{k}" for k in keeps[:2]] + ["skip-misses"]
+        names += [f"miss-bits:{b}{w}" for b in low_bits for w in ("", ":0.1", ":0.05")]
     else:
         names = [n.strip() for n in text.split(",") if n.strip() != "exact"]
     out = [dict(name="exact", load=dict(routing="exact"))]
@@ -85,6 +93,28 @@ def parse_settings(text: Optional[str], top_k: int, num_experts: int) -> List[di
 
 def _setting(name: str, top_k: int, num_experts: int) -> dict:
     """The load() options of one ``--settings`` entry."""
+    routing, plus, low = name.partition("+miss-bits:")
+    if name.startswith("miss-bits:"):
+        routing, plus, low = "", "+", name[len("miss-bits:"):]
+    load = _routing_setting(routing, top_k, num_experts) if routing else {}
+    return dict(load, **_miss_bits_setting(name, low)) if plus else load
+
+
+def _miss_bits_setting(name: str, text: str) -> dict:
+    bits, _, weight = text.partition(":")
+    try:
+        load = dict(miss_bits=int(bits))
+        if weight:
+            load["miss_bits_weight"] = float(weight)
+    except ValueError:
+        raise BenchError(f"--settings {name}: miss-bits takes BITS[:WEIGHT], an integer and "
+                         "a number") from None
+    if load.get("miss_bits_weight", 0) < 0 or load.get("miss_bits_weight", 0) > 1:
+        raise BenchError(f"--settings {name}: WEIGHT must be 0-1")
+    return load
+
+
+def _routing_setting(name: str, top_k: int, num_experts: int) -> dict:
     mode, *values = name.split(":")
     sizes = {"cache-aware": (0, 2, 3), "top-k-cut": (0, 1), "skip-misses": (0, 1)}
     if mode not in sizes or len(values) not in sizes[mode]:
@@ -124,8 +154,10 @@ def held_out_text(out: Path, tokens: int) -> Path:
 
 
 def run(args) -> dict:
-    spec = read_manifest(args.model).layers[0]
-    settings = parse_settings(args.settings, spec.top_k, spec.num_experts)
+    manifest = read_manifest(args.model)
+    spec = manifest.layers[0]
+    settings = parse_settings(args.settings, spec.top_k, spec.num_experts,
+                              [c.bits for c in manifest.low_bits])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = args.text or held_out_text(out, args.tokens)
@@ -172,7 +204,8 @@ def _row(name: str, runs: List[dict], exact: List[dict]) -> dict:
     routing = first["stats"]["routing"]
     row.update(ppl=first["ppl"], top1_agreement=first.get("top1_agreement", 1.0),
                kl=first.get("kl", 0.0), route_agreement=routing.get("route_agreement", 1.0),
-               hit_rate=t["hit_rate"], mb_per_token=t["bytes_read"] / 1e6 / first["tokens"])
+               hit_rate=t["hit_rate"], mb_per_token=t["bytes_read"] / 1e6 / first["tokens"],
+               low_bit_share=(first["stats"].get("miss_bits") or {}).get("share_of_misses"))
     speeds = [r.get("decode_tps") if r["status"] == "ok" else None for r in runs]
     ok = [s for s in speeds if s]
     row["decode_tps"] = float(np.median(ok)) if ok else None
@@ -191,7 +224,7 @@ def _plot(rows, path, title):
     for r in ok:
         # Ours round, the baselines others ship square.
         style = "k*" if r["setting"] == "exact" else \
-            "o" if r["setting"].startswith("cache-aware") else "s"
+            "o" if r["setting"].startswith(("cache-aware", "miss-bits")) else "s"
         ax.plot(100 * r["ppl_change"], r[y_key] or 0, style)
         ax.annotate(r["setting"].replace("cache-aware", "ca"), (100 * r["ppl_change"],
                     r[y_key] or 0), fontsize=7, xytext=(3, 3), textcoords="offset points")

@@ -40,6 +40,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split every expert into N ranks' slices, each rank's in files of "
                         "its own (for --tensor-parallel runs on N machines)")
+    p.add_argument("--miss-bits", type=_widths, default=(), metavar="BITS[,BITS]",
+                   help="also write low-bit copies of every expert at these widths (2, 3, "
+                        "...), which --miss-bits runs read on a miss (approximate); added to "
+                        "a directory already converted")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--upload", default=None, metavar="ORG/REPO",
                    help="then publish the stream directory to this Hub model repo, which "
@@ -48,6 +52,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default=None,
                    help="the Hub's URL for --upload (default: huggingface_hub's, HF_ENDPOINT)")
     return p
+
+
+def _widths(text: str):
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"widths are integers like 2 or 2,3; got {text!r}")
 
 
 def check_endpoint(endpoint: Optional[str]) -> None:
@@ -133,6 +144,7 @@ def main(argv=None) -> int:
             force=args.force,
             progress=not args.no_progress,
             tensor_parallel=args.tensor_parallel,
+            miss_bits=args.miss_bits,
         )
         print(f"wrote {out}", file=sys.stderr)
         if args.upload is not None:

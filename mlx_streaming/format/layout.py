@@ -39,6 +39,10 @@ CONVERT_STATE_NAME = ".convert-state.json"
 RECORD_ALIGNMENT = 16 * 1024
 
 
+# Low-bit copies are small: padded only to the uncached reads' own 4 KiB.
+LOW_RECORD_ALIGNMENT = 4096
+
+
 # Segments start on a cache line so every tensor is aligned for SIMD loads.
 SEGMENT_ALIGNMENT = 64
 
@@ -165,6 +169,23 @@ class DenseSpec:
         return sum(s.nbytes for s in self.segments)
 
 
+# Widths and group sizes of low-bit copies (mlx's affine quantization).
+LOW_BITS = (2, 3, 4, 5, 6, 8)
+LOW_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class LowBits:
+    """Low-bit copies of every expert (``convert --miss-bits``): per expert
+    layer of the manifest, in its order, a blob of the same experts
+    quantized to ``bits`` (affine, ``group_size``) with mlx's ``quantize``,
+    read on a miss in place of the full record (``StreamConfig.miss_bits``)."""
+
+    bits: int
+    group_size: int
+    layers: Tuple[LayerSpec, ...]
+
+
 @dataclass(frozen=True)
 class Manifest:
     version: int
@@ -178,6 +199,12 @@ class Manifest:
     # A tensor-parallel conversion: each rank's expert layers (its slices of
     # every expert, in files of its own); ``layers`` are rank 0's. Empty: none.
     ranks: Tuple[Tuple[LayerSpec, ...], ...] = ()
+    # Low-bit copies of the experts, one entry per width. Empty: none.
+    low_bits: Tuple[LowBits, ...] = ()
+
+    def low_copies(self, bits: int) -> Optional[LowBits]:
+        """The low-bit copies of width ``bits``, or None."""
+        return next((c for c in self.low_bits if c.bits == bits), None)
 
     @property
     def tensor_parallel(self) -> int:
@@ -185,9 +212,11 @@ class Manifest:
         return max(1, len(self.ranks))
 
     def expert_layers(self) -> Tuple[LayerSpec, ...]:
-        """Every expert layer with a blob: all ranks' and the MTP layers."""
+        """Every expert layer with a blob: all ranks', the MTP layers and the
+        low-bit copies."""
         main = tuple(l for rank in self.ranks for l in rank) if self.ranks else self.layers
-        return main + (self.mtp.layers if self.mtp else ())
+        low = tuple(l for c in self.low_bits for l in c.layers)
+        return main + (self.mtp.layers if self.mtp else ()) + low
 
     @property
     def dense_nbytes(self) -> int:
@@ -200,7 +229,8 @@ class Manifest:
         return sum(l.expert_nbytes * l.num_experts for l in self.layers)
 
 
-def layout_record(tensors: List[Tuple[str, str, Tuple[int, ...], int]]):
+def layout_record(tensors: List[Tuple[str, str, Tuple[int, ...], int]],
+                  alignment: int = RECORD_ALIGNMENT):
     """Place the tensors of one expert in a record.
 
     Args:
@@ -208,7 +238,7 @@ def layout_record(tensors: List[Tuple[str, str, Tuple[int, ...], int]]):
 
     Returns:
         ``(segments, stride)``: the segments with their offsets, and the
-        record stride (a multiple of ``RECORD_ALIGNMENT``).
+        record stride (a multiple of ``alignment``).
     """
     segments = []
     offset = 0
@@ -216,7 +246,7 @@ def layout_record(tensors: List[Tuple[str, str, Tuple[int, ...], int]]):
         offset = align(offset, SEGMENT_ALIGNMENT)
         segments.append(Segment(name, dtype, tuple(shape), offset, nbytes))
         offset += nbytes
-    return tuple(segments), align(max(offset, 1), RECORD_ALIGNMENT)
+    return tuple(segments), align(max(offset, 1), alignment)
 
 
 def record_checksum(buffers) -> int:

@@ -5,7 +5,10 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, Optional, Tuple
-from .layout import DTYPES, DenseSpec, FORMAT_NAME, LayerSpec, MAX_DIM, Manifest, MtpSpec, RECORD_ALIGNMENT, SEGMENT_ALIGNMENT, Segment, SpineFile, layer_in_path
+from .layout import (DTYPES, DenseSpec, FORMAT_NAME, LOW_BITS, LOW_GROUP_SIZES, LOW_RECORD_ALIGNMENT,
+                     LayerSpec,
+                     LowBits, MAX_DIM, Manifest, MtpSpec, RECORD_ALIGNMENT, SEGMENT_ALIGNMENT,
+                     Segment, SpineFile, layer_in_path)
 
 
 class Malformed(Exception):
@@ -75,12 +78,12 @@ def _quantization_from_dict(q, where: str) -> Dict[str, Optional[dict]]:
     return q
 
 
-def _record_fields(d, where: str, size_key: str):
+def _record_fields(d, where: str, size_key: str, alignment: int = RECORD_ALIGNMENT):
     """``(record size, segments, file, layer)`` of an expert layer's or a
     dense record's manifest entry, each checked."""
     size = _nonneg(get_field(d, size_key, int, where), f"{where}.{size_key}", 1)
-    if size % RECORD_ALIGNMENT:
-        raise Malformed(f"{where}.{size_key} {size} is not a multiple of {RECORD_ALIGNMENT}")
+    if size % alignment:
+        raise Malformed(f"{where}.{size_key} {size} is not a multiple of {alignment}")
     segs = get_field(d, "segments", list, where)
     if not segs:
         raise Malformed(f"{where} has no segments")
@@ -95,14 +98,14 @@ def _record_fields(d, where: str, size_key: str):
     return size, segments, file, layer
 
 
-def layer_from_dict(d, where: str = "layer") -> LayerSpec:
+def layer_from_dict(d, where: str = "layer", alignment: int = RECORD_ALIGNMENT) -> LayerSpec:
     """A ``LayerSpec`` from its manifest entry, every field checked.
 
     Raises:
         Malformed: a field is missing, of the wrong type or out of range.
     """
     num = _nonneg(get_field(d, "num_experts", int, where), f"{where}.num_experts", 1)
-    stride, segments, file, layer = _record_fields(d, where, "stride")
+    stride, segments, file, layer = _record_fields(d, where, "stride", alignment)
     checksums = get_field(d, "checksums", list, where)
     if len(checksums) != num or not all(
         isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32 for c in checksums
@@ -167,9 +170,37 @@ def manifest_from_dict(d) -> Manifest:
                 raise Malformed(f"dense record of layer {spec.layer} holds {full}, a "
                                  "streamed expert tensor")
     ranks = _ranks_from_dict(d["tensor_parallel"], specs) if "tensor_parallel" in d else ()
+    low_bits = _low_bits_from_list(d["low_bits"], specs) if "low_bits" in d else ()
     return Manifest(version=d["version"], layers=specs,
                     source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp,
-                    dense=dense, ranks=ranks)
+                    dense=dense, ranks=ranks, low_bits=low_bits)
+
+
+def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...]) -> Tuple[LowBits, ...]:
+    """The low-bit copies of the experts: per width, the manifest's layers
+    quantized, each in a file of its own."""
+    if not isinstance(entries, list):
+        raise Malformed("low_bits is not a list")
+    out = []
+    for i, e in enumerate(entries):
+        w = f"low_bits[{i}]"
+        bits = get_field(e, "bits", int, w)
+        group = get_field(e, "group_size", int, w)
+        if bits not in LOW_BITS or group not in LOW_GROUP_SIZES:
+            raise Malformed(f"{w}: bits {bits} / group_size {group} are not a width mlx "
+                            "quantizes to")
+        specs = tuple(layer_from_dict(l, f"{w}.layers[{j}]", LOW_RECORD_ALIGNMENT)
+                      for j, l in enumerate(get_field(e, "layers", list, w)))
+        if [(s.layer, s.module, s.num_experts) for s in specs] != \
+                [(s.layer, s.module, s.num_experts) for s in main]:
+            raise Malformed(f"{w}.layers are not the manifest's layers")
+        out.append(LowBits(bits, group, specs))
+    if len({c.bits for c in out}) != len(out):
+        raise Malformed("low_bits lists a width twice")
+    files = [s.file for s in main] + [s.file for c in out for s in c.layers]
+    if len(set(files)) != len(files):
+        raise Malformed("a low-bit blob shares a file with another layer")
+    return tuple(out)
 
 
 def _ranks_from_dict(d, main: Tuple[LayerSpec, ...]) -> Tuple[Tuple[LayerSpec, ...], ...]:
@@ -262,4 +293,7 @@ def manifest_to_dict(manifest: Manifest) -> dict:
         **({"tensor_parallel": {"ranks": len(manifest.ranks),
                                 "layers": [[asdict(l) for l in rank] for rank in manifest.ranks]}}
            if manifest.ranks else {}),
+        **({"low_bits": [{"bits": c.bits, "group_size": c.group_size,
+                          "layers": [asdict(l) for l in c.layers]} for c in manifest.low_bits]}
+           if manifest.low_bits else {}),
     }

@@ -133,11 +133,18 @@ class Paged:
         self.read_per_call = 0.0
         self.pending = []
 
+    # Low-bit copies a miss may read instead (low_bits.LowBitMisses), or None.
+    low = None
+
     def __call__(self, inner, x, indices):
         predicted, probs, y = self._start(inner, x, indices)
         self._sync(indices, predicted, probs)
         ids, experts, probs = self._route(indices, probs)
-        if len(experts) <= self.store.pool.slots:
+        low = self._low_bit_misses(experts, probs)
+        if len(low):
+            y = self._with_low_bits(inner, x, indices, ids, experts, low)
+            self._launch(y)
+        elif len(experts) <= self.store.pool.slots:
             if self.overlap is not None and indices.size < SORTED_GATHER_IDS:
                 y = self._overlapped(inner, x, indices, ids, experts, y)
             else:
@@ -183,6 +190,31 @@ class Paged:
         self.store.control.routed(self.layer, tokens, ids, experts)
         self.store.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
         return ids, experts, probs
+
+    def _low_bit_misses(self, experts, probs) -> np.ndarray:
+        """The missed experts this call computes from low-bit copies (none
+        without them, or when the call's experts outnumber the pool)."""
+        if self.low is None or len(experts) > self.store.pool.slots:
+            return experts[:0]
+        missing = experts[~self.store.resident(experts)]
+        return self.low.choose(missing, probs) if len(missing) else missing
+
+    def _with_low_bits(self, inner, x, indices, ids, experts, low):
+        """The call with ``low`` computed from their low-bit copies and the
+        rest (hits, and misses read in full) from the pool, pair by pair
+        (``_pairs``), put back in the router's order."""
+        full = np.setdiff1d(experts, low, assume_unique=True)
+        self._stalled(self.store.ensure(full) + self.low.store.ensure(low))
+        flat = ids.reshape(-1)
+        is_low = np.isin(flat, low)
+        parts, positions = [], []
+        for pairs, module, slots in ((np.nonzero(~is_low)[0], inner, self._slot_ids),
+                                     (np.nonzero(is_low)[0], self.low.inner, self.low.slot_ids)):
+            if len(pairs):
+                parts.append(self._pairs(module, x, indices, pairs, slots(flat[pairs])))
+                positions.append(pairs)
+        self.events.on_low_bits(self.layer, int(is_low.sum()))
+        return _in_router_order(parts, positions, indices)
 
     def _launch(self, y) -> None:
         # Start the experts now: they compute while Python builds the next

@@ -28,6 +28,8 @@ class Observer:
         experts), as the calibration bins them; ``softmax`` False: ``layer``
         has a sigmoid router, whose scores prefetch does not calibrate."""
     def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
+    def on_low_bits(self, layer: int, pairs: int) -> None:
+        """``pairs`` missed (token, expert) pairs computed from low-bit copies."""
     def on_graph_calls(self, layer: int, calls: int, tokens: int, hits: int, misses: int,
                        distinct: int, records: int, nbytes: int, read_seconds: float,
                        stall_seconds: float) -> None:
@@ -81,6 +83,10 @@ class Events:
     def on_prefetch(self, layer, issued=0, useful=0, wasted=0):
         for o in self.observers:
             o.on_prefetch(layer, issued, useful, wasted)
+
+    def on_low_bits(self, layer, pairs):
+        for o in self.observers:
+            o.on_low_bits(layer, pairs)
 
     def on_graph_calls(self, layer, calls, tokens, hits, misses, distinct, records, nbytes,
                        read_seconds, stall_seconds):

@@ -28,10 +28,18 @@ from .wrap import one_pass_at_a_time
 
 
 def _say_if_approximate(runtime) -> None:
+    config = runtime.config
     if runtime.routers and not all(r.exact for r in runtime.routers):
         warnings.warn(
-            f"mlx_streaming: routing={runtime.config.routing!r} "
+            f"mlx_streaming: routing={config.routing!r} "
             f"({runtime.routers[0].describe()}): the output is approximate, not mlx-lm's; "
+            "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
+    if any(r.low is not None for r in runtime.residencies):
+        which = ("every miss" if config.miss_bits_weight is None else
+                 f"misses below router probability {config.miss_bits_weight:g}")
+        warnings.warn(
+            f"mlx_streaming: miss_bits={config.miss_bits} ({which} computed from "
+            f"{config.miss_bits}-bit copies): the output is approximate, not mlx-lm's; "
             "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
 
 

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
-from ..errors import FormatError
+from ..errors import ConfigError, FormatError
 from ..format import blob_path
 from ..format import LayerSpec, Manifest
 from ..models.discover import (find_expert_blocks, find_router, get_module, input_dims_of,
@@ -20,6 +20,8 @@ from .policy import make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
 from .routing import install_routers
+from .low_bits import LowBitMisses, check_low_bits, low_inner
+from .policy import LRU
 from .store import ExpertStore
 from .store import RecordSource
 
@@ -48,18 +50,30 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
     if prefetch.on:
         prefetchers = make_prefetchers(model, config, prefetch, runtime.stores, blocks,
                                        runtime.events)
-    for store in runtime.stores:
+    copies = check_low_bits(manifest, config, runtime)
+    for i, store in enumerate(runtime.stores):
         if runtime.paged:
             router = None
-            if store.policy.router or config.trace:
+            weighed = copies is not None and config.miss_bits_weight is not None
+            if store.policy.router or config.trace or weighed:
                 router = find_router(model, store.spec.module, store.spec.num_experts,
                                      input_dims_of(blocks[store.spec.module]))
+            if weighed and router is None:
+                raise ConfigError(
+                    f"miss_bits_weight: the router of {store.spec.module} was not found to "
+                    "weigh its misses by; leave miss_bits_weight unset (every miss)")
             residency = make_paged(store, runtime, prefetchers.get(store.layer), router)
+            if copies is not None:
+                residency.low = make_low(path, copies.layers[i], blocks[store.spec.module],
+                                         runtime)
         else:
             store.preload()
             residency = Resident(store.layer, runtime.events)
         set_module(model, store.spec.module, StreamingExperts(blocks[store.spec.module],
                                                               residency))
+    if copies is not None:
+        runtime.reserve(sum(r.low.store.pool.nbytes for r in runtime.residencies),
+                        f"{config.miss_bits}-bit copies of missed experts")
     if runtime.paged and config.routing != "exact":
         # After the routers' scorers above were found: they score the
         # router's own choice (prefetch, policies).
@@ -70,6 +84,19 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
             get_module(model, store.spec.module).after_routing = router.restore
 
 
+def make_low(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMisses:
+    """A paged layer's low-bit copies: a pool of as many as two decode
+    calls miss, their store (LRU, checked as the records are) and the
+    expert module that computes with them."""
+    pool = SlotPool(spec, min(2 * spec.top_k, spec.num_experts))
+    blob = blob_path(path, spec)
+    source = RecordSource(runtime.reader, runtime.reader.open(str(blob)), None, blob)
+    store = ExpertStore(spec, pool, source, LRU(spec.num_experts), runtime.config.checksums,
+                        runtime.events)
+    return LowBitMisses(store, low_inner(inner, spec, pool, bind_pool),
+                        runtime.config.miss_bits_weight)
+
+
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
                runtime) -> ExpertStore:
     """The store of one layer: the native step where it can run (a paged
@@ -77,6 +104,7 @@ def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
     wants the router's probabilities, which only the Python route gathers),
     else the Python reference."""
     native = (runtime.paged and runtime.config.trace is None
+              and runtime.config.miss_bits is None
               and native_store_fits(source.reader, policy, source.staging))
     store_class = NativeStore if native else ExpertStore
     return store_class(spec, pool, source, policy, runtime.config.checksums, runtime.events,

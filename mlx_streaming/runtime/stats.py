@@ -26,6 +26,7 @@ class LayerCounters:
     routed: int = 0
     predicted_routed: int = 0
     distinct_experts: int = 0
+    low_bit_pairs: int = 0  # missed (token, expert) pairs computed from low-bit copies
 
     def add(self, other: "LayerCounters") -> None:
         for f in fields(self):
@@ -112,6 +113,9 @@ class Stats(Observer):
         c.distinct_experts += len(experts)
         if self._predicted:
             self._count_predicted(c, layer, experts)
+
+    def on_low_bits(self, layer, pairs):
+        self.counters[layer].low_bit_pairs += pairs
 
     def on_graph_calls(self, layer, calls, tokens, hits, misses, distinct, records, nbytes,
                        read_seconds, stall_seconds):
@@ -217,6 +221,7 @@ def _report(runtime) -> dict:
         report["remote"] = remote
     report["speculative"] = runtime.speculative.report()
     report["routing"] = _routing_of(runtime)
+    report["miss_bits"] = _miss_bits_of(runtime, report["total"])
     report["pressure"] = runtime.pressure.report()
     report["memory"] = runtime.plan.report()
     report["spine"] = runtime.ring.stats.report() if runtime.ring is not None else None
@@ -243,6 +248,17 @@ def _routing_of(runtime) -> dict:
     return dict(out, keep=keep, window=window, routed=routed, substituted=passed,
                 route_agreement=1 - passed / routed if routed else None,
                 approximate=not all(r.exact for r in runtime.routers))
+
+
+def _miss_bits_of(runtime, total: dict) -> Optional[dict]:
+    """Low-bit miss reads: their width and threshold, and the missed
+    (token, expert) pairs computed from low-bit copies (of all misses)."""
+    config = runtime.config
+    if config.miss_bits is None:
+        return None
+    low = total["low_bit_pairs"]
+    return dict(bits=config.miss_bits, weight=config.miss_bits_weight, substituted=low,
+                share_of_misses=low / total["misses"] if total["misses"] else None)
 
 
 def _prefetch_decision(runtime) -> str:
