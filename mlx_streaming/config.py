@@ -171,8 +171,10 @@ class StreamConfig:
     miss_bits_weight: Optional[float] = _option(
         None, "with miss_bits: only a missed expert whose router probability stays below "
         "this for every token of the call takes its low-bit copy; the others are read in "
-        "full and join the pool (default: every miss that the call's low-bit slots hold)",
-        type=float, bounds=dict(low=0, high=1, optional=True), shown_default="every miss")
+        "full and join the pool (default: every miss but each token's most probable "
+        "expert; every miss where the router's probabilities are not known)",
+        type=float, bounds=dict(low=0, high=1, optional=True),
+        shown_default="all but the top expert")
     checksums: str = _option(
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
         "(and again after its blob changes on disk), on every read, or never",

@@ -35,7 +35,7 @@ def _say_if_approximate(runtime) -> None:
             f"({runtime.routers[0].describe()}): the output is approximate, not mlx-lm's; "
             "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
     if any(r.low is not None for r in runtime.residencies):
-        which = ("every miss" if config.miss_bits_weight is None else
+        which = ("misses but each token's top expert" if config.miss_bits_weight is None else
                  f"misses below router probability {config.miss_bits_weight:g}")
         warnings.warn(
             f"mlx_streaming: miss_bits={config.miss_bits} ({which} computed from "

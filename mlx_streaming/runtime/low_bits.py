@@ -45,14 +45,20 @@ class LowBitMisses:
         self.weight = weight
 
     def choose(self, missing: np.ndarray, probs: Optional[np.ndarray]) -> np.ndarray:
-        """The missed experts of a call that take their low-bit copy: those
-        whose router probability stays below ``weight`` for every token of
-        the call (all, without a weight), the least likely first, as many
-        as the copies' pool holds."""
-        if self.weight is not None:
+        """The missed experts of a call that take their low-bit copy, the
+        least likely first, as many as the copies' pool holds: those whose
+        router probability stays below ``weight`` for every token of the
+        call; without a weight, all but any token's most probable expert
+        (all, where the router's probabilities are not known). The others
+        are read in full and join the pool."""
+        if probs is not None:
             top = probs[:, missing].max(axis=0)
             order = np.argsort(top, kind="stable")
-            missing = missing[order][top[order] < self.weight]
+            if self.weight is not None:
+                keep = top[order] < self.weight
+            else:
+                keep = ~np.isin(missing[order], probs.argmax(axis=-1))
+            missing = missing[order][keep]
         return np.sort(missing[: self.store.pool.slots])
 
     def slot_ids(self, experts: np.ndarray) -> mx.array:

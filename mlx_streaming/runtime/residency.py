@@ -54,11 +54,10 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
     for i, store in enumerate(runtime.stores):
         if runtime.paged:
             router = None
-            weighed = copies is not None and config.miss_bits_weight is not None
-            if store.policy.router or config.trace or weighed:
+            if store.policy.router or config.trace or copies is not None:
                 router = find_router(model, store.spec.module, store.spec.num_experts,
                                      input_dims_of(blocks[store.spec.module]))
-            if weighed and router is None:
+            if copies is not None and config.miss_bits_weight is not None and router is None:
                 raise ConfigError(
                     f"miss_bits_weight: the router of {store.spec.module} was not found to "
                     "weigh its misses by; leave miss_bits_weight unset (every miss)")
