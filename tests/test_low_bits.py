@@ -215,3 +215,25 @@ def test_which_misses_take_copies():
     assert LowBitMisses(store, None, 0.25).choose(missing, probs).tolist() == [3]
     assert LowBitMisses(store, None, 0.99).choose(missing, probs).tolist() == [1, 3]
     assert LowBitMisses(store, None, None).choose(missing, None).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("damage", ["bits", "layers", "stride", "file"])
+def test_a_malformed_low_bits_entry_is_refused(models, tmp_path, damage):
+    from mlx_streaming.errors import FormatError
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    out = _with_copies(stream_dir, tmp_path)
+    path = out / "experts" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    entry = manifest["low_bits"][0]
+    if damage == "bits":
+        entry["bits"] = 7
+    elif damage == "layers":
+        entry["layers"] = entry["layers"][:-1]
+    elif damage == "stride":
+        entry["layers"][0]["stride"] += 1
+    else:
+        entry["layers"][0]["file"] = manifest["layers"][0]["file"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError):
+        read_manifest(out)

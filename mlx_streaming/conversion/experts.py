@@ -64,7 +64,7 @@ def expert_tensors(block, num: int):
     return experts, rest
 
 
-def _write_blob(path: Path, views, stride: int, segments, progress) -> List[int]:
+def write_blob(path: Path, views, stride: int, segments, progress) -> List[int]:
     """Write one record per expert; returns the record checksums."""
     checksums = []
     tmp = path.with_name(path.name + ".tmp")
@@ -94,7 +94,7 @@ def write_layer(dst: Path, module_path: str, layer: int, file: str, block, top_k
     views = [v for *_, v in tensors]
     layout = [(name, dtype, shape, v.shape[1]) for name, dtype, shape, v in tensors]
     segments, stride = layout_record(layout)
-    checksums = _write_blob(experts_dir(dst) / file, views, stride, segments, progress)
+    checksums = write_blob(experts_dir(dst) / file, views, stride, segments, progress)
     return LayerSpec(
         layer=layer,
         module=module_path,

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ConversionError, FormatError
 from ..format import (LOW_BITS, LOW_RECORD_ALIGNMENT, LayerSpec, LowBits, blob_path, dtype_from_name, dtype_name,
                       experts_dir, layout_record, read_manifest, write_manifest)
-from .experts import _write_blob
+from .experts import write_blob
 
 # Experts dequantized at a time: bounds the float copy of a large layer.
 CHUNK_EXPERTS = 16
@@ -105,7 +105,7 @@ def _layer_copy(path: Path, spec: LayerSpec, bits: int, progress) -> Tuple[Layer
         progress(0)
     segments, stride = layout_record(layout, LOW_RECORD_ALIGNMENT)
     file = low_bit_file(spec, bits)
-    checksums = _write_blob(experts_dir(path) / file, [views[n] for n, *_ in layout], stride,
+    checksums = write_blob(experts_dir(path) / file, [views[n] for n, *_ in layout], stride,
                             segments, progress)
     entry = replace(spec, file=file, stride=stride, segments=segments,
                     quantization=quantization, checksums=tuple(checksums))
