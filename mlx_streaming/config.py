@@ -166,13 +166,14 @@ class StreamConfig:
     miss_bits: Optional[int] = _option(
         None, "read a missed expert's low-bit copy of this width (approximate; made by "
         "convert --miss-bits) instead of its full record, for that call only: hits always "
-        "compute with the full weights (docs/routing.md)", type=int,
+        "compute with the full weights; 2, 3, 4, 5, 6 or 8 (docs/routing.md)", type=int,
         bounds=dict(low=2, high=8, optional=True), shown_default="off")
     miss_bits_weight: Optional[float] = _option(
-        None, "with miss_bits: only a missed expert whose router probability stays below "
-        "this for every token of the call takes its low-bit copy; the others are read in "
-        "full and join the pool (default: every miss but each token's most probable "
-        "expert; every miss where the router's probabilities are not known)",
+        None, "with miss_bits: only a missed expert whose share of its token's routed "
+        "weight (the router's probability over the token's routed experts) stays below this "
+        "for every token of the call takes its low-bit copy; the others are read in full and "
+        "join the pool (default: every miss but each token's weightiest expert; every miss "
+        "where the router's probabilities are not known)",
         type=float, bounds=dict(low=0, high=1, optional=True),
         shown_default="all but the top expert")
     checksums: str = _option(

@@ -119,25 +119,27 @@ def test_a_weight_limits_which_misses_take_copies(models, tmp_path):
     _, stream_dir = models.get("qwen3_moe", True)
     out = _with_copies(stream_dir, tmp_path)
     share = {}
-    for weight in (1.0, 0.1):
+    for weight in (1.0, 0.2):
         model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=2,
                                       miss_bits_weight=weight)
         logits_trace(model, steps=24)
         share[weight] = mlx_streaming.stats(model)["miss_bits"]["share_of_misses"]
         model.streaming.close()
-    assert 0 < share[0.1] < share[1.0]
+    assert 0 < share[0.2] < share[1.0]
 
 
 def test_miss_bits_reads_fewer_bytes_and_says_so(models, tmp_path, recwarn):
     _, stream_dir = models.get("qwen3_moe", True)
     out = _with_copies(stream_dir, tmp_path)
-    read = {}
-    for bits in (None, 2):
-        model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=bits)
-        logits_trace(model, steps=24)
-        read[bits] = mlx_streaming.stats(model)["total"]["bytes_read"]
-        model.streaming.close()
-    assert read[2] < read[None]
+    manifest = read_manifest(out)
+    model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=2)
+    logits_trace(model, steps=24)
+    total = mlx_streaming.stats(model)["total"]
+    model.streaming.close()
+    # Every copy read costs its own bytes, fewer than a record's.
+    full, low = manifest.layers[0].expert_nbytes, manifest.low_copies(2).layers[0].expert_nbytes
+    copies = (total["records_read"] * full - total["bytes_read"]) / (full - low)
+    assert copies == int(copies) and 0 < copies <= total["low_bit_pairs"]
     said = [str(w.message) for w in recwarn if "approximate" in str(w.message)]
     assert len(said) == 1 and "miss_bits=2" in said[0]
     proc = subprocess.run(
@@ -190,16 +192,62 @@ def test_convert_adds_copies_to_a_converted_directory(models, tmp_path):
     out = tmp_path / "stream"
     shutil.copytree(stream_dir, out)
     before = json.loads((out / "experts" / "manifest.json").read_text())
-    cmd = [sys.executable, "-m", "mlx_streaming.convert", "--model", str(src), "--out",
-           str(out), "--miss-bits", "2,3", "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    convert = [sys.executable, "-m", "mlx_streaming.convert", "--no-progress"]
+    proc = subprocess.run(convert + ["--model", str(src), "--out", str(out), "--miss-bits", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    # Without --model: copies added to the directory alone.
+    proc = subprocess.run(convert + ["--out", str(out), "--miss-bits", "3"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     after = json.loads((out / "experts" / "manifest.json").read_text())
     assert [c["bits"] for c in after["low_bits"]] == [2, 3]
     assert after["layers"] == before["layers"]  # the records are untouched
-    proc = subprocess.run(cmd[:-3] + ["--miss-bits", "2", "--tensor-parallel", "2"],
+    # A missing blob of an unused width does not stop a load; adding that
+    # width again writes it anew.
+    q3 = out / "experts" / after["low_bits"][1]["layers"][0]["file"]
+    q3.unlink()
+    model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=2)
+    model.streaming.close()
+    with pytest.raises(mlx_streaming.errors.FormatError):
+        mlx_streaming.load(out, slots_per_layer=6, miss_bits=3)
+    proc = subprocess.run(convert + ["--out", str(out), "--miss-bits", "3"],
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0 and "--tensor-parallel" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert q3.is_file() and not damaged_records(out)
+    for bad in (["--miss-bits", "2", "--tensor-parallel", "2"], ["-q", "--miss-bits", "4"]):
+        proc = subprocess.run(convert + ["--model", str(src), "--out", str(tmp_path / "x"), *bad],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode != 0 and "--miss-bits" in proc.stderr, proc.stderr
+        assert not (tmp_path / "x" / "experts" / "manifest.json").exists()
+
+
+def test_mtp_layers_run_with_miss_bits(models, tmp_path):
+    """Copies are made for the model's layers; its MTP layers read in full."""
+    _, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)
+    out = _with_copies(stream, tmp_path)
+    spec = read_manifest(out).layers[0]
+    model, tokenizer = mlx_streaming.load(out, slots_per_layer=spec.top_k + 1, mtp=True,
+                                          miss_bits=2)
+    proc_text = mlx_lm.generate(model, tokenizer, prompt="def f(x):", max_tokens=8)
+    assert isinstance(proc_text, str)
+    assert mlx_streaming.stats(model)["miss_bits"]["substituted"] > 0
+    model.streaming.close()
+
+
+def test_reservations_add_up():
+    from mlx_streaming.runtime.memory import MemoryPlan, reserved_plan
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(expert_nbytes=100, num_experts=8, top_k=2, module="m")
+    manifest = SimpleNamespace(layers=(spec,), mtp=None)
+    plan = MemoryPlan(budget=2000, source="test", base=0, slots=8, pool=800, pinned=(),
+                      streamed=(), ring_buffers=0, ring=0, pinned_bytes=0, usable=1000)
+    once = reserved_plan(plan, manifest, 150, "a")
+    assert once.slots == 8 and once.reserved == 150
+    twice = reserved_plan(once, manifest, 150, "b")
+    # 800 of pool + 300 reserved no longer fit in 1000: one slot goes.
+    assert twice.reserved == 300 and twice.slots == 7
 
 
 def test_which_misses_take_copies():
@@ -207,14 +255,18 @@ def test_which_misses_take_copies():
     from mlx_streaming.runtime.low_bits import LowBitMisses
 
     store = SimpleNamespace(pool=SimpleNamespace(slots=2))
-    probs = np.array([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.6, 0.1]])
+    probs = np.array([[0.5, 0.3, 0.15, 0.05, 0.0], [0.1, 0.2, 0.3, 0.1, 0.3]])
+    # Each token routes 2 experts; expert 4 is the second token's most
+    # probable one but not routed (a steered routing).
+    ids = np.array([[0, 1], [2, 3]])
     missing = np.array([0, 1, 2, 3])
-    # Default: every token's top expert (0 and 2) is read in full; of the
-    # rest the least likely first, as many as the copies' pool holds.
-    assert LowBitMisses(store, None, None).choose(missing, probs).tolist() == [1, 3]
-    assert LowBitMisses(store, None, 0.25).choose(missing, probs).tolist() == [3]
-    assert LowBitMisses(store, None, 0.99).choose(missing, probs).tolist() == [1, 3]
-    assert LowBitMisses(store, None, None).choose(missing, None).tolist() == [0, 1]
+    # Shares of the routed weight: 0 0.625, 1 0.375, 2 0.75, 3 0.25.
+    # Default: each token's weightiest routed expert (0, 2) read in full.
+    assert LowBitMisses(store, None, None).choose(missing, ids, probs).tolist() == [1, 3]
+    assert LowBitMisses(store, None, 0.3).choose(missing, ids, probs).tolist() == [3]
+    # The least weighty first, as many as the scratch pool holds.
+    assert LowBitMisses(store, None, 0.99).choose(missing, ids, probs).tolist() == [1, 3]
+    assert LowBitMisses(store, None, None).choose(missing, ids, None).tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("damage", ["bits", "layers", "stride", "file"])
@@ -237,3 +289,25 @@ def test_a_malformed_low_bits_entry_is_refused(models, tmp_path, damage):
     path.write_text(json.dumps(manifest))
     with pytest.raises(FormatError):
         read_manifest(out)
+
+
+def test_bench_quality_gives_miss_bits_the_same_memory(models, tmp_path, capsys):
+    from mlx_streaming.bench.__main__ import main as bench_main
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    out = _with_copies(stream_dir, tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 20)
+    assert bench_main(["quality", "--model", str(out), "--text", str(text), "--tokens", "32",
+                       "--pool", "0.75", "--settings", "miss-bits:2,cache-aware:1:8+miss-bits:2",
+                       "--out", str(tmp_path / "q")]) == 0
+    rows = json.loads((tmp_path / "q" / "quality.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    manifest = read_manifest(out)
+    full, low = manifest.layers[0], manifest.low_copies(2).layers[0]
+    scratch = -(-low.top_k * low.expert_nbytes // full.expert_nbytes)
+    assert rows[1]["slots"] == rows[2]["slots"] == rows[0]["slots"] - scratch
+    assert rows[1]["route_agreement"] == 1 and rows[1]["low_bit_share"] > 0
+    assert bench_main(["quality", "--model", str(out), "--settings", "miss-bits:3",
+                       "--out", str(tmp_path / "q3")]) == 1
+    assert "no 3-bit copies" in capsys.readouterr().err

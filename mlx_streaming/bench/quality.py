@@ -26,6 +26,7 @@ import numpy as np
 
 from ..format import read_manifest
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number
+from ..runtime.low_bits import scratch_slots
 from .common import BenchError, figure, finish, paired_ratio, pool_slots, run_case
 
 # scripts/train_moe.py trains on the first 4,000,000 characters of the corpus.
@@ -37,7 +38,8 @@ SETTING_FORMS = ("exact, cache-aware[:KEEP:WINDOW[:BONUS]], top-k-cut[:KEEP], "
 
 
 COLUMNS = [
-    ("setting", "setting", "s"), ("status", "status", "s"), ("ppl", "ppl", ".4g"),
+    ("setting", "setting", "s"), ("status", "status", "s"), ("slots", "slots", "d"),
+    ("ppl", "ppl", ".4g"),
     ("ppl_change", "ppl +", "+.2%"), ("top1_agreement", "top-1 agree", ".1%"),
     ("kl", "KL", ".4f"), ("route_agreement", "route agree", ".1%"),
     ("hit_rate", "hit", ".1%"), ("low_bit_share", "low-bit", ".1%"),
@@ -109,7 +111,7 @@ def _miss_bits_setting(name: str, text: str) -> dict:
     except ValueError:
         raise BenchError(f"--settings {name}: miss-bits takes BITS[:WEIGHT], an integer and "
                          "a number") from None
-    if load.get("miss_bits_weight", 0) < 0 or load.get("miss_bits_weight", 0) > 1:
+    if not 0 <= load.get("miss_bits_weight", 0) <= 1:
         raise BenchError(f"--settings {name}: WEIGHT must be 0-1")
     return load
 
@@ -138,6 +140,21 @@ def _routing_setting(name: str, top_k: int, num_experts: int) -> dict:
             raise BenchError(f"--settings {name}: BONUS must be 0 or more")
         load["routing_bonus"] = numbers[2]
     return load
+
+
+def equal_memory_slots(manifest, slots: int, bits: Optional[int]) -> int:
+    """The pool a setting gets so that every setting holds the same expert
+    memory: with low-bit copies, ``slots`` less the records' worth of the
+    copies' scratch pool (rounded up)."""
+    if bits is None:
+        return slots
+    copies = manifest.low_copies(bits)
+    if copies is None:
+        raise BenchError(f"--settings: the model holds no {bits}-bit copies (add them: "
+                         f"python -m mlx_streaming.convert --out DIR --miss-bits {bits})")
+    full, low = manifest.layers[0], copies.layers[0]
+    scratch = scratch_slots(low) * low.expert_nbytes
+    return slots - -(-scratch // full.expert_nbytes)
 
 
 def held_out_text(out: Path, tokens: int) -> Path:
@@ -170,17 +187,25 @@ def run(args) -> dict:
     reference = out / "exact-logprobs.npy"
     reference.unlink(missing_ok=True)  # never another run's
     rounds = {s["name"]: [] for s in settings}
+    for s in settings:
+        s["slots"] = equal_memory_slots(manifest, slots, s["load"].get("miss_bits"))
+        if s["slots"] < spec.top_k:
+            raise BenchError(f"--settings {s['name']}: its copies' scratch pool leaves the "
+                             f"pool {s['slots']} slots, fewer than a token's {spec.top_k} "
+                             "experts; use a larger --pool")
     for r in range(args.repeats):
         for s in settings:
             case = dict(op="quality", kind="streaming", model=str(args.model),
-                        text=str(text), tokens=args.tokens, load=dict(base, **s["load"]))
+                        text=str(text), tokens=args.tokens,
+                        load=dict(base, **s["load"], slots_per_layer=s["slots"]))
             if r == 0:
                 case["save" if s["name"] == "exact" else "reference"] = str(reference)
             rounds[s["name"]].append(run_case(case, read_mbps=args.read_mbps))
     if rounds["exact"][0]["status"] != "ok":
         raise BenchError(f"the exact case failed ({rounds['exact'][0].get('error', 'see above')})"
                          ": nothing to measure the settings against")
-    rows = [_row(s["name"], rounds[s["name"]], rounds["exact"]) for s in settings]
+    rows = [dict(_row(s["name"], rounds[s["name"]], rounds["exact"]), slots=s["slots"])
+            for s in settings]
     exact_ppl = rows[0].get("ppl")
     for row in rows:
         if row.get("ppl") and exact_ppl:

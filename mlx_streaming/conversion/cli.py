@@ -1,7 +1,8 @@
 """``python -m mlx_streaming.convert``: the command line of ``convert``.
 
     python -m mlx_streaming.convert --model SRC --out DST [-q --q-bits 4 --q-group-size 64]
-        [--upload ORG/NAME]
+        [--miss-bits 3] [--upload ORG/NAME]
+    python -m mlx_streaming.convert --out DST --miss-bits 3     (add copies to DST)
 """
 
 import argparse
@@ -15,6 +16,7 @@ from ..format import (
     manifest_path,
 )
 from .local import DTYPES, QUANTIZATION, convert, quantization_defaults
+from .low_bits import add_copies
 from ..flags import Parser
 
 
@@ -23,7 +25,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         prog="mlx_streaming convert",
         description="Convert an mlx-lm MoE model into a stream directory.",
     )
-    p.add_argument("--model", required=True, help="local mlx-lm model dir or HF repo id")
+    p.add_argument("--model", default=None, help="local mlx-lm model dir or HF repo id "
+                   "(not needed to add --miss-bits copies to a converted --out)")
     p.add_argument("--out", required=True, help="stream directory to write")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize while converting")
     p.add_argument("--q-bits", type=int, default=None,
@@ -42,8 +45,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "its own (for --tensor-parallel runs on N machines)")
     p.add_argument("--miss-bits", type=_widths, default=(), metavar="BITS[,BITS]",
                    help="also write low-bit copies of every expert at these widths (2, 3, "
-                        "...), which --miss-bits runs read on a miss (approximate); added to "
-                        "a directory already converted")
+                        "...), which --miss-bits runs read on a miss (approximate); without "
+                        "--model, added to the converted --out (--force: written anew)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--upload", default=None, metavar="ORG/REPO",
                    help="then publish the stream directory to this Hub model repo, which "
@@ -121,6 +124,15 @@ def main(argv=None) -> int:
 
     def body():
         args = setup_arg_parser().parse_args(argv)
+        if args.model is None:
+            if not args.miss_bits:
+                raise ConversionError("--model is needed (only adding --miss-bits copies to a "
+                                      "converted --out goes without it)")
+            add_copies(Path(args.out).expanduser(), args.miss_bits, not args.no_progress,
+                       force=args.force)
+            print(f"wrote the {','.join(map(str, args.miss_bits))}-bit copies of {args.out}",
+                  file=sys.stderr)
+            return
         given = [f for f in ("q_bits", "q_group_size", "q_mode") if getattr(args, f) is not None]
         if given and not args.quantize:
             raise ConversionError(f"--{given[0].replace('_', '-')} is a quantization setting: "

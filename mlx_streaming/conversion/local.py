@@ -13,7 +13,7 @@ import shutil
 import warnings
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
@@ -45,8 +45,7 @@ from ..format import (
 from .dense import convert_dense, write_spine, resident_modules
 from .experts import convert_layer, release_experts, find_top_k
 from .tensor_parallel import check_ranks, rank_file, rank_models
-from .low_bits import add_low_bits
-from ..format import LOW_BITS, read_manifest
+from .low_bits import add_copies, check_low_bits
 from .resume import SKIP_FILES, State, check_dst, check_not_source, clear_dst, dst_state, conversion_fingerprint, fsync_written, os_error
 from ..format import TOKENIZER_PATTERNS
 from ..models.discover import projections
@@ -143,7 +142,7 @@ def convert(
     if quantize:
         check_quantization(q_bits, q_group_size, q_mode)
     check_ranks(tensor_parallel)
-    miss_bits = check_low_bits(miss_bits, tensor_parallel)
+    miss_bits = check_low_bits(miss_bits, tensor_parallel, q_bits if quantize else None)
     options = dict(
         quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode, dtype=dtype
     )
@@ -157,7 +156,7 @@ def convert(
         holds = dst_state(dst, fingerprint)
         if holds == "done" and not force:
             print(f"{dst} is already converted from {src}", file=sys.stderr)
-            return _with_low_bits(dst, miss_bits, progress)
+            return add_copies(dst, miss_bits, progress)
         if not has_vocabulary(src_path):
             print(f"warning: {src} has no tokenizer vocabulary ({', '.join(VOCABULARY_FILES)}); "
                   "the converted model will not load until you copy it in", file=sys.stderr)
@@ -179,37 +178,9 @@ def convert(
         state.start()
         out = _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprint,
                               options, progress, on_layer, ranks)
-        return _with_low_bits(out, miss_bits, progress)
+        return add_copies(out, miss_bits, progress)
     except OSError as e:
         raise os_error(e, src_path, dst) from None
-
-
-def check_low_bits(miss_bits, tensor_parallel: int) -> Tuple[int, ...]:
-    """``miss_bits`` as distinct widths, refused before any converting."""
-    widths = tuple(dict.fromkeys(int(b) for b in miss_bits))
-    for b in widths:
-        if b not in LOW_BITS:
-            raise ConversionError(f"--miss-bits must be among {', '.join(map(str, LOW_BITS))}, "
-                                  f"got {b}")
-    if widths and tensor_parallel > 1:
-        raise ConversionError("--miss-bits and --tensor-parallel: low-bit copies are not "
-                              "made for tensor-parallel slices; convert without one of them")
-    return widths
-
-
-def _with_low_bits(dst: Path, miss_bits: Tuple[int, ...], progress: bool) -> Path:
-    """Add the low-bit copies of ``miss_bits`` that ``dst`` lacks."""
-    for bits in miss_bits:
-        manifest = read_manifest(dst, blobs=False, dense=False)
-        if manifest.low_copies(bits) is not None:
-            continue
-        bar = _progress_bar(sum(l.num_experts for l in manifest.layers), progress)
-        bar.set_description(f"{bits}-bit copies")
-        try:
-            add_low_bits(dst, bits, bar.update)
-        finally:
-            bar.close()
-    return dst
 
 
 def _quiet(prepare, model, config):

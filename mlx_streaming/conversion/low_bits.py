@@ -4,14 +4,15 @@ blob of the same records quantized to fewer bits with mlx's own
 (``StreamConfig.miss_bits``; docs/FORMAT.md, docs/routing.md).
 """
 
+import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 from ..errors import ConversionError, FormatError
-from ..format import (LOW_BITS, LOW_RECORD_ALIGNMENT, LayerSpec, LowBits, blob_path, dtype_from_name, dtype_name,
-                      experts_dir, layout_record, read_manifest, write_manifest)
+from ..format import (LOW_BITS, LOW_RECORD_ALIGNMENT, LayerSpec, LowBits, blob_path,
+                      check_blob_size, dtype_from_name, dtype_name, experts_dir, layout_record, read_manifest, write_manifest)
 from .experts import write_blob
 
 # Experts dequantized at a time: bounds the float copy of a large layer.
@@ -45,6 +46,9 @@ def _group_size(spec: LayerSpec, proj: str, input_dims: int) -> int:
 
 def _check_width(spec: LayerSpec, bits: int) -> None:
     for proj, q in spec.quantization.items():
+        if q is not None and q.get("global_scale"):
+            raise ConversionError(f"--miss-bits: layer {spec.layer}'s {proj} is quantized with "
+                                  "a global scale, which low-bit copies do not support")
         if q is not None and bits >= q["bits"]:
             raise ConversionError(f"--miss-bits {bits}: layer {spec.layer}'s {proj} is "
                                   f"already {q['bits']}-bit; a low-bit copy must be narrower")
@@ -112,10 +116,21 @@ def _layer_copy(path: Path, spec: LayerSpec, bits: int, progress) -> Tuple[Layer
     return entry, max(groups)
 
 
-def add_low_bits(path, bits: int, progress: Callable[[int], None] = lambda n: None) -> bool:
+def _whole(path, copies: LowBits) -> bool:
+    """Whether every blob of ``copies`` is there and long enough."""
+    try:
+        for spec in copies.layers:
+            check_blob_size(path, spec)
+    except FormatError:
+        return False
+    return True
+
+
+def add_low_bits(path, bits: int, progress: Callable[[int], None] = lambda n: None,
+                 force: bool = False) -> bool:
     """Write the ``bits``-bit copies of every expert of the stream directory
     at ``path`` and list them in its manifest. Returns False when it holds
-    them already.
+    them already, whole (``force``: write them again all the same).
 
     Raises:
         ConversionError: a width mlx does not quantize to, a tensor-parallel
@@ -128,8 +143,11 @@ def add_low_bits(path, bits: int, progress: Callable[[int], None] = lambda n: No
         manifest = read_manifest(path)
     except FormatError as e:
         raise ConversionError(str(e)) from None
-    if manifest.low_copies(bits) is not None:
-        return False
+    held = manifest.low_copies(bits)
+    if held is not None:
+        if not force and _whole(path, held):
+            return False
+        manifest = replace(manifest, low_bits=tuple(c for c in manifest.low_bits if c is not held))
     if manifest.ranks:
         raise ConversionError("--miss-bits: a tensor-parallel conversion has no low-bit "
                               "copies (each rank would need its own); convert without "
@@ -142,3 +160,37 @@ def add_low_bits(path, bits: int, progress: Callable[[int], None] = lambda n: No
     copies = LowBits(bits, max(groups), tuple(entries))
     write_manifest(path, replace(manifest, low_bits=manifest.low_bits + (copies,)))
     return True
+
+
+def check_low_bits(miss_bits, tensor_parallel: int = 1,
+                   record_bits: Optional[int] = None) -> Tuple[int, ...]:
+    """``miss_bits`` (a width or several) as distinct widths, refused
+    before any converting: widths mlx does not quantize to, or not
+    narrower than the records' ``record_bits``."""
+    if isinstance(miss_bits, int):
+        miss_bits = (miss_bits,)
+    widths = tuple(dict.fromkeys(int(b) for b in miss_bits))
+    for b in widths:
+        if b not in LOW_BITS:
+            raise ConversionError(f"--miss-bits must be among {', '.join(map(str, LOW_BITS))}, "
+                                  f"got {b}")
+        if record_bits is not None and b >= record_bits:
+            raise ConversionError(f"--miss-bits {b}: the experts are quantized to "
+                                  f"{record_bits} bits; a low-bit copy must be narrower")
+    if widths and tensor_parallel > 1:
+        raise ConversionError("--miss-bits and --tensor-parallel: low-bit copies are not "
+                              "made for tensor-parallel slices; convert without one of them")
+    return widths
+
+
+def add_copies(dst, miss_bits, progress: bool = True, force: bool = False) -> Path:
+    """Add to the stream directory ``dst`` the low-bit copies of
+    ``miss_bits`` it lacks or holds in part (``force``: all of them anew)."""
+    from tqdm import tqdm
+
+    for bits in check_low_bits(miss_bits):
+        manifest = read_manifest(dst, blobs=False, dense=False)
+        with tqdm(total=sum(l.num_experts for l in manifest.layers), unit="expert",
+                  desc=f"{bits}-bit copies", file=sys.stderr, disable=not progress) as bar:
+            add_low_bits(dst, bits, bar.update, force=force)
+    return Path(dst)

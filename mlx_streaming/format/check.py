@@ -29,14 +29,17 @@ def damaged_spine(path, manifest: Manifest) -> List[str]:
 
 def checked_layers(path, rank=None):
     """The expert layers whose records ``damaged_records`` checks: every
-    one, or one tensor-parallel rank's (its blobs alone need be there).
+    one with the low-bit copies, or one tensor-parallel rank's (its blobs
+    alone need be there).
 
     Raises:
         FormatError: a blob missing or short, or no such rank.
     """
     manifest = read_manifest(path, blobs=rank is None)
     if rank is None:
-        return manifest.expert_layers()
+        for spec in manifest.low_layers():
+            check_blob_size(path, spec)
+        return manifest.expert_layers() + manifest.low_layers()
     if not 0 <= rank < len(manifest.ranks):
         raise FormatError(f"{path} holds no tensor-parallel rank {rank} (it was converted for "
                           f"{manifest.tensor_parallel} rank(s))")

@@ -212,11 +212,14 @@ class Manifest:
         return max(1, len(self.ranks))
 
     def expert_layers(self) -> Tuple[LayerSpec, ...]:
-        """Every expert layer with a blob: all ranks', the MTP layers and the
-        low-bit copies."""
+        """Every expert layer with a blob: all ranks' and the MTP layers (the
+        low-bit copies apart: ``low_layers``)."""
         main = tuple(l for rank in self.ranks for l in rank) if self.ranks else self.layers
-        low = tuple(l for c in self.low_bits for l in c.layers)
-        return main + (self.mtp.layers if self.mtp else ()) + low
+        return main + (self.mtp.layers if self.mtp else ())
+
+    def low_layers(self, bits: Optional[int] = None) -> Tuple[LayerSpec, ...]:
+        """The layers of the low-bit copies: of every width, or of ``bits``."""
+        return tuple(l for c in self.low_bits if bits in (None, c.bits) for l in c.layers)
 
     @property
     def dense_nbytes(self) -> int:

@@ -176,6 +176,27 @@ def manifest_from_dict(d) -> Manifest:
                     dense=dense, ranks=ranks, low_bits=low_bits)
 
 
+def _check_low_layer(low: LayerSpec, full: LayerSpec, bits: int, where: str) -> None:
+    """A low-bit layer quantizes each projection of its full layer to
+    ``bits`` (affine): weight, scales and biases of the same shapes' rows."""
+    projs = {s.name.rsplit(".", 1)[0] for s in full.segments}
+    names = {s.name for s in low.segments}
+    if set(low.quantization) != projs:
+        raise Malformed(f"{where}.quantization does not name the layer's projections")
+    for proj in projs:
+        q = low.quantization[proj]
+        if q is None or q["bits"] != bits or q["mode"] != "affine" or \
+                not {f"{proj}.weight", f"{proj}.scales", f"{proj}.biases"} <= names:
+            raise Malformed(f"{where}: {proj} is not an affine {bits}-bit copy")
+        rows = {s.name: s.shape[0] for s in low.segments if s.name.startswith(proj + ".")}
+        full_rows = next(s.shape[0] for s in full.segments if s.name == f"{proj}.weight")
+        scales = next(s for s in low.segments if s.name == f"{proj}.scales")
+        if rows[f"{proj}.weight"] != full_rows or len(scales.shape) != 2 or \
+                scales.shape[1] * q["group_size"] * bits != \
+                next(s for s in low.segments if s.name == f"{proj}.weight").shape[1] * 32:
+            raise Malformed(f"{where}: {proj}'s copy does not match its record's shape")
+
+
 def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...]) -> Tuple[LowBits, ...]:
     """The low-bit copies of the experts: per width, the manifest's layers
     quantized, each in a file of its own."""
@@ -191,9 +212,11 @@ def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...]) -> Tuple[LowBits, 
                             "quantizes to")
         specs = tuple(layer_from_dict(l, f"{w}.layers[{j}]", LOW_RECORD_ALIGNMENT)
                       for j, l in enumerate(get_field(e, "layers", list, w)))
-        if [(s.layer, s.module, s.num_experts) for s in specs] != \
-                [(s.layer, s.module, s.num_experts) for s in main]:
+        if [(s.layer, s.module, s.num_experts, s.top_k) for s in specs] != \
+                [(s.layer, s.module, s.num_experts, s.top_k) for s in main]:
             raise Malformed(f"{w}.layers are not the manifest's layers")
+        for j, (low, full) in enumerate(zip(specs, main)):
+            _check_low_layer(low, full, bits, f"{w}.layers[{j}]")
         out.append(LowBits(bits, group, specs))
     if len({c.bits for c in out}) != len(out):
         raise Malformed("low_bits lists a width twice")

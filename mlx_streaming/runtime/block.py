@@ -140,7 +140,7 @@ class Paged:
         predicted, probs, y = self._start(inner, x, indices)
         self._sync(indices, predicted, probs)
         ids, experts, probs = self._route(indices, probs)
-        low = self._low_bit_misses(experts, probs)
+        low = self._low_bit_misses(ids, experts, probs)
         if len(low):
             y = self._with_low_bits(inner, x, indices, ids, experts, low)
             self._launch(y)
@@ -191,20 +191,23 @@ class Paged:
         self.store.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
         return ids, experts, probs
 
-    def _low_bit_misses(self, experts, probs) -> np.ndarray:
+    def _low_bit_misses(self, ids, experts, probs) -> np.ndarray:
         """The missed experts this call computes from low-bit copies (none
         without them, or when the call's experts outnumber the pool)."""
         if self.low is None or len(experts) > self.store.pool.slots:
             return experts[:0]
         missing = experts[~self.store.resident(experts)]
-        return self.low.choose(missing, probs) if len(missing) else missing
+        if not len(missing):
+            return missing
+        rows = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
+        return self.low.choose(missing, rows, probs)
 
     def _with_low_bits(self, inner, x, indices, ids, experts, low):
         """The call with ``low`` computed from their low-bit copies and the
         rest (hits, and misses read in full) from the pool, pair by pair
         (``_pairs``), put back in the router's order."""
         full = np.setdiff1d(experts, low, assume_unique=True)
-        self._stalled(self.store.ensure(full) + self.low.store.ensure(low))
+        self._stalled(self.store.ensure(full) + self.low.load(low))
         flat = ids.reshape(-1)
         is_low = np.isin(flat, low)
         parts, positions = [], []

@@ -36,7 +36,7 @@ def _say_if_approximate(runtime) -> None:
             "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
     if any(r.low is not None for r in runtime.residencies):
         which = ("misses but each token's top expert" if config.miss_bits_weight is None else
-                 f"misses below router probability {config.miss_bits_weight:g}")
+                 f"misses below {config.miss_bits_weight:g} of their token's routed weight")
         warnings.warn(
             f"mlx_streaming: miss_bits={config.miss_bits} ({which} computed from "
             f"{config.miss_bits}-bit copies): the output is approximate, not mlx-lm's; "
@@ -198,7 +198,9 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
             for spec in manifest.dense:
                 check_dense_size(path, spec)
     if repo is None:
-        for spec in manifest.expert_layers():
+        # The copies of the width in use only: another width may be absent.
+        for spec in manifest.expert_layers() + (manifest.low_layers(config.miss_bits)
+                                                if config.miss_bits else ()):
             check_blob_size(path, spec)
     if config.mtp:
         manifest = attach_mtp(model, path, manifest, model_config, config)

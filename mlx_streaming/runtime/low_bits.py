@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptExpertError
 from ..format import LayerSpec
 from ..models.discover import projections
 from .pool import SlotPool
@@ -35,34 +35,63 @@ def low_inner(inner: nn.Module, spec: LayerSpec, pool: SlotPool, bind) -> nn.Mod
 
 
 class LowBitMisses:
-    """One paged layer's low-bit copies: their store (a pool of ``slots``
-    copies, LRU), the expert module that computes with them, and which
-    misses of a call take them (``choose``)."""
+    """One paged layer's low-bit copies: their store (a scratch pool of a
+    decode call's copies, LRU), the expert module that computes with them,
+    and which misses of a call take them (``choose``)."""
 
     def __init__(self, store, inner: nn.Module, weight: Optional[float]):
         self.store = store
         self.inner = inner
         self.weight = weight
 
-    def choose(self, missing: np.ndarray, probs: Optional[np.ndarray]) -> np.ndarray:
+    def choose(self, missing: np.ndarray, ids: np.ndarray,
+               probs: Optional[np.ndarray]) -> np.ndarray:
         """The missed experts of a call that take their low-bit copy, the
-        least likely first, as many as the copies' pool holds: those whose
-        router probability stays below ``weight`` for every token of the
-        call; without a weight, all but any token's most probable expert
-        (all, where the router's probabilities are not known). The others
-        are read in full and join the pool."""
+        least weighty first, as many as the scratch pool holds. An
+        expert's weight in a token is its share of the router's
+        probability over the token's routed experts (``ids``, [tokens,
+        k]). With ``weight``: the misses whose share stays below it for
+        every token of the call; without: all but each token's weightiest
+        routed expert (all, where the router's probabilities are not
+        known). The others are read in full and join the pool."""
         if probs is not None:
-            top = probs[:, missing].max(axis=0)
+            routed = np.take_along_axis(probs, ids, axis=-1)
+            shares = routed / np.maximum(routed.sum(axis=-1, keepdims=True), 1e-30)
+            top = np.zeros(probs.shape[-1])
+            np.maximum.at(top, ids.reshape(-1), shares.reshape(-1))
+            top = top[missing]
             order = np.argsort(top, kind="stable")
             if self.weight is not None:
                 keep = top[order] < self.weight
             else:
-                keep = ~np.isin(missing[order], probs.argmax(axis=-1))
+                firsts = np.take_along_axis(ids, shares.argmax(axis=-1)[:, None], axis=-1)
+                keep = ~np.isin(missing[order], firsts)
             missing = missing[order][keep]
         return np.sort(missing[: self.store.pool.slots])
 
+    def load(self, experts: np.ndarray) -> float:
+        """Bring the copies of ``experts`` into the scratch pool (every
+        earlier reader of it was evaluated by this layer's sync). The
+        scratch keeps the copies it holds, least recently used out first:
+        a copy needed again soon is not read again, in the same memory."""
+        self.store.policy.observe(experts, None)
+        try:
+            return self.store.ensure(experts)
+        except CorruptExpertError as e:
+            spec = self.store.spec
+            raise CorruptExpertError(
+                e.layer, e.expert, f"its low-bit copy in {spec.file} fails its checksum (add "
+                f"the copies again: python -m mlx_streaming.convert --out DIR --miss-bits "
+                f"{spec.quantization[next(iter(spec.quantization))]['bits']} --force)"
+            ) from None
+
     def slot_ids(self, experts: np.ndarray) -> mx.array:
         return mx.array(self.store.pool.slot_of_expert[experts].astype(np.int32))
+
+
+def scratch_slots(spec: LayerSpec) -> int:
+    """Copies a layer's scratch pool holds: what one decode call misses."""
+    return min(spec.top_k, spec.num_experts)
 
 
 def check_low_bits(manifest, config, runtime):
@@ -81,7 +110,7 @@ def check_low_bits(manifest, config, runtime):
         raise ConfigError(
             f"miss_bits={config.miss_bits}: this directory holds no {config.miss_bits}-bit "
             f"copies (it holds: {have}); add them with `python -m mlx_streaming.convert "
-            f"--model SRC --out DIR --miss-bits {config.miss_bits}`")
+            f"--out DIR --miss-bits {config.miss_bits}`")
     if runtime.sharding is not None or not runtime.reader.local:
         raise ConfigError(f"miss_bits={config.miss_bits}: low-bit miss reads run on one "
                           "machine from a local directory (not split runs, not Hub repos)")

@@ -303,14 +303,15 @@ def reserved_plan(plan: MemoryPlan, manifest: Manifest, nbytes: int, what: str) 
             the message says how much the model and ``what`` need.
     """
     per_slot = bytes_per_slot(manifest)
-    short = nbytes - (plan.usable - plan.total)
+    # What earlier reservations keep stays theirs.
+    short = nbytes - (plan.usable - plan.total - plan.reserved)
     slots = plan.slots - max(0, math.ceil(short / per_slot))
     if slots < min_slots(manifest):
         raise BudgetError(
             f"{what} needs {_gb(nbytes, up=True)} GB, and the model at its smallest "
             f"{_gb(plan.total - (plan.slots - min_slots(manifest)) * per_slot, up=True)} GB, "
             f"but only {_gb(plan.usable)} GB can go to the two")
-    return replace(plan, slots=slots, pool=slots * per_slot, reserved=nbytes)
+    return replace(plan, slots=slots, pool=slots * per_slot, reserved=plan.reserved + nbytes)
 
 
 def _staging_note(staging: int) -> str:

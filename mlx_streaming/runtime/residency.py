@@ -20,7 +20,7 @@ from .policy import make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
 from .routing import install_routers
-from .low_bits import LowBitMisses, check_low_bits, low_inner
+from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
 from .policy import LRU
 from .store import ExpertStore
 from .store import RecordSource
@@ -51,7 +51,9 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
         prefetchers = make_prefetchers(model, config, prefetch, runtime.stores, blocks,
                                        runtime.events)
     copies = check_low_bits(manifest, config, runtime)
-    for i, store in enumerate(runtime.stores):
+    if copies is not None:
+        copies = {spec.module: spec for spec in copies.layers}
+    for store in runtime.stores:
         if runtime.paged:
             router = None
             if store.policy.router or config.trace or copies is not None:
@@ -62,17 +64,18 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
                     f"miss_bits_weight: the router of {store.spec.module} was not found to "
                     "weigh its misses by; leave miss_bits_weight unset (every miss)")
             residency = make_paged(store, runtime, prefetchers.get(store.layer), router)
-            if copies is not None:
-                residency.low = make_low(path, copies.layers[i], blocks[store.spec.module],
-                                         runtime)
+            low_spec = copies.get(store.spec.module) if copies is not None else None
+            if low_spec is not None:  # MTP layers have no copies
+                residency.low = make_low(path, low_spec, blocks[store.spec.module], runtime)
         else:
             store.preload()
             residency = Resident(store.layer, runtime.events)
         set_module(model, store.spec.module, StreamingExperts(blocks[store.spec.module],
                                                               residency))
     if copies is not None:
-        runtime.reserve(sum(r.low.store.pool.nbytes for r in runtime.residencies),
-                        f"{config.miss_bits}-bit copies of missed experts")
+        runtime.reserve(sum(r.low.store.pool.nbytes for r in runtime.residencies
+                            if r.low is not None),
+                        f"the scratch pools of {config.miss_bits}-bit copies")
     if runtime.paged and config.routing != "exact":
         # After the routers' scorers above were found: they score the
         # router's own choice (prefetch, policies).
@@ -84,10 +87,10 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
 
 
 def make_low(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMisses:
-    """A paged layer's low-bit copies: a pool of as many as two decode
-    calls miss, their store (LRU, checked as the records are) and the
+    """A paged layer's low-bit copies: a scratch pool of as many as a
+    decode call misses, their store (checked as the records are) and the
     expert module that computes with them."""
-    pool = SlotPool(spec, min(2 * spec.top_k, spec.num_experts))
+    pool = SlotPool(spec, scratch_slots(spec))
     blob = blob_path(path, spec)
     source = RecordSource(runtime.reader, runtime.reader.open(str(blob)), None, blob)
     store = ExpertStore(spec, pool, source, LRU(spec.num_experts), runtime.config.checksums,
