@@ -23,11 +23,12 @@ class FormatError(StreamingError):
 class CorruptExpertError(FormatError):
     """An expert record is truncated or fails its checksum."""
 
-    def __init__(self, layer: int, expert: int, what: str):
+    def __init__(self, layer: int, expert: int, what: str,
+                 advice: str = "re-convert the model"):
         self.layer = layer
         self.expert = expert
         super().__init__(
-            f"layer {layer}, expert {expert}: {what}; re-convert the model "
+            f"layer {layer}, expert {expert}: {what}; {advice} "
             "(`mlx_streaming check DIR` lists every damaged record)"
         )
 

@@ -79,11 +79,11 @@ class LowBitMisses:
             return self.store.ensure(experts)
         except CorruptExpertError as e:
             spec = self.store.spec
+            bits = next(iter(spec.quantization.values()))["bits"]
             raise CorruptExpertError(
-                e.layer, e.expert, f"its low-bit copy in {spec.file} fails its checksum (add "
-                f"the copies again: python -m mlx_streaming.convert --out DIR --miss-bits "
-                f"{spec.quantization[next(iter(spec.quantization))]['bits']} --force)"
-            ) from None
+                e.layer, e.expert, f"its low-bit copy in {spec.file} fails its checksum",
+                f"write the copies again with `python -m mlx_streaming.convert --out DIR "
+                f"--miss-bits {bits} --force`") from None
 
     def slot_ids(self, experts: np.ndarray) -> mx.array:
         return mx.array(self.store.pool.slot_of_expert[experts].astype(np.int32))
