@@ -44,6 +44,20 @@ class Server:
             except OSError:
                 time.sleep(0.2)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        # Read stderr as it comes: the server logs a request after replying.
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self.reader.start()
+
+    def _read_stderr(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_for_log(self, text: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)
+            time.sleep(0.05)
 
     def post(self, path, body, raw: bytes = None):
         data = raw if raw is not None else json.dumps(body).encode()
@@ -58,11 +72,12 @@ class Server:
     def stop(self) -> str:
         self.proc.terminate()
         try:
-            _, err = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return err
+            self.proc.wait()
+        self.reader.join(timeout=30)
+        return "".join(self.lines)
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +277,7 @@ def test_rejected_requests_are_logged_with_the_status_sent(chat_model):
         body = {"messages": [{"role": "user", "content": [{"type": "bogus"}]}], "max_tokens": 2}
         assert s.post("/v1/chat/completions", body)[0] == 400
         assert s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        s.wait_for_log("POST /v1/completions 200")
     finally:
         err = s.stop()
     assert "POST /v1/chat/completions 400" in err and " 404" not in err, err
@@ -680,7 +696,9 @@ def test_the_server_exits_cleanly_after_generating_on_its_own_thread(models):
         s = Server(stream_dir, "--slots-per-layer", "4")
         assert s.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})[0] == 200
         s.proc.send_signal(signal.SIGINT)
-        _, err = s.proc.communicate(timeout=60)
+        s.proc.wait(timeout=60)
+        s.reader.join(timeout=30)
+        err = "".join(s.lines)
         assert s.proc.returncode == 0 and "terminate called" not in err, err
 
 
