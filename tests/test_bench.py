@@ -184,6 +184,31 @@ def test_bench_quality_measures_each_setting_against_exact(models, tmp_path):
     assert (tmp_path / "q" / "quality.png").exists()
 
 
+def test_bench_quality_decodes_streams_together(models, tmp_path):
+    """--batch 2: the text cut in two streams, one token of each per call;
+    exact's perplexity is mlx-lm's on the resident model decoding the same
+    two streams together."""
+    import mlx_lm
+
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    text = tmp_path / "text.txt"
+    text.write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 20)
+    _run(["quality", "--model", str(stream_dir), "--text", str(text), "--tokens", "48",
+          "--batch", "2", "--settings", "cache-aware:1:8"], tmp_path / "q")
+    result = json.loads((tmp_path / "q" / "quality.json").read_text())
+    exact, ca = result["rows"]
+    assert result["batch"] == 2 and exact["status"] == ca["status"] == "ok"
+    model, tokenizer = mlx_lm.load(str(src))
+    streams = np.array(tokenizer.encode(text.read_text())[:48]).reshape(2, 24)
+    cache, nll = make_prompt_cache(model), []
+    for i in range(23):
+        logits = model(mx.array(streams[:, i : i + 1]), cache=cache)[:, -1].astype(mx.float32)
+        logp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        nll.extend(-logp[np.arange(2), streams[:, i + 1]])
+    assert exact["ppl"] == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-6)
+    assert ca["route_agreement"] < 1 and ca["mb_per_token"] < exact["mb_per_token"]
+
+
 @pytest.mark.parametrize("settings", ["cache-aware:9:8", "fast", "cache-aware:1:x",
                                       "cache-aware:1:8:-1", "exact,cache-aware,cache-aware"])
 def test_bench_quality_refuses_a_setting_it_cannot_run(models, tmp_path, capsys, settings):
@@ -196,13 +221,17 @@ def test_bench_quality_refuses_a_setting_it_cannot_run(models, tmp_path, capsys,
 def test_bench_serve_compares_serial_batched_and_mlx_lm(models, tmp_path):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     _run(["serve", "--model", str(stream_dir), "--mlx-model", str(src), "--clients", "1,2",
-          "--requests", "2", "--max-tokens", "4", "--rounds", "1"], tmp_path / "serve")
+          "--requests", "2", "--max-tokens", "4", "--rounds", "1", "--cases",
+          "serial,batched,mlx-lm,batched+cache-aware:1:8"], tmp_path / "serve")
     rows = json.loads((tmp_path / "serve" / "serve.json").read_text())["rows"]
     assert sorted((r["server"].split()[0], r["server"].split()[-1], r["clients"])
                   for r in rows) == [
         ("mlx_lm.server", "resident", 1), ("mlx_lm.server", "resident", 2),
         ("mlx_streaming", "batched", 1), ("mlx_streaming", "batched", 2),
+        ("mlx_streaming", "cache-aware:1:8", 1), ("mlx_streaming", "cache-aware:1:8", 2),
         ("mlx_streaming", "serial", 1), ("mlx_streaming", "serial", 2)]
+    # Ratios are to the exact serial server: it is 1.
+    assert [r["vs_serial"] for r in rows if r["case"] == "serial"] == [1.0, 1.0]
     assert all(r["requests"] == 2 and r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0
                and r["itl_p95_s"] > 0 and r["vs_mlx_lm"] > 0 for r in rows)
     ours = [r for r in rows if r["server"].startswith("mlx_streaming")]
@@ -829,7 +858,11 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     (["overhead", "--tokens", "0"], "--tokens: must be an integer from 1"),
     (["overhead", "--rounds", "0"], "--rounds: must be an integer from 1"),
     (["serve", "--clients", "0"], "--clients: must be an integer from 1 to 64"),
-    (["serve", "--cases", "serial,fast"], "--cases: must be one of serial, batched, mlx-lm"),
+    (["serve", "--cases", "serial,fast"], "--cases: must be serial, batched or mlx-lm"),
+    (["serve", "--cases", "mlx-lm+cache-aware"], "--cases: must be serial, batched or mlx-lm"),
+    (["serve", "--cases", "batched+"], "--cases: must be serial, batched or mlx-lm"),
+    (["serve", "--cases", "batched+cache-aware:9:8"], "--cases: .*KEEP must be 1-"),
+    (["quality", "--tokens", "8", "--batch", "8"], "cannot make 8 streams"),
     (["serve", "--requests", "0"], "--requests: must be an integer from 1"),
     (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number at least 0.01"),
     (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number at least 0.01"),

@@ -130,6 +130,75 @@ def test_nothing_resident_or_everything_resident_changes_nothing():
         assert int(passed.item()) == 0 and not np.asarray(changed).any()
 
 
+def test_a_batched_call_counts_what_another_sequence_keeps_as_resident():
+    """Decode of 3 sequences ``[3, 1, E]``: each takes, among its missing
+    candidates, the ones another sequence keeps (read once for all) before
+    the rest; one sequence alone, or a prefill ``[1, L, E]``, is unchanged."""
+    experts, top_k, keep, window = 16, 4, 1, 5
+    # Sequence 0 keeps expert 5; sequence 1 ranks it 5th, sequence 2 not at all.
+    rows = -5.0 - np.arange(3 * experts, dtype=np.float32).reshape(3, experts) / 100
+    rows[0, [5, 1, 2, 3]] = [9, 3, 2, 1]
+    rows[1, [9, 10, 11, 12, 5, 13]] = [9, 8, 7, 6.5, 6, 5]
+    rows[2, [4, 6, 7, 8]] = [9, 8, 7, 6]
+    nothing = mx.zeros((experts,), mx.bool_)
+    batch = mx.array(rows[:, None, :])
+    free = routing.batch_free(nothing, batch, keep)
+    assert np.asarray(free).shape == (1, 1, experts)
+    assert set(np.nonzero(np.asarray(free)[0, 0])[0].tolist()) == {5, 9, 4}
+    # Sequence 1 takes its 5th, free, before its missing 4th.
+    chosen, changed, _ = routing.choose(batch, free, top_k, keep, window)
+    assert set(np.nonzero(np.asarray(chosen)[1, 0])[0].tolist()) == {9, 10, 11, 5}
+    assert np.asarray(changed)[:, 0, 0].tolist() == [False, True, False]
+    own, _, _ = routing.choose(batch, nothing, top_k, keep, window)
+    assert set(np.nonzero(np.asarray(own)[1, 0])[0].tolist()) == {9, 10, 11, 12}
+    alone = routing.batch_free(nothing, batch[1:2], keep)
+    assert set(np.nonzero(np.asarray(alone))[-1].tolist()) == {9}
+    # A prefill's tokens are one sequence's: no token's keep frees another's.
+    prefill = routing.batch_free(nothing, mx.array(rows[None]), keep)
+    assert np.asarray(prefill).shape == (1, 3, experts)
+    assert [set(np.nonzero(r)[0].tolist()) for r in np.asarray(prefill)[0]] == [{5}, {9}, {4}]
+    # A family that flattens its tokens ``[tokens, E]``: all of them.
+    flat = routing.batch_free(nothing, mx.array(rows), keep)
+    assert set(np.nonzero(np.asarray(flat)[0])[0].tolist()) == {5, 9, 4}
+
+
+def test_batched_decode_takes_experts_other_sequences_read(models, monkeypatch):
+    """In batch_generate's decode calls some token takes, in place of one
+    of its own missing top-k, an expert that is not resident but that
+    another sequence keeps."""
+    _, stream_dir = models.get("qwen3_moe", True)
+    calls, originals = [], (routing.batch_free, routing.choose)
+
+    def batch_free(resident, scores, keep):
+        calls.append(dict(resident=np.asarray(resident), scores=np.asarray(scores), keep=keep))
+        return originals[0](resident, scores, keep)
+
+    def choose(scores, resident, top_k, *args, **kwargs):
+        out = originals[1](scores, resident, top_k, *args, **kwargs)
+        calls[-1].update(chosen=np.asarray(out[0]), top_k=top_k)
+        return out
+
+    monkeypatch.setattr(routing, "batch_free", batch_free)
+    monkeypatch.setattr(routing, "choose", choose)
+    model, tokenizer = mlx_streaming.load(stream_dir, slots_per_layer=4,
+                                          routing="cache-aware", routing_keep=1)
+    prompts = [[1, 7, 42, 300, 5], [18, 99, 260], [3, 77, 150, 11, 480, 23]]
+    mlx_streaming.batch_generate(model, tokenizer, prompts, max_tokens=8)
+    model.streaming.close()
+    shared = 0
+    for c in calls:
+        scores = c["scores"].reshape(-1, c["scores"].shape[-1])
+        if scores.shape[0] < 2 or c["scores"].ndim < 3 or c["scores"].shape[1] != 1:
+            continue  # not a batched decode call
+        rank = np.argsort(np.argsort(-scores, axis=-1), axis=-1)
+        kept = rank < c["keep"]
+        for t, chosen in enumerate(c["chosen"].reshape(scores.shape)):
+            others = kept[np.arange(len(kept)) != t].any(axis=0)
+            taken = chosen & ~(rank[t] < c["top_k"]) & ~c["resident"] & others
+            shared += int(taken.sum())
+    assert shared > 0
+
+
 def _record_routing(model):
     """Per paged layer, the (scores, window, keep) and the ids each call got."""
     calls = {}

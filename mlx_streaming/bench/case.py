@@ -244,28 +244,34 @@ def reads(case, model, tokenizer) -> dict:
 
 def quality(case, model, tokenizer) -> dict:
     """Teacher-forced decode of ``tokens`` tokens of ``text``, one token per
-    call: perplexity, and with ``reference`` (the exact run's log-probs,
-    which ``save`` writes) top-1 agreement and mean KL(exact || this)."""
+    call, or with ``batch`` B the text cut into B streams decoded together
+    (one token of each per call, as batched serving decodes): perplexity,
+    and with ``reference`` (the exact run's log-probs, which ``save``
+    writes) top-1 agreement and mean KL(exact || this)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    batch = case.get("batch", 1)
     with open(case["text"], errors="ignore") as f:
         tokens = tokenizer.encode(f.read())[: case["tokens"]]
-    if len(tokens) < 2:
-        raise ValueError(f"{case['text']} holds fewer than 2 tokens")
+    length = len(tokens) // batch
+    if length < 2:
+        raise ValueError(f"{case['text']} holds fewer than 2 tokens per stream")
+    streams = np.array(tokens[: batch * length]).reshape(batch, length)
     cache = make_prompt_cache(model)
     rows, start = [], None
-    for i, t in enumerate(tokens[:-1]):
+    for i in range(length - 1):
         if i == WARMUP_TOKENS:
             start = time.perf_counter()
-        logits = model(mx.array([[t]]), cache=cache)[0, -1].astype(mx.float32)
-        rows.append(logits - mx.logsumexp(logits))
+        logits = model(mx.array(streams[:, i : i + 1]), cache=cache)[:, -1].astype(mx.float32)
+        rows.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         mx.eval(rows[-1])
     end = time.perf_counter()
-    logp = np.stack([np.array(r) for r in rows])
-    nll = -logp[np.arange(len(logp)), tokens[1:]]
+    # (stream, position) order: one stream's tokens after another's.
+    logp = np.stack([np.array(r) for r in rows], axis=1).reshape(-1, rows[0].shape[-1])
+    nll = -logp[np.arange(len(logp)), streams[:, 1:].reshape(-1)]
     out = dict(tokens=len(logp), ppl=float(np.exp(nll.mean())), stats=_streaming_totals(model))
     if start is not None:
-        out["decode_tps"] = (len(logp) - WARMUP_TOKENS) / (end - start)
+        out["decode_tps"] = batch * (length - 1 - WARMUP_TOKENS) / (end - start)
     if case.get("save"):
         np.save(case["save"], logp)
     if case.get("reference"):

@@ -1,7 +1,8 @@
 """bench quality: what an approximate setting costs, and what it saves.
 
 Reads a text through the streamed model one token per call (as decode
-does), once exactly and once per setting, each in its own process, and
+does; with --batch B, B streams of it one token each per call, as batched
+serving does), once exactly and once per setting, each in its own process, and
 reports per setting: perplexity and its change, next-token top-1 agreement
 and mean KL divergence against exact, route agreement (the share of the
 router's own (token, layer, expert) choices kept), hit rate and bytes read
@@ -65,6 +66,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pace-mbps", type=number(0.01, open_low=False), default=None,
                    help="emulate a disk of this many MB/s in the model's reader "
                         "(read_pace_mbps)")
+    p.add_argument("--batch", type=count(1, 64), default=1,
+                   help="cut the text into this many streams decoded together, one token "
+                        "of each per call (as batched serving decodes)")
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
                    help="rounds of all cases, interleaved; speeds are paired per round")
     p.add_argument("--out", type=Path, default=Path("bench-results/quality"))
@@ -87,14 +91,14 @@ def parse_settings(text: Optional[str], top_k: int, num_experts: int,
         names = [n.strip() for n in text.split(",") if n.strip() != "exact"]
     out = [dict(name="exact", load=dict(routing="exact"))]
     for name in names:
-        out.append(dict(name=name, load=_setting(name, top_k, num_experts)))
+        out.append(dict(name=name, load=setting_options(name, top_k, num_experts)))
     if len({s["name"] for s in out}) != len(out):
         raise BenchError("--settings names a setting twice")
     return out
 
 
-def _setting(name: str, top_k: int, num_experts: int) -> dict:
-    """The load() options of one ``--settings`` entry."""
+def setting_options(name: str, top_k: int, num_experts: int) -> dict:
+    """The load() options of one setting (a ``--settings`` entry)."""
     routing, plus, low = name.partition("+miss-bits:")
     if name.startswith("miss-bits:"):
         routing, plus, low = "", "+", name[len("miss-bits:"):]
@@ -177,6 +181,8 @@ def run(args) -> dict:
                               [c.bits for c in manifest.low_bits])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.tokens < 2 * args.batch:
+        raise BenchError(f"--tokens {args.tokens} cannot make {args.batch} streams of 2 tokens")
     text = args.text or held_out_text(out, args.tokens)
     slots = pool_slots(spec, args.pool)
     base = dict(slots_per_layer=slots)
@@ -196,7 +202,7 @@ def run(args) -> dict:
     for r in range(args.repeats):
         for s in settings:
             case = dict(op="quality", kind="streaming", model=str(args.model),
-                        text=str(text), tokens=args.tokens,
+                        text=str(text), tokens=args.tokens, batch=args.batch,
                         load=dict(base, **s["load"], slots_per_layer=s["slots"]))
             if r == 0:
                 case["save" if s["name"] == "exact" else "reference"] = str(reference)
@@ -212,9 +218,11 @@ def run(args) -> dict:
             row["ppl_change"] = row["ppl"] / exact_ppl - 1
     disk = (f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else "") + \
         (f", reads paced at {args.pace_mbps:g} MB/s" if args.pace_mbps else "")
-    title = (f"bench quality: {Path(args.model).name}, {args.tokens} tokens of {Path(text).name}, "
-             f"pool {slots}/{spec.num_experts} experts per layer{disk}")
+    streams = f" in {args.batch} streams decoded together" if args.batch > 1 else ""
+    title = (f"bench quality: {Path(args.model).name}, {args.tokens} tokens of {Path(text).name}"
+             f"{streams}, pool {slots}/{spec.num_experts} experts per layer{disk}")
     result = dict(model=str(args.model), text=str(text), tokens=args.tokens, slots=slots,
+                  batch=args.batch,
                   read_mbps=args.read_mbps, pace_mbps=args.pace_mbps, rows=rows)
     return finish(out, "quality", result, rows, COLUMNS, title, _plot)
 

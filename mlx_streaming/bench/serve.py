@@ -9,6 +9,7 @@ rounds, with ratios to the serial server and to mlx-lm from the same run.
     python -m mlx_streaming.bench serve --model STREAM --mlx-model MLX [--read-mbps 50]
 """
 
+import argparse
 import json
 import socket
 import subprocess
@@ -24,7 +25,8 @@ import numpy as np
 
 from ..format import read_manifest
 from .common import BenchError, ReadLimit, figure, finish, pool_slots
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number, one_of
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
+from .quality import setting_options
 
 # A different prompt per request: clients share no prompt cache.
 PROMPTS = ["def main(", "import os\n", "class Parser:", "for i in range(", "while True:",
@@ -39,6 +41,16 @@ COLUMNS = [("server", "server", "s"), ("clients", "clients", "d"),
            ("hit_rate", "hit", ".0%"), ("mb_read_per_token", "MB read/tok", ".3g"),
            ("requests", "requests", "d")]
 CASES = ("serial", "batched", "mlx-lm")
+CASE_FORMS = "serial, batched or mlx-lm; serial+SETTING or batched+SETTING"
+
+
+def serve_case(text: str) -> str:
+    """A ``--cases`` entry: a case, or ours with an approximate setting of
+    bench quality's (``batched+cache-aware:3:8``)."""
+    case, plus, setting = text.partition("+")
+    if case not in CASES or (plus and (case == "mlx-lm" or not setting)):
+        raise argparse.ArgumentTypeError(f"must be {CASE_FORMS}, got {text!r}")
+    return text
 
 
 def add_arguments(p) -> None:
@@ -53,9 +65,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
     p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=2,
                    help="interleaved rounds (median kept)")
-    p.add_argument("--cases", type=listed(one_of(CASES)), default=",".join(CASES),
+    p.add_argument("--cases", type=listed(serve_case), default=",".join(CASES),
                    help="serial (one request at a time), batched (decoded together), mlx-lm "
-                        "(mlx_lm.server on the resident model, batching)")
+                        "(mlx_lm.server on the resident model, batching); serial+SETTING or "
+                        "batched+SETTING run ours with an approximate setting of bench "
+                        "quality's (batched+cache-aware:3:8)")
     p.add_argument("--decode-concurrency", type=count(1, 64), default=8,
                    help="sequences decoded together in the batched cases")
     p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
@@ -181,25 +195,40 @@ def _measure(proc: "_Process", clients: int, args) -> dict:
     return row
 
 
-def _servers(args, slots: int, num_experts: int, ports) -> Dict[str, list]:
+def _servers(args, slots: int, spec) -> Dict[str, tuple]:
+    """``{label: (case, command)}`` of each of ``--cases`` (its text, as
+    ``batched+cache-aware:3:8``), on a port of its own."""
     ours = [sys.executable, "-m", "mlx_streaming.server", "--model", str(args.model),
             "--slots-per-layer", str(slots), "--max-queue", str(max(args.clients))]
     if args.read_mbps:
         ours += ["--direct-io", "on"]  # the page cache would hide the throttle
-    name = f"mlx_streaming pool {slots}/{num_experts}"
-    commands = {
-        "serial": (f"{name} serial", ours + ["--decode-concurrency", "1"]),
-        "batched": (f"{name} batched", ours + ["--decode-concurrency",
-                                              str(args.decode_concurrency)]),
-        "mlx-lm": ("mlx_lm.server resident", [
-            sys.executable, "-m", "mlx_lm", "server", "--model", str(args.mlx_model),
-            "--decode-concurrency", str(args.decode_concurrency)]),
-    }
+    concurrency = {"serial": "1", "batched": str(args.decode_concurrency)}
     if "mlx-lm" in args.cases and not args.mlx_model:
         raise BenchError("the mlx-lm case needs --mlx-model (or leave it out of --cases)")
-    return {label: command + ["--port", str(port)]
-            for (case, (label, command)), port in zip(commands.items(), ports)
-            if case in args.cases}
+    servers = {}
+    for case in args.cases:
+        kind, _, setting = case.partition("+")
+        if kind == "mlx-lm":
+            servers["mlx_lm.server resident"] = (case, [
+                sys.executable, "-m", "mlx_lm", "server", "--model", str(args.mlx_model),
+                "--decode-concurrency", str(args.decode_concurrency)])
+            continue
+        flags = _setting_flags(setting, spec) if setting else []
+        label = f"mlx_streaming pool {slots}/{spec.num_experts} {kind}" + \
+            (f", {setting}" if setting else "")
+        servers[label] = (case, ours + ["--decode-concurrency", concurrency[kind]] + flags)
+    return {label: (case, command + ["--port", str(_free_port())])
+            for label, (case, command) in servers.items()}
+
+
+def _setting_flags(setting: str, spec) -> List[str]:
+    """Our server's flags for one of bench quality's settings."""
+    try:
+        options = setting_options(setting, spec.top_k, spec.num_experts)
+    except BenchError as e:
+        raise BenchError(f"--cases: {e}") from None
+    return [flag for key, value in options.items()
+            for flag in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def run(args) -> dict:
@@ -207,13 +236,13 @@ def run(args) -> dict:
     manifest = read_manifest(stream_dir)
     spec = manifest.layers[0]
     slots = pool_slots(spec, args.pool)
-    servers = _servers(args, slots, spec.num_experts, [_free_port() for _ in CASES])
+    servers = _servers(args, slots, spec)
     running, throttle = {}, None
     try:
         if args.read_mbps:
             throttle = ReadLimit(args.read_mbps, stream_dir)
-        for name, command in servers.items():
-            ours = not name.startswith("mlx_lm")
+        for name, (case, command) in servers.items():
+            ours = case != "mlx-lm"
             running[name] = _Process(command, int(command[-1]), throttle if ours else None)
         measured = {(n, c): [] for n in servers for c in args.clients}
         for _ in range(args.rounds):  # interleaved: slow spells hit every case alike
@@ -225,7 +254,7 @@ def run(args) -> dict:
             proc.stop()
         if throttle is not None:
             throttle.close()
-    rows = _rows(measured)
+    rows = _rows(measured, {name: case for name, (case, _) in servers.items()})
     title = (f"bench serve: {args.requests} requests x {args.max_tokens} tokens per client "
              f"count, greedy, median of {args.rounds} interleaved rounds"
              + (f", our servers' reads throttled to {args.read_mbps:g} MB/s"
@@ -236,18 +265,18 @@ def run(args) -> dict:
     return finish(args.out, "serve", result, rows, COLUMNS, title, _plot)
 
 
-def _rows(measured) -> List[dict]:
+def _rows(measured, cases: Dict[str, str]) -> List[dict]:
     """The median round of each (server, clients), with its ratios to the
-    serial server and to mlx-lm's at the same client count."""
+    exact serial server and to mlx-lm's at the same client count."""
     rows = []
     for (name, c), runs in measured.items():
         middle = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-        rows.append(dict(middle, server=name, clients=c,
+        rows.append(dict(middle, server=name, clients=c, case=cases[name],
                          runs_tokens_per_s=[r["tokens_per_s"] for r in runs]))
     for row in rows:
-        for key, marker in (("vs_serial", " serial"), ("vs_mlx_lm", "mlx_lm")):
+        for key, case in (("vs_serial", "serial"), ("vs_mlx_lm", "mlx-lm")):
             base = next((r for r in rows if r["clients"] == row["clients"]
-                         and marker in r["server"]), None)
+                         and r["case"] == case), None)
             row[key] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
     return rows
 

@@ -15,7 +15,9 @@ its logits are the exact ones, bit for bit (``keep == top_k`` is exact).
 
 Everything runs on the device in the router's graph: the resident set is
 the layer's expert-to-slot table, read before this call's misses are
-filled, so no host sync is added.
+filled, so no host sync is added. In a call of several sequences (batched
+decode), an expert another sequence keeps counts as resident: the call
+reads it once for all of them.
 """
 
 from typing import List, Optional, Tuple
@@ -93,6 +95,18 @@ def choose(scores: mx.array, resident: mx.array, top_k: int, keep: int, window: 
         chosen = _preferred(scores, rank, resident, top_k, keep, window, bonus)
     left_out = own & ~chosen
     return chosen, mx.any(left_out, axis=-1, keepdims=True), left_out.sum()
+
+
+def batch_free(resident: mx.array, scores: mx.array, keep: int) -> mx.array:
+    """``resident`` with the experts any other sequence of the call keeps
+    (its router's top ``keep``, read for it anyway): per position across
+    the batch for ``[batch, tokens, E]`` scores, across every token for a
+    family that flattens them (``[tokens, E]``). A single sequence's
+    decode call adds only its own top ``keep``, which it takes anyway."""
+    top = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]
+    kept = mx.put_along_axis(mx.zeros(scores.shape, mx.bool_), top, mx.array(True), axis=-1)
+    axes = 0 if kept.ndim >= 3 else tuple(range(kept.ndim - 1))
+    return resident | mx.any(kept, axis=axes, keepdims=True)
 
 
 def bias_boost(chosen: mx.array, changed: mx.array) -> mx.array:
@@ -206,7 +220,8 @@ class CacheAwareRouter(nn.Module):
         self.restore()
         logits = self.gate(x) if self.linear else x @ self.gate["weight"].T
         scores = self.scores(logits)
-        resident = self.table >= 0
+        # What another sequence of a batched call keeps is read once for all.
+        resident = batch_free(self.table >= 0, scores, keep)
         chosen, changed, passed = choose(scores, resident, top_k, keep, window,
                                          bonus=self.bonus, mode=self.mode)
         self._count(passed)
