@@ -30,6 +30,8 @@ def unions(model_dir: str, text: str, tokens: int, batch: int) -> dict:
                                               trace=trace)
         ids = tokenizer.encode(text)[:tokens]
         length = len(ids) // batch
+        if length < 2:
+            raise SystemExit(f"error: {len(ids)} tokens cannot make {batch} streams of 2")
         streams = np.array(ids[: batch * length]).reshape(batch, length)
         cache = make_prompt_cache(model)
         for i in range(length - 1):

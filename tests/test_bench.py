@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming.bench import cache as bench_cache
 from mlx_streaming.bench.__main__ import main as bench_main
-from mlx_streaming.bench.common import routing_stats
+from mlx_streaming.bench.common import BenchError, routing_stats
 from mlx_streaming.bench.speculative import expected_tokens
 from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.runtime.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA, make_policy
@@ -230,13 +230,40 @@ def test_bench_serve_compares_serial_batched_and_mlx_lm(models, tmp_path):
         ("mlx_streaming", "batched", 1), ("mlx_streaming", "batched", 2),
         ("mlx_streaming", "cache-aware:1:8", 1), ("mlx_streaming", "cache-aware:1:8", 2),
         ("mlx_streaming", "serial", 1), ("mlx_streaming", "serial", 2)]
-    # Ratios are to the exact serial server: it is 1.
-    assert [r["vs_serial"] for r in rows if r["case"] == "serial"] == [1.0, 1.0]
+    routed = [r for r in rows if r["case"] == "batched+cache-aware:1:8"]
+    serial = {r["clients"]: r["tokens_per_s"] for r in rows if r["case"] == "serial"}
+    assert [r["vs_serial"] for r in routed] == [r["tokens_per_s"] / serial[r["clients"]]
+                                                for r in routed]
     assert all(r["requests"] == 2 and r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0
                and r["itl_p95_s"] > 0 and r["vs_mlx_lm"] > 0 for r in rows)
     ours = [r for r in rows if r["server"].startswith("mlx_streaming")]
     assert all(r["mb_read_per_token"] >= 0 and 0 <= r["hit_rate"] <= 1 for r in ours)
     assert (tmp_path / "serve" / "serve.png").exists()
+
+
+def test_bench_serve_starts_each_case_with_its_setting(models):
+    """A ``+SETTING`` case's server gets the setting's flags (with low-bit
+    copies, its pool: tests/test_low_bits.py)."""
+    import argparse
+
+    from mlx_streaming.bench import serve
+
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    manifest = mlx_streaming.format.read_manifest(stream_dir)
+    args = argparse.Namespace(model=stream_dir, mlx_model=None, clients=[1, 4],
+                              decode_concurrency=8, read_mbps=None,
+                              cases=["serial", "batched+cache-aware:1:8"])
+    servers = serve._servers(args, 6, manifest)
+    (serial, (_, plain)), (routed, (case, flags)) = servers.items()
+    assert serial.endswith("pool 6/16 serial") and case == "batched+cache-aware:1:8"
+    assert "--routing" not in plain and plain[plain.index("--decode-concurrency") + 1] == "1"
+    assert flags[flags.index("--routing") + 1] == "cache-aware"
+    assert flags[flags.index("--routing-keep") + 1] == "1"
+    assert flags[flags.index("--routing-window") + 1] == "8"
+    assert flags[flags.index("--decode-concurrency") + 1] == "8"
+    args.cases = ["serial", "serial"]
+    with pytest.raises(BenchError, match="names a case twice"):
+        serve._servers(args, 6, manifest)
 
 
 def test_bench_decode_compares_policies_and_prefetch_under_a_read_limit(models, tmp_path):
@@ -861,7 +888,8 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     (["serve", "--cases", "serial,fast"], "--cases: must be serial, batched or mlx-lm"),
     (["serve", "--cases", "mlx-lm+cache-aware"], "--cases: must be serial, batched or mlx-lm"),
     (["serve", "--cases", "batched+"], "--cases: must be serial, batched or mlx-lm"),
-    (["serve", "--cases", "batched+cache-aware:9:8"], "--cases: .*KEEP must be 1-"),
+    (["serve", "--cases", "batched+cache-aware:9:8"], "--cases batched.* KEEP must be 1-"),
+    (["serve", "--cases", "batched+exact"], "--cases: batched is exact already"),
     (["quality", "--tokens", "8", "--batch", "8"], "cannot make 8 streams"),
     (["serve", "--requests", "0"], "--requests: must be an integer from 1"),
     (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number at least 0.01"),

@@ -311,3 +311,22 @@ def test_bench_quality_gives_miss_bits_the_same_memory(models, tmp_path, capsys)
     assert bench_main(["quality", "--model", str(out), "--settings", "miss-bits:3",
                        "--out", str(tmp_path / "q3")]) == 1
     assert "no 3-bit copies" in capsys.readouterr().err
+
+
+def test_bench_serve_gives_miss_bits_the_same_memory(models, tmp_path):
+    """A served ``+miss-bits`` case gets bench quality's pool: the copies'
+    scratch out of the same expert memory."""
+    import argparse
+
+    from mlx_streaming.bench import serve
+    from mlx_streaming.bench.quality import equal_memory_slots
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    manifest = read_manifest(_with_copies(stream_dir, tmp_path))
+    args = argparse.Namespace(model=stream_dir, mlx_model=None, clients=[4], read_mbps=None,
+                              decode_concurrency=4, cases=["batched", "batched+miss-bits:2"])
+    (_, (_, plain)), (_, (_, low)) = serve._servers(args, 12, manifest).items()
+    pool = equal_memory_slots(manifest, 12, 2)
+    assert pool < 12 and plain[plain.index("--slots-per-layer") + 1] == "12"
+    assert low[low.index("--slots-per-layer") + 1] == str(pool)
+    assert low[low.index("--miss-bits") + 1] == "2"

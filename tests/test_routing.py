@@ -133,33 +133,27 @@ def test_nothing_resident_or_everything_resident_changes_nothing():
 def test_a_batched_call_counts_what_another_sequence_keeps_as_resident():
     """Decode of 3 sequences ``[3, 1, E]``: each takes, among its missing
     candidates, the ones another sequence keeps (read once for all) before
-    the rest; one sequence alone, or a prefill ``[1, L, E]``, is unchanged."""
+    the rest. One sequence alone, a prefill ``[1, L, E]`` and a family's
+    flattened tokens ``[N, E]`` route against the pool alone."""
     experts, top_k, keep, window = 16, 4, 1, 5
     # Sequence 0 keeps expert 5; sequence 1 ranks it 5th, sequence 2 not at all.
     rows = -5.0 - np.arange(3 * experts, dtype=np.float32).reshape(3, experts) / 100
     rows[0, [5, 1, 2, 3]] = [9, 3, 2, 1]
     rows[1, [9, 10, 11, 12, 5, 13]] = [9, 8, 7, 6.5, 6, 5]
     rows[2, [4, 6, 7, 8]] = [9, 8, 7, 6]
-    nothing = mx.zeros((experts,), mx.bool_)
+    resident = mx.array(np.arange(experts) == 15)
     batch = mx.array(rows[:, None, :])
-    free = routing.batch_free(nothing, batch, keep)
+    free = routing.batch_free(resident, batch, keep)
     assert np.asarray(free).shape == (1, 1, experts)
-    assert set(np.nonzero(np.asarray(free)[0, 0])[0].tolist()) == {5, 9, 4}
+    assert set(np.nonzero(np.asarray(free)[0, 0])[0].tolist()) == {5, 9, 4, 15}
     # Sequence 1 takes its 5th, free, before its missing 4th.
     chosen, changed, _ = routing.choose(batch, free, top_k, keep, window)
     assert set(np.nonzero(np.asarray(chosen)[1, 0])[0].tolist()) == {9, 10, 11, 5}
     assert np.asarray(changed)[:, 0, 0].tolist() == [False, True, False]
-    own, _, _ = routing.choose(batch, nothing, top_k, keep, window)
+    own, _, _ = routing.choose(batch, resident, top_k, keep, window)
     assert set(np.nonzero(np.asarray(own)[1, 0])[0].tolist()) == {9, 10, 11, 12}
-    alone = routing.batch_free(nothing, batch[1:2], keep)
-    assert set(np.nonzero(np.asarray(alone))[-1].tolist()) == {9}
-    # A prefill's tokens are one sequence's: no token's keep frees another's.
-    prefill = routing.batch_free(nothing, mx.array(rows[None]), keep)
-    assert np.asarray(prefill).shape == (1, 3, experts)
-    assert [set(np.nonzero(r)[0].tolist()) for r in np.asarray(prefill)[0]] == [{5}, {9}, {4}]
-    # A family that flattens its tokens ``[tokens, E]``: all of them.
-    flat = routing.batch_free(nothing, mx.array(rows), keep)
-    assert set(np.nonzero(np.asarray(flat)[0])[0].tolist()) == {5, 9, 4}
+    for alone in (batch[1:2], mx.array(rows[None]), mx.array(rows)):
+        assert routing.batch_free(resident, alone, keep) is resident
 
 
 def test_batched_decode_takes_experts_other_sequences_read(models, monkeypatch):

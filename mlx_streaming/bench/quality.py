@@ -97,51 +97,52 @@ def parse_settings(text: Optional[str], top_k: int, num_experts: int,
     return out
 
 
-def setting_options(name: str, top_k: int, num_experts: int) -> dict:
-    """The load() options of one setting (a ``--settings`` entry)."""
+def setting_options(name: str, top_k: int, num_experts: int, flag: str = "--settings") -> dict:
+    """The load() options of one setting (an entry of ``flag``, which
+    errors name)."""
     routing, plus, low = name.partition("+miss-bits:")
     if name.startswith("miss-bits:"):
         routing, plus, low = "", "+", name[len("miss-bits:"):]
-    load = _routing_setting(routing, top_k, num_experts) if routing else {}
-    return dict(load, **_miss_bits_setting(name, low)) if plus else load
+    load = _routing_setting(routing, top_k, num_experts, flag) if routing else {}
+    return dict(load, **_miss_bits_setting(name, low, flag)) if plus else load
 
 
-def _miss_bits_setting(name: str, text: str) -> dict:
+def _miss_bits_setting(name: str, text: str, flag: str) -> dict:
     bits, _, weight = text.partition(":")
     try:
         load = dict(miss_bits=int(bits))
         if weight:
             load["miss_bits_weight"] = float(weight)
     except ValueError:
-        raise BenchError(f"--settings {name}: miss-bits takes BITS[:WEIGHT], an integer and "
+        raise BenchError(f"{flag} {name}: miss-bits takes BITS[:WEIGHT], an integer and "
                          "a number") from None
     if not 0 <= load.get("miss_bits_weight", 0) <= 1:
-        raise BenchError(f"--settings {name}: WEIGHT must be 0-1")
+        raise BenchError(f"{flag} {name}: WEIGHT must be 0-1")
     return load
 
 
-def _routing_setting(name: str, top_k: int, num_experts: int) -> dict:
+def _routing_setting(name: str, top_k: int, num_experts: int, flag: str) -> dict:
     mode, *values = name.split(":")
     sizes = {"cache-aware": (0, 2, 3), "top-k-cut": (0, 1), "skip-misses": (0, 1)}
     if mode not in sizes or len(values) not in sizes[mode]:
-        raise BenchError(f"--settings takes {SETTING_FORMS}; got {name!r}")
+        raise BenchError(f"{flag} takes {SETTING_FORMS}; got {name!r}")
     load = dict(routing=mode)
     try:
         numbers = [int(v) for v in values[:2]] + [float(v) for v in values[2:]]
     except ValueError:
-        raise BenchError(f"--settings: KEEP and WINDOW are integers, BONUS a number; "
+        raise BenchError(f"{flag}: KEEP and WINDOW are integers, BONUS a number; "
                          f"got {name!r}") from None
     if numbers:
         if not 1 <= numbers[0] <= top_k:
-            raise BenchError(f"--settings {name}: KEEP must be 1-{top_k}")
+            raise BenchError(f"{flag} {name}: KEEP must be 1-{top_k}")
         load["routing_keep"] = numbers[0]
     if len(numbers) > 1:
         if not top_k <= numbers[1] <= num_experts:
-            raise BenchError(f"--settings {name}: WINDOW must be {top_k}-{num_experts}")
+            raise BenchError(f"{flag} {name}: WINDOW must be {top_k}-{num_experts}")
         load["routing_window"] = numbers[1]
     if len(numbers) > 2:
         if not 0 <= numbers[2] < float("inf"):
-            raise BenchError(f"--settings {name}: BONUS must be 0 or more")
+            raise BenchError(f"{flag} {name}: BONUS must be 0 or more")
         load["routing_bonus"] = numbers[2]
     return load
 

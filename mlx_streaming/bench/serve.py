@@ -26,7 +26,7 @@ import numpy as np
 from ..format import read_manifest
 from .common import BenchError, ReadLimit, figure, finish, pool_slots
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
-from .quality import setting_options
+from .quality import equal_memory_slots, setting_options
 
 # A different prompt per request: clients share no prompt cache.
 PROMPTS = ["def main(", "import os\n", "class Parser:", "for i in range(", "while True:",
@@ -46,10 +46,13 @@ CASE_FORMS = "serial, batched or mlx-lm; serial+SETTING or batched+SETTING"
 
 def serve_case(text: str) -> str:
     """A ``--cases`` entry: a case, or ours with an approximate setting of
-    bench quality's (``batched+cache-aware:3:8``)."""
+    bench quality's (``batched+cache-aware:3:8``; checked against the
+    model when the bench starts)."""
     case, plus, setting = text.partition("+")
     if case not in CASES or (plus and (case == "mlx-lm" or not setting)):
         raise argparse.ArgumentTypeError(f"must be {CASE_FORMS}, got {text!r}")
+    if setting == "exact":
+        raise argparse.ArgumentTypeError(f"{case} is exact already, got {text!r}")
     return text
 
 
@@ -195,16 +198,15 @@ def _measure(proc: "_Process", clients: int, args) -> dict:
     return row
 
 
-def _servers(args, slots: int, spec) -> Dict[str, tuple]:
+def _servers(args, slots: int, manifest) -> Dict[str, tuple]:
     """``{label: (case, command)}`` of each of ``--cases`` (its text, as
     ``batched+cache-aware:3:8``), on a port of its own."""
-    ours = [sys.executable, "-m", "mlx_streaming.server", "--model", str(args.model),
-            "--slots-per-layer", str(slots), "--max-queue", str(max(args.clients))]
-    if args.read_mbps:
-        ours += ["--direct-io", "on"]  # the page cache would hide the throttle
-    concurrency = {"serial": "1", "batched": str(args.decode_concurrency)}
+    spec = manifest.layers[0]
+    if len(set(args.cases)) != len(args.cases):
+        raise BenchError("--cases names a case twice")
     if "mlx-lm" in args.cases and not args.mlx_model:
         raise BenchError("the mlx-lm case needs --mlx-model (or leave it out of --cases)")
+    concurrency = {"serial": "1", "batched": str(args.decode_concurrency)}
     servers = {}
     for case in args.cases:
         kind, _, setting = case.partition("+")
@@ -213,22 +215,22 @@ def _servers(args, slots: int, spec) -> Dict[str, tuple]:
                 sys.executable, "-m", "mlx_lm", "server", "--model", str(args.mlx_model),
                 "--decode-concurrency", str(args.decode_concurrency)])
             continue
-        flags = _setting_flags(setting, spec) if setting else []
-        label = f"mlx_streaming pool {slots}/{spec.num_experts} {kind}" + \
+        options = setting_options(setting, spec.top_k, spec.num_experts,
+                                  f"--cases {case}") if setting else {}
+        # As in bench quality: a low-bit copies' scratch comes out of the pool.
+        pool = equal_memory_slots(manifest, slots, options.get("miss_bits"))
+        command = [sys.executable, "-m", "mlx_streaming.server", "--model", str(args.model),
+                   "--slots-per-layer", str(pool), "--max-queue", str(max(args.clients)),
+                   "--decode-concurrency", concurrency[kind]]
+        if args.read_mbps:
+            command += ["--direct-io", "on"]  # the page cache would hide the throttle
+        command += [flag for key, value in options.items()
+                    for flag in (f"--{key.replace('_', '-')}", str(value))]
+        label = f"mlx_streaming pool {pool}/{spec.num_experts} {kind}" + \
             (f", {setting}" if setting else "")
-        servers[label] = (case, ours + ["--decode-concurrency", concurrency[kind]] + flags)
+        servers[label] = (case, command)
     return {label: (case, command + ["--port", str(_free_port())])
             for label, (case, command) in servers.items()}
-
-
-def _setting_flags(setting: str, spec) -> List[str]:
-    """Our server's flags for one of bench quality's settings."""
-    try:
-        options = setting_options(setting, spec.top_k, spec.num_experts)
-    except BenchError as e:
-        raise BenchError(f"--cases: {e}") from None
-    return [flag for key, value in options.items()
-            for flag in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def run(args) -> dict:
@@ -236,7 +238,7 @@ def run(args) -> dict:
     manifest = read_manifest(stream_dir)
     spec = manifest.layers[0]
     slots = pool_slots(spec, args.pool)
-    servers = _servers(args, slots, spec)
+    servers = _servers(args, slots, manifest)
     running, throttle = {}, None
     try:
         if args.read_mbps:

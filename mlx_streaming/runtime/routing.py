@@ -15,9 +15,9 @@ its logits are the exact ones, bit for bit (``keep == top_k`` is exact).
 
 Everything runs on the device in the router's graph: the resident set is
 the layer's expert-to-slot table, read before this call's misses are
-filled, so no host sync is added. In a call of several sequences (batched
-decode), an expert another sequence keeps counts as resident: the call
-reads it once for all of them.
+filled, so no host sync is added. In a batched decode call (several
+sequences, one token each), an expert another sequence keeps counts as
+resident: the call reads it once for all of them.
 """
 
 from typing import List, Optional, Tuple
@@ -83,7 +83,7 @@ def choose(scores: mx.array, resident: mx.array, top_k: int, keep: int, window: 
     their scores with ``bonus`` added to the resident ones'; top-k-cut:
     nothing else; skip-misses: the resident ones of its own top-k.
     """
-    rank = mx.argsort(mx.argsort(-scores, axis=-1), axis=-1).astype(mx.int32)
+    rank = ranks(scores)
     # Experts of the groups a group-limited router drops are never candidates.
     window = mx.minimum(window, (scores > -mx.inf).sum(axis=-1, keepdims=True))
     own = rank < top_k
@@ -97,16 +97,20 @@ def choose(scores: mx.array, resident: mx.array, top_k: int, keep: int, window: 
     return chosen, mx.any(left_out, axis=-1, keepdims=True), left_out.sum()
 
 
+def ranks(scores: mx.array) -> mx.array:
+    """Each expert's rank in the family's selection order (0: its first)."""
+    return mx.argsort(mx.argsort(-scores, axis=-1), axis=-1).astype(mx.int32)
+
+
 def batch_free(resident: mx.array, scores: mx.array, keep: int) -> mx.array:
-    """``resident`` with the experts any other sequence of the call keeps
-    (its router's top ``keep``, read for it anyway): per position across
-    the batch for ``[batch, tokens, E]`` scores, across every token for a
-    family that flattens them (``[tokens, E]``). A single sequence's
-    decode call adds only its own top ``keep``, which it takes anyway."""
-    top = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]
-    kept = mx.put_along_axis(mx.zeros(scores.shape, mx.bool_), top, mx.array(True), axis=-1)
-    axes = 0 if kept.ndim >= 3 else tuple(range(kept.ndim - 1))
-    return resident | mx.any(kept, axis=axes, keepdims=True)
+    """``resident``, and for a batched decode call (``[sequences, 1, E]``
+    scores, several sequences) the experts any of its sequences keeps (its
+    router's top ``keep``): the call reads them once for all. Other calls
+    (one sequence; prefill; a family that flattens its tokens, whose
+    sequences cannot be told apart) get ``resident`` alone."""
+    if scores.ndim != 3 or scores.shape[0] < 2 or scores.shape[1] != 1:
+        return resident
+    return resident | mx.any(ranks(scores) < keep, axis=0, keepdims=True)
 
 
 def bias_boost(chosen: mx.array, changed: mx.array) -> mx.array:
