@@ -50,12 +50,23 @@ def unions(model_dir: str, text: str, tokens: int, batch: int) -> dict:
 
 
 def main():
+    from mlx_streaming.flags import MAX_TOKENS, count, existing_file, listed
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="stream directory")
-    p.add_argument("--text", help="a text file (default: the held-out text of bench quality)")
-    p.add_argument("--tokens", type=int, default=1536)
-    p.add_argument("--batch", default="1,2,4,8", help="batch sizes, comma-separated")
+    p.add_argument("--text", type=existing_file,
+                   help="a text file (default: the held-out text of bench quality)")
+    p.add_argument("--tokens", type=count(2, MAX_TOKENS), default=1536)
+    p.add_argument("--batch", type=listed(count(1, 64)), default="1,2,4,8",
+                   help="batch sizes, comma-separated")
     args = p.parse_args()
+    from mlx_streaming.errors import FormatError
+    from mlx_streaming.format import read_manifest
+
+    try:
+        read_manifest(args.model)
+    except (FormatError, OSError) as e:
+        p.error(f"--model: {e}")
     if args.text:
         text = Path(args.text).read_text(errors="ignore")
     else:
@@ -64,7 +75,7 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             text = held_out_text(Path(tmp), args.tokens).read_text()
     print("batch  union  B*k  uniform  independent (measured popularity)")
-    for b in (int(x) for x in args.batch.split(",")):
+    for b in args.batch:
         r = unions(args.model, text, args.tokens, b)
         print(f"{b:5d}  {r['union']:5.1f}  {r['picks']:3d}  {r['uniform']:7.1f}  "
               f"{r['popularity']:.1f}")

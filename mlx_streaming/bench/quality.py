@@ -147,7 +147,8 @@ def _routing_setting(name: str, top_k: int, num_experts: int, flag: str) -> dict
     return load
 
 
-def equal_memory_slots(manifest, slots: int, bits: Optional[int]) -> int:
+def equal_memory_slots(manifest, slots: int, bits: Optional[int],
+                       flag: str = "--settings") -> int:
     """The pool a setting gets so that every setting holds the same expert
     memory: with low-bit copies, ``slots`` less the records' worth of the
     copies' scratch pool (rounded up)."""
@@ -155,7 +156,7 @@ def equal_memory_slots(manifest, slots: int, bits: Optional[int]) -> int:
         return slots
     copies = manifest.low_copies(bits)
     if copies is None:
-        raise BenchError(f"--settings: the model holds no {bits}-bit copies (add them: "
+        raise BenchError(f"{flag}: the model holds no {bits}-bit copies (add them: "
                          f"python -m mlx_streaming.convert --out DIR --miss-bits {bits})")
     full, low = manifest.layers[0], copies.layers[0]
     scratch = scratch_slots(low) * low.expert_nbytes
