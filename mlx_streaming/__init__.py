@@ -14,6 +14,10 @@ while it starts stops with one line instead of a traceback.
 
 import importlib
 
+from .supported import check_mlx_lm
+
+check_mlx_lm()
+
 from .config import StreamConfig
 from .errors import (
     BudgetError,

@@ -6,6 +6,7 @@
     mlx_streaming bench    {decode,cache,overhead,simulate,speculative,prefill,io,serve,fetch,quality} ...
     mlx_streaming check    DIR
     mlx_streaming serve    --model DIR [--port 8080] [--max-queue N] [--memo-mb M]
+    mlx_streaming --version
 """
 
 import atexit
@@ -104,6 +105,11 @@ def log_to_stderr(level: int = logging.WARNING) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        from . import __version__
+
+        print(f"mlx_streaming {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         if not argv:

@@ -181,3 +181,14 @@ def test_warnings_are_one_line(models, tmp_path):
     lines = [l for l in proc.stderr.splitlines() if "Warning" in l or "warning:" in l]
     assert lines and all(l.startswith("warning: ") and ".py:" not in l for l in lines), \
         proc.stderr
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    import mlx_streaming
+
+    for command in (["mlx_streaming", "--version"], ["mlx_streaming", "-V"]):
+        assert run(*command).stdout.strip() == f"mlx_streaming {mlx_streaming.__version__}"
+    # pyproject takes the version from the package: one place.
+    assert version("mlx_streaming") == mlx_streaming.__version__

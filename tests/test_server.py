@@ -393,8 +393,10 @@ def test_oversized_or_truncated_bodies(server):
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100"
                  b"\r\n\r\n{\"prompt\": ")
-    sock.close()  # gone mid-body: nothing to answer, nothing logged
+    sock.close()  # gone mid-body: nothing to answer
     assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    server.wait_for_log("POST /v1/completions client left mid-body")
+    assert not any("None" in line for line in server.lines), "".join(server.lines)
 
 
 def test_memo_stays_bounded_with_large_requests(models):
@@ -517,6 +519,9 @@ def test_models_and_stats(server, models):
     (["--max-tokens", "100000"], "context"),
     (["--top-p", "nan"], "top_p"),
     (["--top-k", "100000"], "top_k"),
+    # The tiny model's head dimension (32) is no multiple of the group size (64).
+    (["--kv-bits", "3", "--quantized-kv-start", "0"], "--kv-bits 3 --kv-group-size 64"),
+    (["--kv-bits", "7"], "--kv-bits must be one of"),
 ])
 def test_bad_request_defaults_are_refused_at_start(models, flags, message):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
@@ -653,26 +658,12 @@ def test_admission_is_free_before_the_servers_own_error_reply_goes_out():
 
 
 def test_the_servers_flags_are_mlx_lms():
-    """Every flag of mlx-lm's server is ours too, with its default (mlx-lm
-    builds its parser inside main: captured here by running that main with
-    its start replaced)."""
-    import argparse
-    from unittest import mock
-
-    import mlx_lm.server as mlx_server
-
+    """Every flag of mlx-lm's server is ours too (taken from its parser),
+    with its default but where ours differs on purpose."""
+    from mlx_streaming.mlx_lm_adapter import server_parser
     from mlx_streaming.server.app import setup_arg_parser
 
-    captured = {}
-
-    def capture(self, args=None, namespace=None):
-        captured["parser"] = self
-        raise SystemExit(0)
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), \
-            pytest.raises(SystemExit):
-        mlx_server.main()
-    theirs = {a.dest: a.default for a in captured["parser"]._actions if a.dest != "help"}
+    theirs = {a.dest: a.default for a in server_parser()._actions if a.dest != "help"}
     ours = {a.dest: a.default for a in setup_arg_parser()._actions}
     missing = sorted(set(theirs) - set(ours))
     assert not missing, f"mlx-lm server flags we do not take: {missing}"
@@ -826,3 +817,40 @@ def test_a_batch_that_cannot_fit_is_refused_at_start(models):
         limit.close()
     assert proc.returncode == 1, proc.stderr
     assert "256 KV caches" in proc.stderr and "--decode-concurrency" in proc.stderr
+
+
+def test_port_0_prints_the_port_it_is_bound_to(models):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_streaming.server", "--model",
+                             str(stream_dir), "--port", "0", "--slots-per-layer", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = next(l for l in proc.stderr if "serving" in l)
+        port = int(line.split("http://127.0.0.1:")[1].split()[0])
+        assert port != 0, line
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_approximate_answers_say_so_and_exact_ones_do_not(server, models):
+    header = "X-MLX-Streaming-Approximate"
+    body = {"messages": [{"role": "user", "content": "def"}], "max_tokens": 4}
+    status, headers, reply = server.post("/v1/chat/completions", body)
+    assert status == 200 and header not in headers and "approximate" not in reply
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    s = Server(stream_dir, "--slots-per-layer", "4", "--routing", "cache-aware")
+    try:
+        status, headers, reply = s.post("/v1/chat/completions", body)
+        assert status == 200 and "routing=cache-aware" in headers[header]
+        assert reply["approximate"] == headers[header]
+        chunks = list(s.client.chat.completions.create(
+            messages=body["messages"], model="default_model", max_tokens=4, stream=True))
+        assert chunks and all(c.model_extra["approximate"] == headers[header] for c in chunks)
+        raw = s.client.completions.with_raw_response.create(
+            prompt="def", model="default_model", max_tokens=4)
+        assert "routing=cache-aware" in raw.headers[header]
+    finally:
+        assert "Traceback" not in s.stop()

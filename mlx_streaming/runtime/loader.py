@@ -5,7 +5,7 @@ experts are streamed from SSD through per-layer slot pools.
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
@@ -27,19 +27,24 @@ from .runtime import Runtime
 from .wrap import one_pass_at_a_time
 
 
-def _say_if_approximate(runtime) -> None:
-    config = runtime.config
+def approximations(runtime) -> List[str]:
+    """What makes ``runtime``'s output approximate, one short phrase each
+    (none: bit-identical to mlx-lm)."""
+    config, found = runtime.config, []
     if runtime.routers and not all(r.exact for r in runtime.routers):
-        warnings.warn(
-            f"mlx_streaming: routing={config.routing!r} "
-            f"({runtime.routers[0].describe()}): the output is approximate, not mlx-lm's; "
-            "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
+        found.append(f"routing={config.routing} ({runtime.routers[0].describe()})")
     if any(r.low is not None for r in runtime.residencies):
         which = ("misses but each token's top expert" if config.miss_bits_weight is None else
                  f"misses below {config.miss_bits_weight:g} of their token's routed weight")
+        found.append(f"miss_bits={config.miss_bits} ({which} computed from "
+                     f"{config.miss_bits}-bit copies)")
+    return found
+
+
+def _say_if_approximate(runtime) -> None:
+    for what in approximations(runtime):
         warnings.warn(
-            f"mlx_streaming: miss_bits={config.miss_bits} ({which} computed from "
-            f"{config.miss_bits}-bit copies): the output is approximate, not mlx-lm's; "
+            f"mlx_streaming: {what}: the output is approximate, not mlx-lm's; "
             "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
 
 

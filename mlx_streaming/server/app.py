@@ -9,14 +9,14 @@ import sys
 from http.server import ThreadingHTTPServer
 from ..cli import run_main
 from ..config import add_config_flags, config_from_args
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count
 from ..runtime.prefill import step_of
-from .mlx_flags import add_mlx_lm_server_flags
 from .provider import make_provider
 from .service import Service, counting
 from .validation import check_sampling, is_int, is_number
 from ..flags import Parser
+from ..mlx_lm_adapter import http_server, server_parser
 
 
 DEFAULT_MAX_QUEUE = 4
@@ -32,10 +32,19 @@ LISTEN_BACKLOG = 128
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
+    # mlx-lm's own server flags, from its parser; --model and
+    # --prefill-step-size are ours (they replace mlx-lm's), then no more overlap.
     p = Parser(
         prog="mlx_streaming serve", description=__doc__, allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="stream directory (mlx_streaming convert)")
+        formatter_class=argparse.RawDescriptionHelpFormatter, parents=[server_parser()],
+        conflict_handler="resolve")
+    p.add_argument("--model", required=True,
+                   help="stream directory (mlx_streaming convert) or Hub repo id")
+    p.add_argument("--prefill-step-size", type=int, default=None,
+                   help="prompt tokens per model call (default: mlx-lm's 2048, or fewer where "
+                        "the memory plan's headroom would not hold them, shared by the "
+                        "prompts prefilled together)")
+    p.conflict_handler = "error"
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait while one runs; more get HTTP 429")
     p.add_argument("--memo-mb", type=float, default=0,
@@ -49,7 +58,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "room for --decode-concurrency KV caches this long (default: the "
                         f"model's context, at most {DEFAULT_MAX_CONTEXT}); longer requests get "
                         "HTTP 400")
-    add_mlx_lm_server_flags(p)
     p.add_argument("--tensor-parallel", action="store_true",
                    help="under mlx.launch: split every layer across the ranks (the default "
                         "there without --pipeline, as mlx-lm's server does)")
@@ -65,7 +73,6 @@ def serve(args) -> None:
     """Load the model and serve it until interrupted; ``args`` are
     ``setup_arg_parser``'s (ours, mlx-lm's server flags and every load
     option)."""
-    import mlx_lm.server as mlx_server
     from mlx_lm.models.cache import LRUPromptCache
 
     if args.max_queue < 0:
@@ -119,28 +126,34 @@ def serve(args) -> None:
         from . import drafts
 
         generator = drafts.DraftingResponseGenerator(
-            provider, LRUPromptCache(args.prompt_cache_size))
-        drafts.install(generator, args.draft)
+            provider, LRUPromptCache(args.prompt_cache_size), args.draft)
     else:
         from .generation import ResilientResponseGenerator
 
         generator = ResilientResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
+    if args.kv_bits is not None:
+        check_kv_quantization(provider.model, args.kv_bits, args.kv_group_size)
     if provider.is_distributed and mx_group().rank() != 0:
         # Rank 0 serves; the others decode every request with it (mlx-lm's loop).
         generator.join()
         return
     try:
         generator.generate = counting(service, generator.generate)
-        handler = make_handler(service)
+        try:
+            httpd = http_server(args.host, args.port, generator, make_handler(service), _Server)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {args.host}:{args.port} "
+                              f"({e.strerror or e}); choose another --host or --port") from None
+        port = httpd.server_address[1]  # the one bound, for --port 0
         print(f"[mlx_streaming] serving {service.model_id} on http://{args.host}:"
-              f"{args.port} (reader: {provider.model.streaming.reader.name}, "
+              f"{port} (reader: {provider.model.streaming.reader.name}, "
               f"{running} decoded together, max queue {args.max_queue})", file=sys.stderr,
               flush=True)
-        mlx_server._run_http_server(args.host, args.port, generator,
-                                    server_class=_Server, handler_class=handler)
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {args.host}:{args.port} "
-                          f"({e.strerror or e}); choose another --host or --port") from None
+        with httpd:
+            try:
+                httpd.serve_forever()
+            except KeyboardInterrupt:
+                pass  # Ctrl-C stops the server: a clean exit
     finally:
         # Its thread is not a daemon: the process would otherwise never exit.
         generator.stop_and_join()
@@ -173,6 +186,36 @@ def reserve_kv_caches(model, sequences: int, max_context) -> int:
                           f"(each sequence takes {per_sequence / 1e9:.3g} GB at {context} "
                           "tokens)") from None
     return context
+
+
+# Widths mlx's quantizer takes.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def check_kv_quantization(model, bits: int, group_size: int) -> None:
+    """Quantize a one-token KV cache of ``model`` as mlx-lm will, so that a
+    width or group size its head dimensions cannot take is refused at
+    start instead of failing every request."""
+    import mlx.core as mx
+    from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..runtime.stats import reset_stats
+
+    if bits not in KV_BITS or not 1 <= group_size <= 1024:
+        raise ConfigError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))} and "
+                          f"--kv-group-size from 1 to 1024, got {bits} and {group_size}")
+    cache = make_prompt_cache(model)
+    try:
+        model(mx.array([[0]]), cache=cache)
+        maybe_quantize_kv_cache(cache, 0, group_size, bits)
+        mx.eval([c.state for c in cache])
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"--kv-bits {bits} --kv-group-size {group_size} cannot quantize "
+                          f"this model's KV cache ({first_line(e)}); try another "
+                          "--kv-group-size (32 or 64) or leave --kv-bits out") from None
+    finally:
+        reset_stats(model)  # the trial's reads are not a request's
 
 
 # Libraries that log a line per HTTP request they make (a Hub repo's range

@@ -12,9 +12,8 @@ import os
 import sys
 import threading
 
-import mlx_lm.server as mlx_server
-
 from ..errors import first_line
+from ..mlx_lm_adapter import ResponseGenerator
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ class _Tracked:
         return getattr(self.queue, name)
 
 
-class ResilientResponseGenerator(mlx_server.ResponseGenerator):
+class ResilientResponseGenerator(ResponseGenerator):
     """mlx-lm's ``ResponseGenerator`` whose generation thread survives a
     failure of the model: the requests in flight get the error."""
 
@@ -56,11 +55,11 @@ class ResilientResponseGenerator(mlx_server.ResponseGenerator):
                   "flight first (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
         super().stop_and_join()
 
-    def _tokenize(self, tokenizer, request, args):
+    def tokenize(self, tokenizer, request, args):
         """mlx-lm's, its failures (a chat template on fields it did not
         expect) turned into the request's error, a 400."""
         try:
-            out = super()._tokenize(tokenizer, request, args)
+            out = super().tokenize(tokenizer, request, args)
         except Exception as e:  # a template may raise anything
             raise ValueError("the chat template could not be applied to this request "
                              f"({type(e).__name__}: {first_line(e)})") from None
@@ -68,28 +67,23 @@ class ResilientResponseGenerator(mlx_server.ResponseGenerator):
             raise ValueError("the request makes an empty prompt")
         return out
 
-    def _next_request(self, timeout=None):
-        request = super()._next_request(timeout)
+    def next_request(self, timeout=None):
+        request = super().next_request(timeout)
         if request is None:
             return None
         queue, *rest = request
         return (_Tracked(queue, self._in_flight, self._in_flight_lock), *rest)
 
-    def _run_generate(self):
-        while not self._stop:
-            try:
-                self._generate()
-                return
-            except Exception as e:
-                if self._is_distributed:
-                    # Ranks decode in lockstep: one that goes on alone would
-                    # wait for the others forever, or meet them mid-pass.
-                    log.error("generation failed on rank %d: %s; every rank stops",
-                              self._rank, " ".join(str(e).split()))
-                    os._exit(1)
-                log.error("generation failed: %s; the requests in flight get the error, "
-                          "the next ones are served", " ".join(str(e).split()))
-                with self._in_flight_lock:
-                    failed, self._in_flight = list(self._in_flight), set()
-                for queue in failed:
-                    queue.queue.put(e)
+    def generation_failed(self, error: Exception) -> None:
+        if self.is_distributed:
+            # Ranks decode in lockstep: one that goes on alone would
+            # wait for the others forever, or meet them mid-pass.
+            log.error("generation failed on rank %d: %s; every rank stops",
+                      self.rank, " ".join(str(error).split()))
+            os._exit(1)
+        log.error("generation failed: %s; the requests in flight get the error, "
+                  "the next ones are served", " ".join(str(error).split()))
+        with self._in_flight_lock:
+            failed, self._in_flight = list(self._in_flight), set()
+        for queue in failed:
+            queue.queue.put(error)

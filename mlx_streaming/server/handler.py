@@ -9,8 +9,7 @@ import sys
 import time
 from typing import Optional
 
-import mlx_lm.server as mlx_server
-
+from ..mlx_lm_adapter import APIHandler
 from .admission import release_admission, current_request
 from .memo import MEMO_HEADER, fresh, without_request_headers
 from .prompt import prompt_text, prompt_tokens
@@ -20,6 +19,9 @@ from .validation import check_fields, completion_logprobs, is_number
 
 
 log = logging.getLogger(__name__)
+
+# An approximate model's answers say so (header and field): what makes them so.
+APPROXIMATE_HEADER = "X-MLX-Streaming-Approximate"
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
@@ -84,7 +86,7 @@ def _openai_error(head: bytes, body: bytes) -> bytes:
                                         "param": None, "code": None}}).encode()
 
 
-class StreamingAPIHandler(mlx_server.APIHandler):
+class StreamingAPIHandler(APIHandler):
     """mlx-lm's ``APIHandler`` with admission, validation, the memo and the
     extra endpoints; ``make_handler`` gives it the service it serves."""
 
@@ -171,7 +173,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         cached = memo.get(key) if key is not None else None
         if cached is not None:  # answered without the model, so without queueing
             self._headers_buffer = []
-            self._set_cors_headers()  # this request's origin, not the first one's
+            self.set_cors_headers()  # this request's origin, not the first one's
             extra = f"{MEMO_HEADER}: hit\r\n".encode() + b"".join(self._headers_buffer)
             self._headers_buffer = []
             reply = fresh(cached)
@@ -191,12 +193,12 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             if self._fits_context(body, field):
                 if field == "prompt" and body != completion_logprobs(body):
                     raw = json.dumps(completion_logprobs(body)).encode()
-                self._generate(raw, key)
+                self._respond(raw, key)
         finally:
             current_request.ticket = None
             ticket.release()
 
-    def _generate(self, raw: bytes, key: Optional[str]):
+    def _respond(self, raw: bytes, key: Optional[str]):
         self.memo_status = "miss" if key is not None else "off"
         self.rfile = io.BytesIO(raw)
         self.headers.replace_header("Content-Length", str(len(raw)))
@@ -224,24 +226,20 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         OpenAI completions format (tokens, token_logprobs, top_logprobs,
         text_offset) instead of the chat one."""
         response = super().generate_response(text, finish_reason, *args, **kwargs)
+        if self.service.approximate:
+            response["approximate"] = self.service.approximate
         if self.object_type == "text_completion" and "logprobs" in response["choices"][0]:
             response["choices"][0]["logprobs"] = completion_logprobs_of(
                 self.service.provider.tokenizer, kwargs.get("tokens") or [],
                 kwargs.get("token_logprobs") or [], kwargs.get("top_tokens") or [])
         return response
 
-    def _set_completion_headers(self, status_code: int = 200):
-        super()._set_completion_headers(status_code)
-        self._memo_header()
-
-    def _set_stream_headers(self, status_code: int = 200):
-        super()._set_stream_headers(status_code)
-        self._memo_header()
-
-    def _memo_header(self):
+    def response_headers(self):
         status = getattr(self, "memo_status", "off")
         if status != "off":
             self.send_header(MEMO_HEADER, status)
+        if self.service.approximate:
+            self.send_header(APPROXIMATE_HEADER, self.service.approximate)
 
     # -- validation: OpenAI-style 4xx errors -----------------------------
 
@@ -258,7 +256,10 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             self._error(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MB")
             return None
         raw = self.rfile.read(length)
-        return raw if len(raw) == length else None  # the client left mid-body
+        if len(raw) < length:
+            self.status = "client left mid-body"
+            return None
+        return raw
 
     def _parse(self, raw: bytes) -> Optional[dict]:
         try:
@@ -363,7 +364,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         self.send_header("Content-Length", str(len(data)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
-        self._set_cors_headers()
+        self.set_cors_headers()
         self.end_headers()
         self.wfile.write(data)
         self.wfile.flush()

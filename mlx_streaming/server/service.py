@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional
 from ..errors import StreamingError
+from ..runtime.loader import approximations
 from .admission import Admission, current_request
 from .memo import Memo
 
@@ -34,6 +35,9 @@ class Service:
         self.recent = collections.deque(maxlen=RECENT_REQUESTS)
         self.lock = threading.Lock()
         self._longest_token = None
+        # What makes the answers approximate ("": none), said in each response.
+        runtime = getattr(provider.model, "streaming", None)
+        self.approximate = "; ".join(approximations(runtime)) if runtime is not None else ""
 
     def known_model(self, name) -> bool:
         return name in ("default_model", self.model_id, self.path)

@@ -19,7 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, save_config
+from mlx_lm.utils import save_config
+
+from ..mlx_lm_adapter import model_classes
 from ..conversion.dense import dense_quantization, dense_tensors, resident_modules, start_dense, write_dense
 from ..conversion.experts import write_layer
 from ..format import experts_dir, write_manifest
@@ -33,7 +35,7 @@ QUANTIZATION = {"group_size": 64, "bits": 4, "mode": "affine"}
 
 def _skeleton(config: dict):
     """The model with lazily initialised, quantized parameters."""
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     nn.quantize(
         model,

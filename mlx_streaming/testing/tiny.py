@@ -16,7 +16,9 @@ from typing import Iterator, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+from mlx_lm.utils import quantize_model, save_config, save_model
+
+from ..mlx_lm_adapter import model_classes
 from .families import FAMILIES
 
 
@@ -31,7 +33,7 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> dict:
 def build_model(config: dict, seed: int = 0) -> nn.Module:
     """An mlx-lm model of ``config`` with random weights, evaluated."""
     mx.random.seed(seed)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     _spread_router_bias(model)
     mx.eval(model.parameters())
