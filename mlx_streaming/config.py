@@ -19,7 +19,7 @@ from .errors import ConfigError
 IO_CHOICES = ("auto", "native", "python")
 PREFETCH_CHOICES = ("off", "next-layer", "auto")
 # Eviction policies (mlx_streaming.runtime.policy.POLICIES); bench cache compares them.
-POLICY_CHOICES = ("lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
+POLICY_CHOICES = ("adaptive", "lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
 DEFAULT_POLICY = "lfu-decay"
 CHECKSUM_CHOICES = ("first-read", "always", "off")
 ROUTING_CHOICES = ("exact", "cache-aware", "top-k-cut", "skip-misses")

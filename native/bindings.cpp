@@ -133,15 +133,17 @@ NB_MODULE(_ext, m) {
       .def(
           "paged_index",
           [](PyReader& r, int file, int64_t stride, CArray<int64_t, 2> segments, double decay,
-             int verify, std::string blob) {
+             double shadow_decay, int verify, std::string blob) {
             if (verify < 0 || verify > 2) {
               throw std::invalid_argument("verify must be 0 (off), 1 (first-read) or 2 (always)");
             }
             return std::make_shared<PagedIndex>(r.reader, file, stride, to_segments(segments),
-                                                decay, static_cast<Verify>(verify),
+                                                decay, shadow_decay,
+                                                static_cast<Verify>(verify),
                                                 std::move(blob));
           },
-          "file"_a, "stride"_a, "segments"_a, "decay"_a, "verify"_a, "blob"_a,
+          "file"_a, "stride"_a, "segments"_a, "decay"_a, "shadow_decay"_a, "verify"_a,
+          "blob"_a,
           "The native bookkeeping of one paged layer reading `file` (store.NativeStore).")
       .def(
           "staging",
@@ -159,24 +161,31 @@ NB_MODULE(_ext, m) {
           [](PagedIndex& p, MArray<int32_t, 1> slot_of_expert, MArray<int64_t, 1> expert_of_slot,
              CArray<int64_t, 2> addresses, MArray<double, 1> last_use,
              std::optional<MArray<double, 1>> score, CArray<uint32_t, 1> checksums,
-             MArray<bool, 1> unverified) {
+             MArray<bool, 1> unverified, std::optional<MArray<bool, 2>> shadow,
+             std::optional<MArray<double, 1>> misses) {
             size_t experts = slot_of_expert.shape(0), slots = expert_of_slot.shape(0);
             bool ok = addresses.shape(0) == slots && addresses.shape(1) == p.segments() &&
                 last_use.shape(0) == experts + 1 &&
                 checksums.shape(0) == experts && unverified.shape(0) == experts &&
-                (!score || score->shape(0) == experts + 1);
+                (!score || score->shape(0) == experts + 1) &&
+                // The adaptive policy: both shadows, its misses and a score.
+                (!shadow == !misses) && (!shadow || (score && shadow->shape(0) == 2 &&
+                                                     shadow->shape(1) == experts + 1 &&
+                                                     misses->shape(0) == 2));
             if (!ok) {
               throw std::invalid_argument("bind: table, slot and policy arrays disagree in shape");
             }
             p.bind({slot_of_expert.data(), expert_of_slot.data(), addresses.data(),
-                    last_use.data(), score ? score->data() : nullptr, checksums.data(),
-                    unverified.data(), static_cast<int64_t>(experts),
+                    last_use.data(), score ? score->data() : nullptr,
+                    shadow ? shadow->data() : nullptr, misses ? misses->data() : nullptr,
+                    checksums.data(), unverified.data(), static_cast<int64_t>(experts),
                     static_cast<int64_t>(slots)});
           },
           // noconvert: a converted temporary would be freed when bind returns.
           "slot_of_expert"_a.noconvert(), "expert_of_slot"_a.noconvert(),
           "addresses"_a.noconvert(), "last_use"_a.noconvert(), "score"_a.noconvert().none(),
           "checksums"_a.noconvert(), "unverified"_a.noconvert(),
+          "shadow"_a.noconvert().none() = nb::none(), "misses"_a.noconvert().none() = nb::none(),
           "Borrow the pool's tables and the policy's scores (rebind after a resize).")
       .def("unbind", &PagedIndex::unbind,
            "Forget the borrowed arrays (the model is closing).")

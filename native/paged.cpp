@@ -30,6 +30,7 @@ PagedIndex::PagedIndex(
     int64_t stride,
     std::vector<Segment> segments,
     double decay,
+    double shadow_decay,
     Verify verify,
     std::string blob)
     : reader_(std::move(reader)),
@@ -38,6 +39,7 @@ PagedIndex::PagedIndex(
       stride_(stride),
       segments_(std::move(segments)),
       decay_(decay),
+      shadow_decay_(shadow_decay),
       verify_(verify) {
   check_segments(segments_, stride_);
   blob_changed(); // the reference stamp
@@ -121,7 +123,54 @@ int64_t PagedIndex::route(const uint32_t* ids, size_t n, std::vector<int64_t>& e
       a_.score[e] += 1.0;
     }
   }
+  if (a_.shadow != nullptr) {
+    observe_shadows(experts);
+  }
   return hits;
+}
+
+void PagedIndex::observe_shadows(const std::vector<int64_t>& experts) {
+  const double* keys[2] = {a_.last_use, a_.score};
+  const int64_t width = a_.experts + 1;
+  for (int arm = 0; arm < 2; ++arm) {
+    bool* member = a_.shadow + arm * width;
+    int64_t missed = 0;
+    for (int64_t e : experts) {
+      missed += !member[e];
+      member[e] = true;
+    }
+    int64_t over = std::count(member, member + width, true) - a_.slots;
+    if (over > 0) {
+      // The shadow's lowest keys go, never the call's experts; ties to the
+      // lowest expert id (the reference's stable argsort).
+      for (int64_t e : experts) {
+        member[e] = false;
+      }
+      held_.clear();
+      for (int64_t j = 0; j < width; ++j) {
+        if (member[j]) {
+          held_.push_back(j);
+        }
+      }
+      const double* key = keys[arm];
+      std::stable_sort(held_.begin(), held_.end(),
+                       [&](int64_t x, int64_t y) { return key[x] < key[y]; });
+      for (int64_t i = 0; i < std::min<int64_t>(over, held_.size()); ++i) {
+        member[held_[i]] = false;
+      }
+      for (int64_t e : experts) {
+        member[e] = true;
+      }
+    }
+    a_.misses[arm] = a_.misses[arm] * shadow_decay_ + static_cast<double>(missed);
+  }
+}
+
+const double* PagedIndex::keep_score() const {
+  if (a_.shadow != nullptr && a_.misses[0] < a_.misses[1]) {
+    return a_.last_use; // the adaptive policy follows LRU
+  }
+  return a_.score != nullptr ? a_.score : a_.last_use;
 }
 
 EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
@@ -129,7 +178,7 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
   EnsureResult result;
   misses_.clear();
   key_.resize(a_.slots);
-  const double* keep = a_.score != nullptr ? a_.score : a_.last_use;
+  const double* keep = keep_score();
   for (int64_t s = 0; s < a_.slots; ++s) {
     int64_t e = a_.expert_of_slot[s];
     key_[s] = e < 0 ? -std::numeric_limits<double>::infinity() : keep[e];

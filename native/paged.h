@@ -1,8 +1,8 @@
 // The host bookkeeping of one paged MoE call, in one native step: the
 // distinct experts of the router's ids, hit counting, the eviction policy's
-// update (LRU or decayed LFU), victim choice, reads of the misses and the
+// update (LRU, decayed LFU or adaptive), victim choice, reads of the misses and the
 // id-to-slot table update. mlx_streaming/store.py's ExpertStore and
-// policy.py's LRU / DecayedLFU are the reference this must agree with,
+// policy.py's LRU / DecayedLFU / Adaptive are the reference this must agree with,
 // state for state (tests/test_native_paging.py).
 //
 // Every array is borrowed from Python (the pool's tables, the policy's
@@ -32,6 +32,8 @@ struct PagedArrays {
   const int64_t* addresses; // [slots, segments] destination of each segment
   double* last_use; // [experts + 1], the policy's
   double* score; // [experts + 1], decayed LFU's; null for LRU
+  bool* shadow; // [2, experts + 1], the adaptive policy's LRU and LFU shadow pools; or null
+  double* misses; // [2], each shadow's decayed misses; null with shadow
   const uint32_t* checksums; // [experts]
   bool* unverified; // [experts]
   int64_t experts;
@@ -75,6 +77,7 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
       int64_t stride,
       std::vector<Segment> segments,
       double decay,
+      double shadow_decay,
       Verify verify,
       std::string blob);
 
@@ -113,6 +116,8 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
 
  private:
   bool blob_changed();
+  void observe_shadows(const std::vector<int64_t>& experts); // Adaptive.observe's
+  const double* keep_score() const;
   void check_bound() const; // throws ReadError once unbound (closed)
 
   std::shared_ptr<ExpertReader> reader_;
@@ -132,11 +137,12 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
   int64_t stride_;
   std::vector<Segment> segments_;
   double decay_;
+  double shadow_decay_;
   Verify verify_;
   PagedArrays a_{};
   std::vector<uint32_t> seen_; // per expert: the route() call that saw it last
   uint32_t tick_ = 0;
-  std::vector<int64_t> misses_, victims_, offsets_, dst_, order_;
+  std::vector<int64_t> misses_, victims_, offsets_, dst_, order_, held_;
   std::vector<double> key_;
   std::unique_ptr<bool[]> want_;
   size_t want_capacity_ = 0;

@@ -42,6 +42,8 @@ def _state(model):
             getattr(policy, "score", np.zeros(1)).copy(),
             policy.clock,
             store.unverified.copy(),
+            getattr(policy, "shadow", np.zeros(1)).copy(),
+            getattr(policy, "misses", np.zeros(1)).copy(),
         ))
     return out
 
@@ -53,8 +55,8 @@ def _counters(model):
 
 def _assert_same_state(a, b, step, layers=None):
     for layer, (x, y) in enumerate(zip(_state(a)[:layers], _state(b)[:layers])):
-        for name, u, v in zip(("slots", "table", "last_use", "score", "clock", "unverified"),
-                              x, y):
+        for name, u, v in zip(("slots", "table", "last_use", "score", "clock", "unverified",
+                               "shadow", "misses"), x, y):
             assert np.array_equal(u, v), f"step {step}, layer {layer}: {name} differ"
 
 
@@ -71,7 +73,7 @@ def test_native_step_is_chosen_where_it_can_run(qwen, tmp_path):
         model.streaming.close()
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu-decay"])
+@pytest.mark.parametrize("policy", ["lru", "lfu-decay", "adaptive"])
 @pytest.mark.parametrize("checksums", ["first-read", "always", "off"])
 def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch, policy,
                                                              checksums):
@@ -100,6 +102,36 @@ def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch
     # Decode calls ran inside the graph (no sync), the prefill synced.
     totals = [c for c in native.streaming.stats.counters.values()]
     assert all(c.graph_calls == 23 and c.syncs == 1 for c in totals)
+    for m in (native, reference):
+        m.streaming.close()
+
+
+def test_native_step_follows_the_adaptive_policys_arms_as_the_reference(qwen, monkeypatch):
+    """Synthetic routing that favours recency, then frequency, then recency:
+    both paths switch arms on the same call and fill the same slots."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_policy import frequency_calls, recency_calls
+
+    _, stream_dir = qwen
+    kwargs = dict(slots_per_layer=4, policy="adaptive", checksums="off")
+    native, _ = mlx_streaming.load(stream_dir, **kwargs)
+    reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
+    experts = native.streaming.stores[0].spec.num_experts
+    calls = [c[c < experts][:4] for c in recency_calls(90) + frequency_calls(90)
+             + recency_calls(90, seed=1)]
+    ours, theirs = native.streaming.stores[0], reference.streaming.stores[0]
+    arms = []
+    for step, ids in enumerate(calls):
+        ours.ensure(ours.route(ids.astype(np.uint32))[1])
+        distinct = np.unique(ids)
+        theirs.policy.observe(distinct, ids[None])
+        theirs.ensure(distinct)
+        arms.append(theirs.policy.follows_lru)
+        _assert_same_state(native, reference, step, layers=1)
+    assert True in arms and False in arms, "the policy never switched arms: nothing compared"
     for m in (native, reference):
         m.streaming.close()
 

@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from ..format import read_manifest
-from ..runtime.policy import ARC, LFU, LRU, LRUK, DecayedLFU, Policy, Predicted, RouterEMA
+from ..runtime.policy import (ARC, LFU, LRU, LRUK, Adaptive, DecayedLFU, Policy, Predicted,
+                              RouterEMA)
 from ..runtime.trace import read_trace_records
 from . import routing
 from .common import figure, finish
@@ -173,6 +174,7 @@ ORACLES = tuple(f"lookahead{w}" for w in LOOKAHEADS) + ("belady",)
 def online_policies(num_experts: int) -> Dict[str, Callable[[], Policy]]:
     """The candidates, each a factory of a fresh policy."""
     candidates = {
+        "adaptive": lambda: Adaptive(num_experts),
         "lru": lambda: LRU(num_experts),
         "lfu": lambda: LFU(num_experts),
         "lru-2": lambda: LRUK(num_experts),

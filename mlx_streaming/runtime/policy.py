@@ -235,6 +235,44 @@ class ARC(Policy):
         return np.array(out, dtype=np.int64)
 
 
+class Adaptive(DecayedLFU):
+    """Evicts as LRU or as decayed LFU, whichever is missing less, per
+    layer. Each arm runs a shadow pool of the real pool's size over expert
+    ids (what that policy alone would hold); each call adds an arm's shadow
+    misses to its decayed miss count (half-life ``window`` calls), and the
+    arm with fewer is followed, decayed LFU on a tie. The native step
+    (native/paged.cpp) keeps the same state the same way."""
+
+    def __init__(self, num_experts, half_life: float = 32, window: float = 16):
+        super().__init__(num_experts, half_life)
+        self.regret_decay = _decay(window)
+        self.shadow = np.zeros((2, num_experts + 1), dtype=bool)  # rows: LRU, decayed LFU
+        self.misses = np.zeros(2)  # each arm's decayed shadow misses
+        self.name = "adaptive"
+
+    def observe(self, experts, ids, probs=None):
+        super().observe(experts, ids, probs)  # last_use and score first
+        slots = len(self.expert_of_slot)
+        for arm, key in enumerate((self.last_use, self.score)):
+            member = self.shadow[arm]
+            missed = experts[~member[experts]]
+            member[missed] = True
+            over = int(member.sum()) - slots
+            if over > 0:
+                member[experts] = False  # the call's experts stay
+                held = np.flatnonzero(member)
+                member[held[np.argsort(key[held], kind="stable")[:over]]] = False
+                member[experts] = True
+            self.misses[arm] = self.misses[arm] * self.regret_decay + len(missed)
+
+    @property
+    def follows_lru(self) -> bool:
+        return bool(self.misses[0] < self.misses[1])
+
+    def keep_score(self):
+        return self.last_use if self.follows_lru else self.score
+
+
 class Predicted(Policy):
     """Wraps a policy: experts the prefetch prediction named for this layer
     (beyond the ones the call needs) are evicted last."""
@@ -266,6 +304,7 @@ class Predicted(Policy):
 
 
 POLICIES = {
+    "adaptive": Adaptive,
     "lru": LRU,
     "lfu": LFU,
     "lfu-decay": DecayedLFU,
@@ -277,4 +316,7 @@ POLICIES = {
 
 
 def make_policy(name: str, num_experts: int) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of "
+                         f"{', '.join(POLICIES)}")
     return POLICIES[name](num_experts)

@@ -16,11 +16,10 @@ import numpy as np
 from ..errors import CorruptExpertError
 from ..format import LayerSpec
 from .events import Events
-from .policy import LRU, Policy
+from .policy import LRU, Adaptive, DecayedLFU, Policy
 from .pool import SlotPool
 from .prefetch.control import NO_CONTROL, PrefetchControl
 from ..errors import ExpertReadError
-from .policy import DecayedLFU
 
 
 class BlobWatch:
@@ -227,7 +226,7 @@ class ExpertStore:
 
 
 # The policies the native step implements, and its code for each checksums mode.
-NATIVE_POLICIES = (LRU, DecayedLFU)
+NATIVE_POLICIES = (LRU, DecayedLFU, Adaptive)
 
 
 _CHECKSUM_CODES = {"off": 0, "first-read": 1, "always": 2}
@@ -259,7 +258,8 @@ class NativeStore(ExpertStore):
         self.ext = reader.ext
         self.index = reader.native_handle.paged_index(
             self.file, self.spec.stride, self.pool.segments,
-            getattr(self.policy, "decay", 1.0), _CHECKSUM_CODES[self.checksums], blob)
+            getattr(self.policy, "decay", 1.0), getattr(self.policy, "regret_decay", 1.0),
+            _CHECKSUM_CODES[self.checksums], blob)
         self.index.clock = self.policy.clock
         # (calls, records read, seconds) of the calls made inside the graph
         # since ``take_graph_reads``: whether a layer's calls should sync to
@@ -271,7 +271,8 @@ class NativeStore(ExpertStore):
         pool, policy = self.pool, self.policy
         self.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
                         policy.last_use, getattr(policy, "score", None), self.crcs,
-                        self.unverified)
+                        self.unverified, getattr(policy, "shadow", None),
+                        getattr(policy, "misses", None))
 
     def resize(self, slots: int) -> None:
         try:

@@ -59,12 +59,18 @@ def read_trace(path: str):
 def read_trace_records(path: str):
     """Yield each call of a trace file as a dict: ``layer``, ``ids``
     ``[tokens, k]``, and where recorded ``predicted``, ``predicted2``, their
-    ``_scores``, ``sigmoid_router`` and ``probs``."""
+    ``_scores``, ``sigmoid_router`` and ``probs``. A decode step of the
+    real-trace format (``{"tok": n, "layers": [[ids] per layer]}``, as in
+    shared/realtraces) is one call per layer."""
     import numpy as np
 
     with open(path) as f:
         for line in f:
             d = json.loads(line)
+            if "layers" in d and "ids" not in d:
+                for layer, ids in enumerate(d["layers"]):
+                    yield {"layer": layer, "ids": np.array([ids], dtype=np.int64)}
+                continue
             d["ids"] = np.array(d["ids"], dtype=np.int64)
             for key in ("predicted", "predicted2"):
                 if key in d:
