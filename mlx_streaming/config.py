@@ -182,7 +182,9 @@ class StreamConfig:
         choices=CHECKSUM_CHOICES)
     reserve_gb: float = _option(
         DEFAULT_RESERVE_GB, "memory left free for the rest of the process, in GB, or a "
-        "quarter of what is available where that is less: no budget may take it",
+        "quarter of what is available where that is less, and at least what the least "
+        "prefill step's activations need (a lower reserve is raised to that): no budget may "
+        "take it",
         type=float, bounds=dict(low=0, high=MAX_GB))
     pressure_gb: float = _option(
         DEFAULT_PRESSURE_GB, "when available memory falls below this many GB during a run "

@@ -226,8 +226,9 @@ def _start(model: nn.Module, runtime: Runtime) -> None:
     """The loaded model's runtime attached, watched and released with it."""
     config = runtime.config
     runtime.stats.reset()
-    if runtime.plan.headroom < int(config.reserve_gb * GB):
-        # A small machine: freed buffers go back to the OS.
+    if runtime.plan.headroom != int(config.reserve_gb * GB):
+        # A small machine (a quarter of what is available) or a reserve raised
+        # to the least the process needs: freed buffers go back to the OS.
         runtime.cap_buffer_cache(runtime.plan.headroom // 4)
     model.streaming = runtime
     weakref.finalize(model, runtime.close)
