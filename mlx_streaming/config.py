@@ -151,7 +151,8 @@ class StreamConfig:
         "what each costs", choices=ROUTING_CHOICES)
     routing_keep: Optional[int] = _option(
         None, "approximate routing: the router's own top experts always taken (default: "
-        "half the experts per token, skip-misses 1; all of them is exact)", type=int,
+        "half the experts per token, skip-misses 1; all of them is exact for cache-aware "
+        "routing, refused for the baselines)", type=int,
         bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="top-k / 2")
     routing_window: Optional[int] = _option(
         None, "cache-aware routing: the router's top candidates a resident expert may come "
@@ -182,7 +183,9 @@ class StreamConfig:
         choices=CHECKSUM_CHOICES)
     reserve_gb: float = _option(
         DEFAULT_RESERVE_GB, "memory left free for the rest of the process, in GB, or a "
-        "quarter of what is available where that is less: no budget may take it",
+        "quarter of what is available where that is less, and at least what the least "
+        "prefill step's activations need (a lower reserve is raised to that): no budget may "
+        "take it",
         type=float, bounds=dict(low=0, high=MAX_GB))
     pressure_gb: float = _option(
         DEFAULT_PRESSURE_GB, "when available memory falls below this many GB during a run "
@@ -243,6 +246,21 @@ class StreamConfig:
                 # Stored as plain Python numbers (numpy scalars are accepted).
                 value = _number(f.name, getattr(self, f.name), f.metadata["type"], **bounds)
                 object.__setattr__(self, f.name, value)
+        _check_routing_settings(self)
+
+
+def _check_routing_settings(config) -> None:
+    """A routing setting the chosen routing does not use is refused, not ignored."""
+    if config.routing == "exact":
+        for name in ("routing_keep", "routing_window", "routing_bonus"):
+            if getattr(config, name) is not None:
+                raise ConfigError(f"{name} is a setting of approximate routing: set routing "
+                                  "(cache-aware, top-k-cut or skip-misses) too, or leave it unset")
+    elif config.routing != "cache-aware":
+        for name in ("routing_window", "routing_bonus"):
+            if getattr(config, name) is not None:
+                raise ConfigError(f"{name} is a setting of cache-aware routing, unused by "
+                                  f"routing={config.routing!r}: leave it unset")
 
 
 def _check_bool(name, value, also=""):

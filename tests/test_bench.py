@@ -209,8 +209,9 @@ def test_bench_quality_decodes_streams_together(models, tmp_path):
     assert ca["route_agreement"] < 1 and ca["mb_per_token"] < exact["mb_per_token"]
 
 
-@pytest.mark.parametrize("settings", ["cache-aware:9:8", "fast", "cache-aware:1:x",
-                                      "cache-aware:1:8:-1", "exact,cache-aware,cache-aware"])
+@pytest.mark.parametrize("settings", ["cache-aware:9:8", "top-k-cut:4", "fast",
+                                      "cache-aware:1:x", "cache-aware:1:8:-1",
+                                      "exact,cache-aware,cache-aware"])
 def test_bench_quality_refuses_a_setting_it_cannot_run(models, tmp_path, capsys, settings):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     assert bench_main(["quality", "--model", str(stream_dir), "--settings", settings,

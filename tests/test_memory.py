@@ -192,3 +192,37 @@ def test_the_prefill_step_is_what_the_headroom_holds(qwen):
         assert mx.set_cache_limit(1 << 40) == 1 << 40
     finally:
         mx.set_cache_limit(before)
+
+
+def test_a_reserve_below_what_the_process_needs_is_raised_to_it(qwen):
+    """reserve_gb 0 (or any reserve below the least prefill step's
+    activations) keeps that much free all the same, and the buffer cache
+    capped: in a 0.3 GB cgroup, --reserve-gb 0 gave the pools every byte
+    available and the process was killed."""
+    import mlx.core as mx
+
+    from mlx_streaming.runtime.memory import plan_memory
+    from mlx_streaming.runtime.prefill import MIN_PREFILL_STEP, bytes_per_token, room_for
+
+    _, stream_dir = qwen
+    manifest = read_manifest(stream_dir)
+    model_config = json.loads((Path(stream_dir) / "config.json").read_text())
+    model_config.update(hidden_size=1024, moe_intermediate_size=768, num_attention_heads=16)
+    needed = room_for(MIN_PREFILL_STEP, bytes_per_token(model_config, manifest))
+    available = lambda: int(0.3e9)  # noqa: E731
+    for reserve in (0, needed / 2 / 1e9):
+        plan = plan_memory(manifest, StreamConfig(reserve_gb=reserve), 0, available,
+                           model_config=model_config)
+        assert plan.headroom >= needed, reserve
+        assert plan.total <= available() - needed
+        assert plan.prefill_step == MIN_PREFILL_STEP
+
+    before = mx.set_cache_limit(1 << 40)
+    try:
+        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, reserve_gb=0)
+        headroom = model.streaming.plan.headroom
+        assert headroom > 0
+        assert mx.set_cache_limit(1 << 40) == headroom // 4
+        model.streaming.close()
+    finally:
+        mx.set_cache_limit(before)

@@ -311,13 +311,41 @@ def test_the_baselines_read_no_more_than_exact(models, mode):
     assert misses[mode] < misses["exact"]
 
 
-def test_a_full_pool_is_exact_whatever_the_routing(models):
+@pytest.mark.parametrize("mode", ["cache-aware", "skip-misses"])
+def test_a_full_pool_is_exact_with_routing_by_residency(models, mode):
     src, stream_dir = models.get("qwen3_moe", True)
     reference, _ = mlx_lm.load(str(src))
-    model, _ = mlx_streaming.load(stream_dir, routing="cache-aware")
+    model, _ = mlx_streaming.load(stream_dir, routing=mode)
     assert not model.streaming.routers
     assert_same_logits(logits_trace(reference), logits_trace(model))
     model.streaming.close()
+
+
+def test_top_k_cut_cuts_a_full_pool_too(models):
+    """A static cut takes the router's top routing_keep at any pool size
+    (as llama.cpp's --moe-n-expert): with every expert resident it still
+    cuts, says so and counts it, as on a paged pool."""
+    src, stream_dir = models.get("qwen3_moe", True)
+    spec = mlx_streaming.format.read_manifest(stream_dir).layers[0]
+    reference, _ = mlx_lm.load(str(src))
+    want = logits_trace(reference, steps=4)
+    got = {}
+    for slots in (spec.num_experts, spec.num_experts // 2):
+        with pytest.warns(UserWarning, match="routing='top-k-cut' .* approximate"):
+            model, _ = mlx_streaming.load(stream_dir, slots_per_layer=slots,
+                                          routing="top-k-cut")
+        assert model.streaming.routers, slots
+        got[slots] = logits_trace(model, steps=4)
+        report = mlx_streaming.stats(model)["routing"]
+        model.streaming.close()
+        # Every token passes over all but its top routing_keep.
+        assert report["approximate"] and report["routed"] > 0, slots
+        assert report["route_agreement"] == (spec.top_k // 2) / spec.top_k, slots
+    full = got[spec.num_experts]
+    assert not mx.allclose(want[0], full[0], atol=1e-3).item()
+    # The same experts weigh as on a paged pool: only the fillers differ.
+    for a, b in zip(full, got[spec.num_experts // 2]):
+        assert mx.allclose(a, b, atol=1e-3).item()
 
 
 def test_routing_options_are_checked():
@@ -325,6 +353,35 @@ def test_routing_options_are_checked():
                 dict(routing_bonus=-1.0)):
         with pytest.raises(ConfigError):
             mlx_streaming.StreamConfig(**bad)
+    # A setting the routing does not use is refused, not ignored.
+    for name, value in (("routing_keep", 2), ("routing_window", 8), ("routing_bonus", 0.5)):
+        for routing_mode in (None, "exact"):
+            options = {name: value} if routing_mode is None else \
+                {name: value, "routing": routing_mode}
+            with pytest.raises(ConfigError, match=f"{name} is a setting of approximate "
+                                                  "routing: set routing"):
+                mlx_streaming.StreamConfig(**options)
+    for name, value in (("routing_window", 8), ("routing_bonus", 0.5)):
+        for routing_mode in ("top-k-cut", "skip-misses"):
+            with pytest.raises(ConfigError, match=f"{name} is a setting of cache-aware"):
+                mlx_streaming.StreamConfig(routing=routing_mode, **{name: value})
+    mlx_streaming.StreamConfig(routing="top-k-cut", routing_keep=1)
+    mlx_streaming.StreamConfig(routing="cache-aware", routing_keep=1, routing_window=8,
+                               routing_bonus=0.5)
+
+
+@pytest.mark.parametrize("mode", ["top-k-cut", "skip-misses"])
+def test_a_baseline_that_keeps_every_routed_expert_is_refused(models, mode):
+    """Keeping the router's whole top-k is exact: refused at load, naming
+    the model's top-k, rather than run and reported approximate."""
+    _, stream_dir = models.get("qwen3_moe", True)
+    top_k = mlx_streaming.format.read_manifest(stream_dir).layers[0].top_k
+    for keep in (top_k, top_k + 1):
+        for slots in (top_k + 2, None):
+            with pytest.raises(ConfigError, match=rf"routing_keep={keep} keeps all {top_k} "
+                                                  rf".* use a routing_keep below {top_k}"):
+                mlx_streaming.load(stream_dir, slots_per_layer=slots, routing=mode,
+                                   routing_keep=keep)
 
 
 def test_generate_says_the_output_is_approximate(models):
@@ -360,3 +417,26 @@ def test_batches_and_drafts_run_with_cache_aware_routing(models):
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "routing: approximate" in proc.stderr
+
+
+def test_generate_and_the_server_refuse_routing_settings_that_change_nothing(models):
+    """Both build their config from the same flags and load the same way:
+    a routing setting without its routing, and a cut that keeps the whole
+    top-k, are one-line errors before anything runs."""
+    from test_cli import assert_one_line_error
+    from test_server import free_port
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    top_k = mlx_streaming.format.read_manifest(stream_dir).layers[0].top_k
+    cases = [(["--routing-keep", "2"], "routing_keep is a setting of approximate routing"),
+             (["--routing", "exact", "--routing-keep", "2"], "routing_keep is a setting of"),
+             (["--routing", "top-k-cut", "--routing-window", "8"],
+              "routing_window is a setting of cache-aware routing"),
+             (["--routing", "top-k-cut", "--routing-keep", str(top_k)],
+              f"use a routing_keep below {top_k}")]
+    for flags, message in cases:
+        for command in (["mlx_streaming.generate", "--prompt", "x", "--max-tokens", "2"],
+                        ["mlx_streaming.server", "--port", str(free_port())]):
+            proc = subprocess.run([sys.executable, "-m", *command, "--model", str(stream_dir),
+                                   *flags], capture_output=True, text=True, timeout=300)
+            assert_one_line_error(proc, message)

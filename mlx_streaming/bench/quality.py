@@ -85,7 +85,8 @@ def parse_settings(text: Optional[str], top_k: int, num_experts: int,
         window = min(num_experts, 4 * top_k)
         names = [f"cache-aware:{k}:{window}" for k in keeps]
         names += [f"cache-aware:1:{window}:{b:g}" for b in (0.25, 0.5, 1.0)]
-        names += [f"top-k-cut:{k}" for k in keeps[:2]] + ["skip-misses"]
+        if top_k > 1:  # a baseline that keeps every routed expert is refused
+            names += [f"top-k-cut:{k}" for k in keeps[:2]] + ["skip-misses"]
         names += [f"miss-bits:{b}{w}" for b in low_bits for w in ("", ":0.1", ":0.05")]
     else:
         names = [n.strip() for n in text.split(",") if n.strip() != "exact"]
@@ -133,8 +134,10 @@ def _routing_setting(name: str, top_k: int, num_experts: int, flag: str) -> dict
         raise BenchError(f"{flag}: KEEP and WINDOW are integers, BONUS a number; "
                          f"got {name!r}") from None
     if numbers:
-        if not 1 <= numbers[0] <= top_k:
-            raise BenchError(f"{flag} {name}: KEEP must be 1-{top_k}")
+        # A baseline keeping all top_k is exact, and refused at load.
+        most = top_k if mode == "cache-aware" else top_k - 1
+        if not 1 <= numbers[0] <= most:
+            raise BenchError(f"{flag} {name}: KEEP must be 1-{most}")
         load["routing_keep"] = numbers[0]
     if len(numbers) > 1:
         if not top_k <= numbers[1] <= num_experts:

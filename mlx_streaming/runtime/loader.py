@@ -23,6 +23,7 @@ from .memory import GB, bytes_per_slot, min_slots, plan_memory
 from .model_spine import attach_mtp, check_experts_compute_here, load_spine, spine_bytes
 from .pressure import PressureWatch
 from .residency import install_blocks
+from .routing import check_keep
 from .runtime import Runtime
 from .wrap import one_pass_at_a_time
 
@@ -187,6 +188,7 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
             "`mlx.launch`, or convert it again without --tensor-parallel")
     check_spine_files(path, manifest, checksums=config.checksums == "always")
     check_experts_compute_here(manifest)
+    check_keep(manifest.layers, config)
     model, model_config = load_spine(path, manifest, model_config, trust_remote_code)
     # Before the runtime and the weights: a broken tokenizer is known
     # without waiting for a large model to load.
@@ -231,8 +233,9 @@ def _start(model: nn.Module, runtime: Runtime) -> None:
     """The loaded model's runtime attached, watched and released with it."""
     config = runtime.config
     runtime.stats.reset()
-    if runtime.plan.headroom < int(config.reserve_gb * GB):
-        # A small machine: freed buffers go back to the OS.
+    if runtime.plan.headroom != int(config.reserve_gb * GB):
+        # A small machine (a quarter of what is available) or a reserve raised
+        # to the least the process needs: freed buffers go back to the OS.
         runtime.cap_buffer_cache(runtime.plan.headroom // 4)
     model.streaming = runtime
     weakref.finalize(model, runtime.close)
@@ -243,7 +246,8 @@ def _start(model: nn.Module, runtime: Runtime) -> None:
         runtime.pressure = PressureWatch(runtime, threshold,
                                          bytes_per_slot(runtime.manifest),
                                          min_slots(runtime.manifest))
-    if runtime.paged or runtime.ring is not None:
+    if runtime.paged or runtime.ring is not None or runtime.routers:
+        # Routers' counts are taken at the end of each pass, too.
         one_pass_at_a_time(model, runtime)
 
 

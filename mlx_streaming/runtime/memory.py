@@ -172,7 +172,9 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
     headroom = min(int(cfg.reserve_gb * GB), avail // 4)
     per_token = bytes_per_token(model_config, manifest)
     step = prefill_step(headroom, per_token)
-    if step == MIN_PREFILL_STEP and cfg.reserve_gb > 0:
+    if step == MIN_PREFILL_STEP:
+        # Whatever reserve_gb says: a headroom below the least step's
+        # activations is one the process is killed in, not refused.
         headroom = max(headroom, min(room_for(step, per_token), avail // 2))
     rings = (cfg.spine_ring,) if cfg.spine_ring is not None else (DEFAULT_SPINE_RING, 1)
     for ring in rings:

@@ -76,7 +76,9 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
         runtime.reserve(sum(r.low.store.pool.nbytes for r in runtime.residencies
                             if r.low is not None),
                         f"the scratch pools of {config.miss_bits}-bit copies")
-    if runtime.paged and config.routing != "exact":
+    # A static cut changes the routing at any pool size, a full one too;
+    # the other modes only steer around missing experts.
+    if config.routing == "top-k-cut" or (runtime.paged and config.routing != "exact"):
         # After the routers' scorers above were found: they score the
         # router's own choice (prefetch, policies).
         runtime.routers = install_routers(model, runtime.stores, blocks, config)

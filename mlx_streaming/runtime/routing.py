@@ -51,6 +51,23 @@ def default_keep(top_k: int, mode: str = "cache-aware") -> int:
     return 1 if mode == "skip-misses" else max(1, top_k // 2)
 
 
+def check_keep(specs, config) -> None:
+    """Refuse a baseline that keeps every expert the router picks (its
+    output would be exact while it says approximate)."""
+    if config.routing not in ("top-k-cut", "skip-misses"):
+        return
+    for spec in specs:
+        keep = config.routing_keep or default_keep(spec.top_k, config.routing)
+        if keep < spec.top_k:
+            continue
+        if spec.top_k == 1:
+            raise ConfigError(f"routing={config.routing!r}: the model routes each token to "
+                              "one expert, always kept, so nothing changes; use routing='exact'")
+        raise ConfigError(f"routing_keep={keep} keeps all {spec.top_k} experts the model routes "
+                          f"a token to, so routing={config.routing!r} changes nothing: use a "
+                          f"routing_keep below {spec.top_k}, or routing='exact'")
+
+
 def default_window(top_k: int) -> int:
     return 2 * top_k
 

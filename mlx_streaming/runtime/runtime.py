@@ -43,7 +43,8 @@ class Runtime:
         self.closed = False
         self.stores: List[ExpertStore] = []
         self.residencies: List[Paged] = []
-        self.routers = []  # routing.CacheAwareRouter of each paged layer, when not exact
+        # routing.CacheAwareRouter of each layer: paged ones when not exact, all for top-k-cut.
+        self.routers = []
         self.ring = None  # the SpineRing of streamed spine layers, if any
         self.sharding = None  # sharding.Sharding of a model split over ranks, if any
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
