@@ -30,7 +30,7 @@ from .errors import (
 )
 from .runtime.stats import reset_stats, stats
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # name -> (module, attribute); None: the module itself.
 _LAZY = {

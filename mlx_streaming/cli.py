@@ -106,7 +106,7 @@ def log_to_stderr(level: int = logging.WARNING) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["--version"], ["-V"]):
-        from . import __version__
+        from .version import __version__
 
         print(f"mlx_streaming {__version__}")
         return 0

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mlx_streaming"
 # Each unit (a top-level module or subpackage) may import from its own layer
 # and those before it, never from a later one.
 LAYERS = [
-    {"errors", "config", "system", "cli", "flags", "supported", "mlx_lm_adapter"},
+    {"errors", "config", "system", "cli", "flags", "supported", "mlx_lm_adapter",
+     "version"},
     {"format"},
     {"models"},
     {"io"},

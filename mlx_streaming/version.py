@@ -1,0 +1,3 @@
+"""The package version: pyproject.toml and ``--version`` read it here."""
+
+__version__ = "0.1.0"
