@@ -133,16 +133,17 @@ NB_MODULE(_ext, m) {
       .def(
           "paged_index",
           [](PyReader& r, int file, int64_t stride, CArray<int64_t, 2> segments, double decay,
-             double shadow_decay, int verify, std::string blob) {
+             double shadow_decay, double lru_margin, int verify, std::string blob) {
             if (verify < 0 || verify > 2) {
               throw std::invalid_argument("verify must be 0 (off), 1 (first-read) or 2 (always)");
             }
             return std::make_shared<PagedIndex>(r.reader, file, stride, to_segments(segments),
-                                                decay, shadow_decay,
+                                                decay, shadow_decay, lru_margin,
                                                 static_cast<Verify>(verify),
                                                 std::move(blob));
           },
-          "file"_a, "stride"_a, "segments"_a, "decay"_a, "shadow_decay"_a, "verify"_a,
+          "file"_a, "stride"_a, "segments"_a, "decay"_a, "shadow_decay"_a, "lru_margin"_a,
+          "verify"_a,
           "blob"_a,
           "The native bookkeeping of one paged layer reading `file` (store.NativeStore).")
       .def(

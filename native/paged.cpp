@@ -31,6 +31,7 @@ PagedIndex::PagedIndex(
     std::vector<Segment> segments,
     double decay,
     double shadow_decay,
+    double lru_margin,
     Verify verify,
     std::string blob)
     : reader_(std::move(reader)),
@@ -40,6 +41,7 @@ PagedIndex::PagedIndex(
       segments_(std::move(segments)),
       decay_(decay),
       shadow_decay_(shadow_decay),
+      lru_margin_(lru_margin),
       verify_(verify) {
   check_segments(segments_, stride_);
   blob_changed(); // the reference stamp
@@ -167,7 +169,7 @@ void PagedIndex::observe_shadows(const std::vector<int64_t>& experts) {
 }
 
 const double* PagedIndex::keep_score() const {
-  if (a_.shadow != nullptr && a_.misses[0] < a_.misses[1]) {
+  if (a_.shadow != nullptr && a_.misses[0] < lru_margin_ * a_.misses[1]) {
     return a_.last_use; // the adaptive policy follows LRU
   }
   return a_.score != nullptr ? a_.score : a_.last_use;

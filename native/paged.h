@@ -78,6 +78,7 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
       std::vector<Segment> segments,
       double decay,
       double shadow_decay,
+      double lru_margin,
       Verify verify,
       std::string blob);
 
@@ -138,6 +139,7 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
   std::vector<Segment> segments_;
   double decay_;
   double shadow_decay_;
+  double lru_margin_;
   Verify verify_;
   PagedArrays a_{};
   std::vector<uint32_t> seen_; // per expert: the route() call that saw it last

@@ -74,3 +74,30 @@ def test_unknown_policy_names_the_choices():
 
     with pytest.raises(ConfigError, match="adaptive"):
         StreamConfig(policy="lfru")
+
+
+def test_predicted_wraps_the_adaptive_policy():
+    from mlx_streaming.runtime.policy import Predicted
+
+    policy = Predicted(Adaptive(EXPERTS))
+    held = np.arange(SLOTS, dtype=np.int64)
+    policy.bind(held)
+    follows([c for c in frequency_calls(50)], policy.inner)
+    policy.hint(np.array([7]))  # slot 7 holds the predicted expert: kept
+    assert 7 not in policy.victims(SLOTS - 1, protected=np.array([], dtype=np.int64)).tolist()
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(prefetch="next-layer"),
+                                    dict(io="python")])
+def test_adaptive_eviction_keeps_the_output_mlx_lms_at_a_quarter_pool(qwen, kwargs):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import check_matches_resident
+
+    from mlx_streaming.format import read_manifest
+
+    src, stream_dir = qwen
+    slots = read_manifest(stream_dir).layers[0].num_experts // 4
+    check_matches_resident(src, stream_dir, slots_per_layer=slots, policy="adaptive", **kwargs)

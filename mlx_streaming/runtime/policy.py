@@ -240,12 +240,16 @@ class Adaptive(DecayedLFU):
     layer. Each arm runs a shadow pool of the real pool's size over expert
     ids (what that policy alone would hold); each call adds an arm's shadow
     misses to its decayed miss count (half-life ``window`` calls), and the
-    arm with fewer is followed, decayed LFU on a tie. The native step
-    (native/paged.cpp) keeps the same state the same way."""
+    arm with fewer is followed. LRU must miss ``lru_margin`` times decayed
+    LFU's or less: short noisy spells do not move it off the arm that wins
+    more often (docs/results.md, "Which eviction policy?"). The native
+    step (native/paged.cpp) keeps the same state the same way."""
 
-    def __init__(self, num_experts, half_life: float = 32, window: float = 16):
+    def __init__(self, num_experts, half_life: float = 32, window: float = 16,
+                 lru_margin: float = 0.9):
         super().__init__(num_experts, half_life)
         self.regret_decay = _decay(window)
+        self.lru_margin = lru_margin
         self.shadow = np.zeros((2, num_experts + 1), dtype=bool)  # rows: LRU, decayed LFU
         self.misses = np.zeros(2)  # each arm's decayed shadow misses
         self.name = "adaptive"
@@ -267,7 +271,7 @@ class Adaptive(DecayedLFU):
 
     @property
     def follows_lru(self) -> bool:
-        return bool(self.misses[0] < self.misses[1])
+        return bool(self.misses[0] < self.lru_margin * self.misses[1])
 
     def keep_score(self):
         return self.last_use if self.follows_lru else self.score

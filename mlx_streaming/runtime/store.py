@@ -259,6 +259,7 @@ class NativeStore(ExpertStore):
         self.index = reader.native_handle.paged_index(
             self.file, self.spec.stride, self.pool.segments,
             getattr(self.policy, "decay", 1.0), getattr(self.policy, "regret_decay", 1.0),
+            getattr(self.policy, "lru_margin", 1.0),
             _CHECKSUM_CODES[self.checksums], blob)
         self.index.clock = self.policy.clock
         # (calls, records read, seconds) of the calls made inside the graph
