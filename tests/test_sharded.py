@@ -138,6 +138,39 @@ def test_ranks_loading_different_conversions_are_refused(split_models, tmp_path)
             result["error"], result
 
 
+def test_ranks_loading_with_different_math_are_refused(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps({"routing": "top-k-cut"}),
+                     "--options-rank1", json.dumps({"routing": "exact"}))
+    for result in results:
+        assert "ConfigError" in result.get("error", "") and "routing" in result["error"] and \
+            "rank 0 'top-k-cut'" in result["error"] and "rank 1 'exact'" in result["error"], \
+            result
+
+
+def test_ranks_may_differ_in_speed_and_memory(split_models, tmp_path):
+    src, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--source", src, "--model", tp, "--mode", "tensor",
+                     "--slots", "4", "--options-rank1",
+                     json.dumps({"io": "python", "prefetch": "next-layer", "policy": "lru",
+                                 "checksums": "always", "overlap": False,
+                                 "io_threads": 2, "reserve_gb": 0.5}))
+    for rank, result in enumerate(results):
+        assert "error" not in result, result
+        assert result["pools"]["4"]["same"], f"rank {rank}: logits differ from mlx-lm's"
+
+
+def test_the_options_ranks_must_agree_on_change_the_math():
+    from dataclasses import fields
+
+    from mlx_streaming.config import StreamConfig
+
+    agreed = {f.name for f in fields(StreamConfig) if f.metadata.get("same_on_ranks")}
+    assert agreed == {"routing", "routing_keep", "routing_window", "routing_bonus",
+                      "miss_bits", "miss_bits_weight"}
+
+
 def test_a_rank_that_cannot_load_stops_every_rank(split_models, tmp_path):
     _, _, tp = split_models("qwen3_moe")
     results = launch(tmp_path, "--model", tp, "--model-rank1", tmp_path / "missing",
