@@ -67,6 +67,8 @@ def default_io_threads() -> int:
 
 
 def _option(default, help: str, **cli):
+    # same_on_ranks=True: the option changes what a split model computes, so
+    # every rank must load with the same value (runtime.sharding.agree).
     return field(default=default, metadata=dict(help=help, **cli))
 
 
@@ -148,27 +150,30 @@ class StreamConfig:
         "after its own top routing_keep, a token takes resident experts before missing "
         "ones; baselines: top-k-cut (the router's top routing_keep only), skip-misses (its "
         "top-k less the missing ones, the top routing_keep always); bench quality measures "
-        "what each costs", choices=ROUTING_CHOICES)
+        "what each costs", choices=ROUTING_CHOICES, same_on_ranks=True)
     routing_keep: Optional[int] = _option(
         None, "approximate routing: the router's own top experts always taken (default: "
         "half the experts per token, skip-misses 1; all of them is exact for cache-aware "
         "routing, refused for the baselines)", type=int,
-        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="top-k / 2")
+        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="top-k / 2",
+        same_on_ranks=True)
     routing_window: Optional[int] = _option(
         None, "cache-aware routing: the router's top candidates a resident expert may come "
         "from (default: twice the experts per token)", type=int,
-        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="2 x top-k")
+        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="2 x top-k",
+        same_on_ranks=True)
     routing_bonus: Optional[float] = _option(
         None, "cache-aware routing: instead of taking every resident candidate first, add "
         "this to the resident candidates' selection scores and take the best (an ungrouped "
         "softmax router's logits: a resident expert counts as e^bonus times as likely; "
         "docs/routing.md gives the others' units; default: resident first)", type=float,
-        bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first")
+        bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first",
+        same_on_ranks=True)
     miss_bits: Optional[int] = _option(
         None, "read a missed expert's low-bit copy of this width (approximate; made by "
         "convert --miss-bits) instead of its full record, for that call only: hits always "
         "compute with the full weights; 2, 3, 4, 5, 6 or 8 (docs/routing.md)", type=int,
-        bounds=dict(low=2, high=8, optional=True), shown_default="off")
+        bounds=dict(low=2, high=8, optional=True), shown_default="off", same_on_ranks=True)
     miss_bits_weight: Optional[float] = _option(
         None, "with miss_bits: only a missed expert whose share of its token's routed "
         "weight (the router's probability over the token's routed experts) stays below this "
@@ -176,7 +181,7 @@ class StreamConfig:
         "join the pool (default: every miss but each token's weightiest expert; every miss "
         "where the router's probabilities are not known)",
         type=float, bounds=dict(low=0, high=1, optional=True),
-        shown_default="all but the top expert")
+        shown_default="all but the top expert", same_on_ranks=True)
     checksums: str = _option(
         "first-read", "CRC-32 checks of expert records: on each expert's first read "
         "(and again after its blob changes on disk), on every read, or never",
@@ -330,6 +335,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         meta = dict(f.metadata)
         meta.pop("bounds", None)
         meta.pop("shown_default", None)
+        meta.pop("same_on_ranks", None)
         flag = "--" + f.name.replace("_", "-")
         choices = meta.pop("choices", None)
         if isinstance(choices, dict):

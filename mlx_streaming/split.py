@@ -72,18 +72,63 @@ def lost(rank: int, error: RuntimeError) -> BaseException:
 # GIL (mlx-lm's clear_cache waits on the pass in flight), so no thread of
 # the rank itself can be relied on to notice. It hears a byte per beat on
 # stdin; silence for the timeout prints the error and kills the rank.
+# Silence counts only while the rank could run: not while the rank is
+# stopped (SIGSTOP, a debugger: its state, looked up each tick), nor across
+# a tick that came late (this watcher was stopped with it: at most a tick's
+# length counts). A rank stuck soon after a stop did not wait for its peers:
+# they gave it up while it was stopped, and its error says so instead.
 _WATCHER = """
-import os, select, signal, sys
+import os, select, signal, subprocess, sys, time
 parent, timeout, rank = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+tick = min(1.0, timeout / 5)
+
+def stopped():
+    try:  # Linux: the state follows the command's closing parenthesis
+        with open(f"/proc/{parent}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        pass
+    try:  # macOS
+        state = subprocess.run(["ps", "-o", "state=", "-p", str(parent)], capture_output=True,
+                               text=True, timeout=5).stdout.strip()
+        return state[:1] in ("T", "t")
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+silent, stopped_s, resumed, last = 0.0, 0.0, 0.0, time.monotonic()
 while True:
-    ready, _, _ = select.select([sys.stdin], [], [], timeout)
-    if not ready:
-        print(f"error: rank {rank} waited {timeout:g} s for its peers: a rank died, hangs or "
-              "was stopped; every rank stops", file=sys.stderr, flush=True)
+    ready, _, _ = select.select([sys.stdin], [], [], tick)
+    now = time.monotonic()
+    gap, last = now - last, now
+    if not ready and stopped():
+        held = gap
+    elif gap > tick + 1.0:  # this watcher did not run: stopped with its rank
+        held = gap - tick
+    else:
+        held = 0.0
+    if held:
+        stopped_s, resumed = stopped_s + held, now
+    elif stopped_s and now - resumed > 2 * timeout:
+        # Peers give a stopped rank up within a timeout: one that ran twice
+        # that long since its stop met them, and a later hang is theirs.
+        stopped_s = 0.0
+    if ready:
+        if not os.read(sys.stdin.fileno(), 4096):
+            sys.exit(0)  # the rank ended
+        silent = 0.0
+        continue
+    if not held:
+        silent += min(gap, tick)
+    if silent >= timeout:
+        if stopped_s:
+            print(f"error: rank {rank} was stopped for {stopped_s:.0f} s (a signal, Ctrl-Z or "
+                  f"a debugger) and has made no progress for {timeout:g} s since it resumed: "
+                  "its peers gave it up; every rank stops", file=sys.stderr, flush=True)
+        else:
+            print(f"error: rank {rank} waited {timeout:g} s for its peers: a rank died, hangs "
+                  "or was stopped; every rank stops", file=sys.stderr, flush=True)
         os.kill(parent, signal.SIGKILL)
         sys.exit(1)
-    if not os.read(sys.stdin.fileno(), 4096):
-        sys.exit(0)  # the rank ended
 """
 
 # Seconds between beats sent to the watcher at most.

@@ -138,6 +138,39 @@ def test_ranks_loading_different_conversions_are_refused(split_models, tmp_path)
             result["error"], result
 
 
+def test_ranks_loading_with_different_math_are_refused(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps({"routing": "top-k-cut"}),
+                     "--options-rank1", json.dumps({"routing": "exact"}))
+    for result in results:
+        assert "ConfigError" in result.get("error", "") and "routing" in result["error"] and \
+            "rank 0 'top-k-cut'" in result["error"] and "rank 1 'exact'" in result["error"], \
+            result
+
+
+def test_ranks_may_differ_in_speed_and_memory(split_models, tmp_path):
+    src, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--source", src, "--model", tp, "--mode", "tensor",
+                     "--slots", "4", "--options-rank1",
+                     json.dumps({"io": "python", "prefetch": "next-layer", "policy": "lru",
+                                 "checksums": "always", "overlap": False,
+                                 "io_threads": 2, "reserve_gb": 0.5}))
+    for rank, result in enumerate(results):
+        assert "error" not in result, result
+        assert result["pools"]["4"]["same"], f"rank {rank}: logits differ from mlx-lm's"
+
+
+def test_the_options_ranks_must_agree_on_change_the_math():
+    from dataclasses import fields
+
+    from mlx_streaming.config import StreamConfig
+
+    agreed = {f.name for f in fields(StreamConfig) if f.metadata.get("same_on_ranks")}
+    assert agreed == {"routing", "routing_keep", "routing_window", "routing_bonus",
+                      "miss_bits", "miss_bits_weight"}
+
+
 def test_a_rank_that_cannot_load_stops_every_rank(split_models, tmp_path):
     _, _, tp = split_models("qwen3_moe")
     results = launch(tmp_path, "--model", tp, "--model-rank1", tmp_path / "missing",
@@ -248,14 +281,16 @@ def test_generate_runs_split_and_rank_0_speaks(split_models):
 
 def _ranks_by_hand(tmp_path, model, *flags):
     """Two ranks started without mlx.launch (which would stop the others
-    itself): only our own handling of a lost rank is left."""
+    itself): only our own handling of a lost rank is left. Each leads a
+    process group of its own (with its watchdog)."""
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(rank))
         procs.append(subprocess.Popen(_generate(model, *flags), env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      start_new_session=True))
     return procs
 
 
@@ -280,6 +315,100 @@ def test_a_lost_rank_stops_the_others(split_models, tmp_path, how):
         for p in (rank0, rank1):
             p.kill()
             p.communicate()
+
+
+def test_a_stopped_rank_does_not_say_it_waited_for_its_peers(split_models, tmp_path):
+    """Only ranks that waited say so: rank 1, stopped for longer than the
+    timeout and then resumed, was not waiting (test_a_stopped_rank_is_not_
+    one_that_waited covers its watchdog stopped with it)."""
+    _, _, tp = split_models("qwen3_moe")
+    rank0, rank1 = _ranks_by_hand(tmp_path, tp, "--tensor-parallel", "--max-tokens", "1000000",
+                                  "--rank-timeout", "5")
+    try:
+        assert rank0.stdout.read(1)  # rank 0 is generating
+        rank1.send_signal(signal.SIGSTOP)
+        _, err0 = rank0.communicate(timeout=60)
+        assert "error: rank 0 waited 5 s for its peers" in err0 or \
+            "error: rank 0 lost its peers" in err0, err0
+        time.sleep(6)  # rank 1 stopped for longer than its own timeout
+        rank1.send_signal(signal.SIGCONT)
+        _, err1 = rank1.communicate(timeout=60)
+        # Resumed, it finds its peers gone: the backend says so, or (when a
+        # collective hangs instead) its watchdog says it was stopped.
+        assert "waited" not in err1 and ("error: rank 1 lost its peers" in err1 or
+                                         "error: rank 1 was stopped for" in err1), err1
+    finally:
+        for p in (rank0, rank1):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+# A rank's stand-in, watched: beats (as MoE calls do), says "ready" once its
+# watchdog has started, and goes on beating ("beats") or, once its own clock
+# jumps (it was stopped), hangs ("hang"); "stuck" hangs once ready.
+_FAKE_RANK = """
+import sys, time
+from mlx_streaming.split import Watchdog
+dog = Watchdog(1, float(sys.argv[1]))
+start = then = time.monotonic()
+while True:
+    now = time.monotonic()
+    if sys.argv[2] == "hang" and now - then > 1.0:
+        time.sleep(1000)
+    dog.beat()
+    then = now
+    if now - start > 1.0:
+        if not sys.stdout.closed:
+            print("ready", flush=True)
+            sys.stdout.close()
+        if sys.argv[2] == "stuck":
+            time.sleep(1000)
+    time.sleep(0.05)
+"""
+
+
+def _fake_rank(then):
+    rank = subprocess.Popen([sys.executable, "-c", _FAKE_RANK, "2", then], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    assert rank.stdout.readline() == "ready\n"
+    return rank
+
+
+def test_a_rank_that_makes_no_progress_says_it_waited():
+    rank = _fake_rank("stuck")
+    _, err = rank.communicate(timeout=30)
+    assert rank.returncode == -signal.SIGKILL
+    assert "error: rank 1 waited 2 s for its peers" in err, err
+
+
+@pytest.mark.parametrize("then, whole", [("beats", False), ("hang", False), ("hang", True)],
+                         ids=["resumed", "resumed-stuck", "resumed-stuck-with-its-watchdog"])
+def test_a_stopped_rank_is_not_one_that_waited(then, whole):
+    """Stopped (alone, or with its watchdog as Ctrl-Z stops both) for longer
+    than the timeout: not killed as a rank that waited; resumed and stuck,
+    it says it was stopped."""
+    rank = _fake_rank(then)
+    send = (lambda sig: os.killpg(rank.pid, sig)) if whole else rank.send_signal
+    try:
+        send(signal.SIGSTOP)
+        time.sleep(4)
+        send(signal.SIGCONT)
+        if then == "beats":
+            time.sleep(3)
+            assert rank.poll() is None
+            os.killpg(rank.pid, signal.SIGKILL)
+        _, err = rank.communicate(timeout=30)
+        assert "waited" not in err, err
+        if then == "hang":
+            assert rank.returncode == -signal.SIGKILL
+            assert "error: rank 1 was stopped for 4 s (a signal, Ctrl-Z or a debugger) and " \
+                   "has made no progress for 2 s since it resumed" in err, err
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+            rank.communicate()
 
 
 def test_the_server_serves_a_split_model(split_models):

@@ -6,7 +6,7 @@ share: its layers' records, its slices of each expert (docs/distributed.md).
 
 import json
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
@@ -97,19 +97,34 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
     return split
 
 
+def same_on_ranks(config) -> dict:
+    """The options every rank must load with alike: those that change what
+    the model computes (the ``StreamConfig`` fields marked ``same_on_ranks``).
+    The others change only what a rank keeps and reads (its own budget):
+    tensor-parallel ranks route by nothing resident (SPLIT_ROUTING) and have
+    no low-bit copies, so residency never changes their math."""
+    return {f.name: getattr(config, f.name) for f in fields(config)
+            if f.metadata.get("same_on_ranks")}
+
+
 def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -> None:
-    """Every rank's load, met once: each rank's outcome, conversion and
-    prompt step gathered; the ranks then all stop, or all prefill in steps
-    of the smallest (a pass is a collective: each rank must make the same).
+    """Every rank's load, met once: each rank's outcome, conversion, options
+    that change the math and prompt step gathered; the ranks then all stop,
+    or all prefill in steps of the smallest (a pass is a collective: each
+    rank must make the same).
 
     Raises:
         the rank's own ``failure``; RankError for another rank's; FormatError
-        where ranks loaded different conversions.
+        where ranks loaded different conversions; ConfigError where they
+        loaded with different ``same_on_ranks`` options.
     """
     runtime = model.streaming if model is not None else None
     identity = runtime.sharding.identity if runtime is not None else 0
     step = runtime.plan.prefill_step if runtime is not None else 0
-    mine = [int(failure is None), identity >> 16, identity & 0xFFFF, step]
+    options = same_on_ranks(runtime.config) if runtime is not None else {}
+    digest = _checksum(options)
+    mine = [int(failure is None), identity >> 16, identity & 0xFFFF, step,
+            digest >> 16, digest & 0xFFFF]
     try:
         everyone = all_gather_ints(mine, group)
     except RuntimeError as e:
@@ -129,11 +144,39 @@ def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -
                     f"rank {rank}'s stream directory differs from rank 0's (manifest checksum "
                     f"{value:08x}, not {ids[0]:08x}): every rank must load the same "
                     f"conversion; copy rank 0's directory to rank {rank}'s machine")
+        # Every rank saw the same digests: all gather the options, or none.
+        if len({(row[4], row[5]) for row in everyone}) > 1:
+            _check_same_options(options, group)
     except BaseException:
         if runtime is not None:
             runtime.close()
         raise
     runtime.plan = replace(runtime.plan, prefill_step=min(row[3] for row in everyone))
+
+
+def _check_same_options(options: dict, group) -> None:
+    """Each rank's ``options`` against rank 0's, the first difference named.
+
+    Raises:
+        ConfigError: a rank loaded with another value of an option.
+    """
+    try:
+        everyone = gather(options, group)
+    except RuntimeError as e:
+        raise RankError(f"the ranks could not compare their options ({first_line(e)}): a "
+                        "rank is gone") from None
+    for rank, theirs in enumerate(everyone):
+        for name, value in everyone[0].items():
+            if theirs.get(name) != value:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(
+                    f"ranks differ in {name} (rank 0 {value!r}, rank {rank} "
+                    f"{theirs.get(name)!r}), which changes what the split model computes: "
+                    f"load every rank with the same {name} ({flag})")
+
+
+def _checksum(options: dict) -> int:
+    return zlib.crc32(json.dumps(options, sort_keys=True).encode()) & 0xFFFFFFFF
 
 
 def _identity(manifest: Manifest) -> int:

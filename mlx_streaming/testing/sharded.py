@@ -53,8 +53,11 @@ def check(args, world) -> dict:
     if world.rank() == 1 and args.model_rank1:
         model_dir = args.model_rank1
     for slots in args.slots:
+        options = json.loads(args.options)
+        if world.rank() == 1:
+            options.update(json.loads(args.options_rank1))
         options = {k: v.format(rank=world.rank()) if isinstance(v, str) else v
-                   for k, v in json.loads(args.options).items()}
+                   for k, v in options.items()}
         if slots:  # 0: the budget in --options sizes the pools
             options["slots_per_layer"] = slots
         model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world), **options)
@@ -74,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], required=True)
     p.add_argument("--options", default="{}",
                    help="more load options, as JSON; {rank} in a string is the rank")
+    p.add_argument("--options-rank1", default="{}",
+                   help="options rank 1 loads with instead, as JSON")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     world = mx.distributed.init()
