@@ -13,10 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
-from mlx_streaming.supported import mlx_lm_range
+from mlx_streaming.supported import in_range, mlx_lm_range, release
 
 ROOT = Path(__file__).resolve().parents[1]
 # The adapter's own checks, and server runs through each hook: a plain
@@ -32,15 +29,15 @@ TESTS = ["tests/test_mlx_lm_adapter.py",
 def released_versions() -> list:
     out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "mlx-lm",
                           "--json"], capture_output=True, text=True, check=True).stdout
-    return [Version(v) for v in json.loads(out)["versions"]]
+    return json.loads(out)["versions"]
 
 
 def ends_of_range() -> list:
-    spec = SpecifierSet(mlx_lm_range())
-    inside = sorted(v for v in released_versions() if v in spec)
+    supported = mlx_lm_range()
+    inside = sorted((v for v in released_versions() if in_range(v, supported)), key=release)
     if not inside:
-        sys.exit(f"no released mlx-lm in {spec}")
-    return sorted({str(inside[0]), str(inside[-1])}, key=Version)
+        sys.exit(f"no released mlx-lm in {supported}")
+    return sorted({inside[0], inside[-1]}, key=release)
 
 
 def check(version: str) -> bool:
