@@ -45,7 +45,8 @@ def _group_size(spec: LayerSpec, proj: str, input_dims: int) -> int:
                           "multiple of 32, which low-bit copies need")
 
 
-def _check_width(spec: LayerSpec, bits: int) -> None:
+def check_width(spec: LayerSpec, bits: int) -> None:
+    """Refuse copies of ``spec``'s records at ``bits`` that convert cannot make."""
     for proj, q in spec.quantization.items():
         if q is not None and q.get("global_scale"):
             raise ConversionError(f"--miss-bits: layer {spec.layer}'s {proj} is quantized with "
@@ -81,7 +82,7 @@ def quantize_low(weight: mx.array, bits: int, group_size: int) -> Dict[str, mx.a
 def _layer_copy(path: Path, spec: LayerSpec, bits: int, progress) -> Tuple[LayerSpec, int]:
     """Write the low-bit blob of one layer; returns its manifest entry and
     group size."""
-    _check_width(spec, bits)
+    check_width(spec, bits)
     projs = _projections(spec)
     blob = np.memmap(blob_path(path, spec), dtype=np.uint8, mode="r",
                      shape=(spec.num_experts, spec.stride))
