@@ -6,9 +6,10 @@ its checksum.
 
 import sys
 from pathlib import Path
+from typing import List
 
 from .cli import run_main
-from .errors import FormatError
+from .errors import CorruptExpertError, FormatError
 from .flags import Parser, count
 
 # More tensor-parallel ranks than a conversion takes (conversion.tensor_parallel).
@@ -27,10 +28,13 @@ def main(argv=None) -> int:
         args.model = str(Path(args.model).expanduser())
         from tqdm import tqdm
 
-        from .format import checked_layers, damaged_records, damaged_spine, read_manifest
+        from .format import checked_layers, damaged_experts, damaged_spine, read_manifest
 
         manifest = read_manifest(args.model, blobs=False)
-        layers = checked_layers(args.model, args.rank)
+        try:
+            layers = checked_layers(args.model, args.rank)
+        except CorruptExpertError as e:
+            raise FormatError(e.brief) from None  # its pointer to `check` is this command
         spine = damaged_spine(args.model, manifest)
         if spine:
             raise FormatError(
@@ -40,22 +44,45 @@ def main(argv=None) -> int:
         total = sum(l.num_experts for l in layers)
         with tqdm(total=total, unit="expert", file=sys.stderr,
                   disable=not sys.stderr.isatty()) as bar:
-            bad = damaged_records(args.model, progress=bar.update, rank=args.rank)
+            bad = damaged_experts(args.model, progress=bar.update, rank=args.rank)
         if bad:
-            listed = ", ".join(f"layer {l} expert {e}" for l, e in bad[:10])
-            more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
-            raise FormatError(
-                f"{len(bad)} damaged expert records: {listed}{more}; re-convert the model"
-            )
+            raise FormatError("; ".join(_damage(args.model, bad)))
+        records = sum(l.num_experts for l in layers if l.copy_bits is None)
+        widths = sorted({l.copy_bits for l in layers} - {None})
+        copies = (f" and their {','.join(map(str, widths))}-bit copies ({total - records})"
+                  if widths else "")
         spine_note = (f"{len(manifest.spine)} spine files and " if manifest.spine else
                       "(this manifest predates spine checksums: spine not checked) ")
         if manifest.dense:
             spine_note += f"{len(manifest.dense)} dense layer records and "
         whose = "" if args.rank is None else f" of rank {args.rank}"
-        print(f"{args.model}: {spine_note}all {total} expert records{whose} match their "
-              "checksums")
+        print(f"{args.model}: {spine_note}all {records} expert records{whose}{copies} match "
+              "their checksums")
 
     return run_main(body)
+
+
+def _damage(path: str, bad) -> List[str]:
+    """What ``check`` says of the damaged records ``bad`` (``(layer entry,
+    expert)``): the records themselves, then each width's low-bit copies,
+    each with what to do about them."""
+    from .format import write_copies_command
+
+    def listed(pairs):
+        names = ", ".join(f"layer {s.layer} expert {e}" for s, e in pairs[:10])
+        return names + (f" and {len(pairs) - 10} more" if len(pairs) > 10 else "")
+
+    out = []
+    records = [(s, e) for s, e in bad if s.copy_bits is None]
+    if records:
+        out.append(f"{len(records)} damaged expert records: {listed(records)}; "
+                   "re-convert the model")
+    for bits in sorted({s.copy_bits for s, _ in bad} - {None}):
+        copies = [(s, e) for s, e in bad if s.copy_bits == bits]
+        out.append(f"{len(copies)} damaged {bits}-bit copies of expert records (convert "
+                   f"--miss-bits): {listed(copies)}; write them again with "
+                   f"{write_copies_command(path, bits, force=True)}")
+    return out
 
 
 if __name__ == "__main__":

@@ -27,10 +27,9 @@ class CorruptExpertError(FormatError):
                  advice: str = "re-convert the model"):
         self.layer = layer
         self.expert = expert
-        super().__init__(
-            f"layer {layer}, expert {expert}: {what}; {advice} "
-            "(`mlx_streaming check DIR` lists every damaged record)"
-        )
+        # Without the pointer to `check`, for `check` itself to print.
+        self.brief = f"layer {layer}, expert {expert}: {what}; {advice}"
+        super().__init__(f"{self.brief} (`mlx_streaming check DIR` lists every damaged record)")
 
 
 class ExpertReadError(StreamingError):

@@ -134,8 +134,19 @@ def size(low: int = 1, high: Optional[int] = None, multiple: int = 1) -> Callabl
 
 def existing_file(text: str) -> Path:
     path = Path(text).expanduser()
-    if not path.is_file():
+    if not path.exists():
         raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise argparse.ArgumentTypeError(f"{text!r} is {kind}; give a file")
+    return path
+
+
+def text_file(text: str) -> Path:
+    """A regular file that holds something to read."""
+    path = existing_file(text)
+    if path.stat().st_size == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a file with text in it")
     return path
 
 

@@ -63,3 +63,23 @@ def test_batch_generate_takes_text_and_matches_mlx_lm(qwen):
     with pytest.raises(mlx_streaming.ConfigError, match="prompts must be a non-empty list"):
         mlx_streaming.batch_generate(model, tok, [])
     model.streaming.close()
+
+
+@pytest.mark.parametrize("prompts, kwargs, message", [
+    (["a", None], {}, "a prompt is NoneType"),
+    (["a", [1, "x"]], {}, "a prompt is list"),
+    (["a"], dict(max_tokens=0), "max_tokens must be an integer of 1 or more"),
+    (["a", "b"], dict(max_tokens=[4]), "a list of one per prompt"),
+    (["a"], dict(max_tokens=True), "max_tokens must be"),
+])
+def test_bad_batch_arguments_are_config_errors(qwen, prompts, kwargs, message):
+    """As every other bad option of the package: a ConfigError before any
+    decoding, not mlx-lm's ValueError or a bare TypeError."""
+    model, tok = mlx_streaming.load(qwen[1], slots_per_layer=4)
+    try:
+        with pytest.raises(mlx_streaming.ConfigError, match=message):
+            mlx_streaming.batch_generate(model, tok, prompts, **kwargs)
+        with pytest.raises(mlx_streaming.ConfigError, match=message):
+            list(mlx_streaming.stream_generate(model, tok, prompts, **kwargs))
+    finally:
+        model.streaming.close()

@@ -892,6 +892,14 @@ def test_simulator_scales_the_traced_records_to_the_models_top_k():
     (["serve", "--cases", "batched+cache-aware:9:8"], "--cases batched.* KEEP must be 1-"),
     (["serve", "--cases", "batched+exact"], "--cases: batched is exact already"),
     (["quality", "--tokens", "8", "--batch", "8"], "cannot make 8 streams"),
+    (["quality", "--settings", "miss-bits:7"],
+     "--settings miss-bits:7: BITS must be one of 2, 3, 4, 5, 6, 8"),
+    (["quality", "--settings", "miss-bits:4"],
+     "no 4-bit copies, and convert cannot write them .*already 4-bit"),
+    (["quality", "--settings", ","], "--settings ',' holds an empty setting"),
+    (["quality", "--settings", "skip-misses,,top-k-cut"], "holds an empty setting"),
+    (["quality", "--text", "/dev/null"], "--text: '/dev/null' is not a regular file"),
+    (["quality", "--text", "/"], "--text: '/' is a directory"),
     (["serve", "--requests", "0"], "--requests: must be an integer from 1"),
     (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number at least 0.01"),
     (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number at least 0.01"),
@@ -908,6 +916,13 @@ def test_bench_arguments_are_one_line_errors(qwen, argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and err[0].startswith("error: "), err
     assert re.search(message, err[0]), err[0]
+
+
+def test_bench_quality_refuses_an_empty_text(qwen, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    rc = bench_main(["quality", "--model", str(qwen[1]), "--text", str(tmp_path / "empty.txt"),
+                     "--out", str(tmp_path / "q")])
+    assert rc == 1 and "empty.txt' is empty" in capsys.readouterr().err
 
 
 def test_a_bench_run_whose_every_case_fails_is_an_error(qwen, tmp_path, capsys):

@@ -36,3 +36,15 @@ def test_relative_links_in_the_docs_resolve():
             if not (doc.parent / target).exists():
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert not broken, "\n".join(broken)
+
+
+def test_batch_generate_examples_take_the_texts_of_its_response():
+    """batch_generate returns mlx-lm's BatchResponse: an example that names
+    its result ``texts`` takes its ``.texts``."""
+    wrong = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            m = re.match(r"\s*texts?\s*=\s*[\w.]*batch_generate\(.*\)(\.\w+)?\s*$", line)
+            if m and m.group(1) != ".texts":
+                wrong.append(f"{doc.relative_to(ROOT)}: {line.strip()}")
+    assert not wrong, "\n".join(wrong)

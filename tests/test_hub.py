@@ -273,6 +273,25 @@ def test_plain_mlx_lm_repo_is_converted_shard_by_shard(qwen, tmp_path):
         model.streaming.close()
 
 
+def test_a_repo_without_an_index_loads_as_mlx_lm_loads_its_directory(tokenizer_dir, tmp_path):
+    """model.safetensors plus more shards and no index (as
+    scripts/make_synthetic_moe.py --format mlx-lm writes): mlx_lm.load
+    reads every model*.safetensors of the directory, and so does a load of
+    the repo id."""
+    import mlx_lm
+    from mlx_streaming.testing.synthetic import make_synthetic
+
+    src = make_synthetic(tmp_path / "src", tokenizer_dir, fmt="mlx-lm")
+    assert not (src / "model.safetensors.index.json").exists()
+    assert len(list(src.glob("model*.safetensors"))) > 1
+    reference, _ = mlx_lm.load(str(src))
+    with HubServer({"org/no-index": src}) as server:
+        model, _ = mlx_streaming.load("org/no-index", endpoint=server.url,
+                                      disk_cache_dir=str(tmp_path / "c"), slots_per_layer=4)
+        assert_same_logits(logits_trace(reference), logits_trace(model))
+        model.streaming.close()
+
+
 def test_convert_upload_publishes_a_streamable_repo(qwen, tmp_path):
     from mlx_streaming.conversion import cli
 

@@ -222,6 +222,70 @@ def test_convert_adds_copies_to_a_converted_directory(models, tmp_path):
         assert not (tmp_path / "x" / "experts" / "manifest.json").exists()
 
 
+def _damage(path, spec, expert):
+    """Flip a byte of one record of ``spec``'s blob."""
+    with open(blob_path(path, spec), "r+b") as f:
+        f.seek(spec.record_offset(expert) + spec.segments[0].offset)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_adding_copies_a_directory_holds_says_so(models, tmp_path, capsys):
+    """Copies already there are left as they are, and said to be, with
+    how to check them and how to write them again."""
+    from mlx_streaming.conversion import cli
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    out = _with_copies(stream_dir, tmp_path)
+    low = read_manifest(out).low_copies(2).layers[0]
+    _damage(out, low, 1)
+    assert cli.main(["--out", str(out), "--miss-bits", "2,3", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "wrote the 3-bit copies" in err and "2,3-bit" not in err, err
+    assert "holds the 2-bit copies already" in err and "mlx_streaming check" in err
+    assert f"--out {out} --miss-bits 2 --force" in err
+    assert damaged_records(out) == [(low.layer, 1)]
+    assert cli.main(["--out", str(out), "--miss-bits", "2", "--force", "--no-progress"]) == 0
+    assert "wrote the 2-bit copies" in capsys.readouterr().err
+    assert damaged_records(out) == []
+
+
+def test_damaged_copies_are_named_as_copies_with_their_fix(models, tmp_path, capsys):
+    """Damage to a copy says it is the B-bit copies and names the convert
+    command that writes them again, not a whole re-conversion."""
+    from mlx_streaming import check
+    from mlx_streaming.conversion import cli
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    out = _with_copies(stream_dir, tmp_path)
+    low = read_manifest(out).low_copies(2).layers[0]
+    _damage(out, low, 1)
+    assert check.main([str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"1 damaged 2-bit copies of expert records (convert --miss-bits): layer " \
+        f"{low.layer} expert 1;" in err, err
+    assert f"--out {out} --miss-bits 2 --force" in err and "re-convert" not in err
+    # A truncated blob: `check` says so without pointing to itself.
+    with open(blob_path(out, low), "r+b") as f:
+        f.truncate(low.stride)
+    assert check.main([str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "blob of the 2-bit copies" in err and f"--out {out} --miss-bits 2`" in err, err
+    assert "re-convert" not in err and "mlx_streaming check" not in err
+    with pytest.raises(CorruptExpertError, match="blob of the 2-bit copies") as e:
+        mlx_streaming.load(out, slots_per_layer=low.top_k, miss_bits=2)
+    assert "re-convert" not in str(e.value) and f"--out {out} --miss-bits 2`" in str(e.value)
+    blob_path(out, low).unlink()
+    with pytest.raises(mlx_streaming.errors.FormatError, match="2-bit copies.* is missing") as e:
+        mlx_streaming.load(out, slots_per_layer=low.top_k, miss_bits=2)
+    assert "re-convert" not in str(e.value) and f"--out {out} --miss-bits 2`" in str(e.value)
+    # The command named is enough.
+    assert cli.main(["--out", str(out), "--miss-bits", "2", "--no-progress"]) == 0
+    assert check.main([str(out)]) == 0
+    assert "and their 2-bit copies" in capsys.readouterr().out
+
+
 def test_mtp_layers_run_with_miss_bits(models, tmp_path):
     """Copies are made for the model's layers; its MTP layers read in full."""
     _, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)

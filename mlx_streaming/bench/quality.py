@@ -25,8 +25,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..format import read_manifest
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number
+from ..format import LOW_BITS, read_manifest
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, text_file
 from ..runtime.low_bits import scratch_slots
 from .common import BenchError, figure, finish, paired_ratio, pool_slots, run_case
 
@@ -51,7 +51,7 @@ COLUMNS = [
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="stream directory")
-    p.add_argument("--text", type=existing_file, default=None,
+    p.add_argument("--text", type=text_file, default=None,
                    help="held-out text to read (default: Python standard library source "
                         "that scripts/train_moe.py does not train on)")
     p.add_argument("--tokens", type=count(2, MAX_TOKENS), default=512,
@@ -89,7 +89,11 @@ def parse_settings(text: Optional[str], top_k: int, num_experts: int,
             names += [f"top-k-cut:{k}" for k in keeps[:2]] + ["skip-misses"]
         names += [f"miss-bits:{b}{w}" for b in low_bits for w in ("", ":0.1", ":0.05")]
     else:
-        names = [n.strip() for n in text.split(",") if n.strip() != "exact"]
+        names = [n.strip() for n in text.split(",")]
+        if not all(names):
+            raise BenchError(f"--settings {text!r} holds an empty setting: give settings "
+                             "separated by single commas")
+        names = [n for n in names if n != "exact"]
     out = [dict(name="exact", load=dict(routing="exact"))]
     for name in names:
         out.append(dict(name=name, load=setting_options(name, top_k, num_experts)))
@@ -117,6 +121,9 @@ def _miss_bits_setting(name: str, text: str, flag: str) -> dict:
     except ValueError:
         raise BenchError(f"{flag} {name}: miss-bits takes BITS[:WEIGHT], an integer and "
                          "a number") from None
+    if load["miss_bits"] not in LOW_BITS:
+        raise BenchError(f"{flag} {name}: BITS must be one of {', '.join(map(str, LOW_BITS))} "
+                         "(the widths convert --miss-bits writes)")
     if not 0 <= load.get("miss_bits_weight", 0) <= 1:
         raise BenchError(f"{flag} {name}: WEIGHT must be 0-1")
     return load
@@ -159,6 +166,15 @@ def equal_memory_slots(manifest, slots: int, bits: Optional[int],
         return slots
     copies = manifest.low_copies(bits)
     if copies is None:
+        from ..conversion.low_bits import check_width
+        from ..errors import ConversionError
+
+        try:  # what convert would refuse is not suggested
+            for spec in manifest.layers:
+                check_width(spec, bits)
+        except ConversionError as e:
+            raise BenchError(f"{flag}: the model holds no {bits}-bit copies, and convert "
+                             f"cannot write them ({e})") from None
         raise BenchError(f"{flag}: the model holds no {bits}-bit copies (add them: "
                          f"python -m mlx_streaming.convert --out DIR --miss-bits {bits})")
     full, low = manifest.layers[0], copies.layers[0]
@@ -184,12 +200,18 @@ def run(args) -> dict:
     spec = manifest.layers[0]
     settings = parse_settings(args.settings, spec.top_k, spec.num_experts,
                               [c.bits for c in manifest.low_bits])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.tokens < 2 * args.batch:
         raise BenchError(f"--tokens {args.tokens} cannot make {args.batch} streams of 2 tokens")
-    text = args.text or held_out_text(out, args.tokens)
     slots = pool_slots(spec, args.pool)
+    for s in settings:
+        s["slots"] = equal_memory_slots(manifest, slots, s["load"].get("miss_bits"))
+        if s["slots"] < spec.top_k:
+            raise BenchError(f"--settings {s['name']}: its copies' scratch pool leaves the "
+                             f"pool {s['slots']} slots, fewer than a token's {spec.top_k} "
+                             "experts; use a larger --pool")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = args.text or held_out_text(out, args.tokens)
     base = dict(slots_per_layer=slots)
     if args.pace_mbps:
         base["read_pace_mbps"] = args.pace_mbps
@@ -198,12 +220,6 @@ def run(args) -> dict:
     reference = out / "exact-logprobs.npy"
     reference.unlink(missing_ok=True)  # never another run's
     rounds = {s["name"]: [] for s in settings}
-    for s in settings:
-        s["slots"] = equal_memory_slots(manifest, slots, s["load"].get("miss_bits"))
-        if s["slots"] < spec.top_k:
-            raise BenchError(f"--settings {s['name']}: its copies' scratch pool leaves the "
-                             f"pool {s['slots']} slots, fewer than a token's {spec.top_k} "
-                             "experts; use a larger --pool")
     for r in range(args.repeats):
         for s in settings:
             case = dict(op="quality", kind="streaming", model=str(args.model),

@@ -16,7 +16,7 @@ from ..format import (
     manifest_path,
 )
 from .local import DTYPES, QUANTIZATION, convert, quantization_defaults
-from .low_bits import add_copies
+from .low_bits import write_copies
 from ..flags import Parser
 
 
@@ -39,7 +39,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="cast floating weights before quantizing (float32 scales "
                         "are fastest on MLX's CPU backend)")
-    p.add_argument("--force", action="store_true", help="overwrite another converted model")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite another converted model; without --model, write the "
+                        "--miss-bits copies again though --out holds them")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split every expert into N ranks' slices, each rank's in files of "
                         "its own (for --tensor-parallel runs on N machines)")
@@ -128,10 +130,11 @@ def main(argv=None) -> int:
             if not args.miss_bits:
                 raise ConversionError("--model is needed (only adding --miss-bits copies to a "
                                       "converted --out goes without it)")
-            add_copies(Path(args.out).expanduser(), args.miss_bits, not args.no_progress,
-                       force=args.force)
-            print(f"wrote the {','.join(map(str, args.miss_bits))}-bit copies of {args.out}",
-                  file=sys.stderr)
+            written = write_copies(Path(args.out).expanduser(), args.miss_bits,
+                                   not args.no_progress, force=args.force)
+            if written:
+                print(f"wrote the {','.join(map(str, written))}-bit copies of {args.out}",
+                      file=sys.stderr)
             return
         given = [f for f in ("q_bits", "q_group_size", "q_mode") if getattr(args, f) is not None]
         if given and not args.quantize:

@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 from ..errors import ConversionError, FormatError
 from ..format import (LOW_BITS, LOW_RECORD_ALIGNMENT, LayerSpec, LowBits, blob_path,
-                      check_blob_size, dtype_from_name, dtype_name, experts_dir, layout_record, read_manifest, write_manifest)
+                      check_blob_size, dtype_from_name, dtype_name, experts_dir, layout_record, read_manifest,
+                      write_copies_command, write_manifest)
 from .experts import write_blob
 
 # Experts dequantized at a time: bounds the float copy of a large layer.
@@ -44,7 +45,8 @@ def _group_size(spec: LayerSpec, proj: str, input_dims: int) -> int:
                           "multiple of 32, which low-bit copies need")
 
 
-def _check_width(spec: LayerSpec, bits: int) -> None:
+def check_width(spec: LayerSpec, bits: int) -> None:
+    """Refuse copies of ``spec``'s records at ``bits`` that convert cannot make."""
     for proj, q in spec.quantization.items():
         if q is not None and q.get("global_scale"):
             raise ConversionError(f"--miss-bits: layer {spec.layer}'s {proj} is quantized with "
@@ -80,7 +82,7 @@ def quantize_low(weight: mx.array, bits: int, group_size: int) -> Dict[str, mx.a
 def _layer_copy(path: Path, spec: LayerSpec, bits: int, progress) -> Tuple[LayerSpec, int]:
     """Write the low-bit blob of one layer; returns its manifest entry and
     group size."""
-    _check_width(spec, bits)
+    check_width(spec, bits)
     projs = _projections(spec)
     blob = np.memmap(blob_path(path, spec), dtype=np.uint8, mode="r",
                      shape=(spec.num_experts, spec.stride))
@@ -112,7 +114,7 @@ def _layer_copy(path: Path, spec: LayerSpec, bits: int, progress) -> Tuple[Layer
     checksums = write_blob(experts_dir(path) / file, [views[n] for n, *_ in layout], stride,
                             segments, progress)
     entry = replace(spec, file=file, stride=stride, segments=segments,
-                    quantization=quantization, checksums=tuple(checksums))
+                    quantization=quantization, checksums=tuple(checksums), copy_bits=bits)
     return entry, max(groups)
 
 
@@ -185,12 +187,28 @@ def check_low_bits(miss_bits, tensor_parallel: int = 1,
 
 def add_copies(dst, miss_bits, progress: bool = True, force: bool = False) -> Path:
     """Add to the stream directory ``dst`` the low-bit copies of
-    ``miss_bits`` it lacks or holds in part (``force``: all of them anew)."""
+    ``miss_bits`` it lacks or holds in part (``force``: all of them anew);
+    says on stderr which it held already."""
+    write_copies(dst, miss_bits, progress, force)
+    return Path(dst)
+
+
+def write_copies(dst, miss_bits, progress: bool = True,
+                 force: bool = False) -> Tuple[int, ...]:
+    """``add_copies``; returns the widths it wrote."""
     from tqdm import tqdm
 
+    written, present = [], []
     for bits in check_low_bits(miss_bits):
         manifest = read_manifest(dst, blobs=False, dense=False)
         with tqdm(total=sum(l.num_experts for l in manifest.layers), unit="expert",
                   desc=f"{bits}-bit copies", file=sys.stderr, disable=not progress) as bar:
-            add_low_bits(dst, bits, bar.update, force=force)
-    return Path(dst)
+            (written if add_low_bits(dst, bits, bar.update, force=force) else present).append(bits)
+    if present:
+        # Whole blobs may still hold damaged records: only their checksums tell.
+        widths = ",".join(map(str, present))
+        print(f"{dst} holds the {widths}-bit copies already (left as they are): "
+              f"`python -m mlx_streaming check {dst}` finds damaged ones, and "
+              f"{write_copies_command(dst, widths, force=True)} writes them again",
+              file=sys.stderr)
+    return tuple(written)

@@ -4,7 +4,6 @@ checks of the destination before anything is written.
 """
 
 import errno
-from dataclasses import asdict
 import hashlib
 import json
 import os
@@ -20,6 +19,7 @@ from ..format import (
     experts_dir,
     fsync_path,
     layer_from_dict,
+    layer_to_dict,
     manifest_path,
     write_json_atomic,
 )
@@ -66,7 +66,7 @@ class State:
         return spec
 
     def record(self, spec: LayerSpec) -> None:
-        self.layers[spec.file] = asdict(spec)
+        self.layers[spec.file] = layer_to_dict(spec)
         write_json_atomic(self.path, {"fingerprint": self.fingerprint, "layers": self.layers})
 
 

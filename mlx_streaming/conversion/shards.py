@@ -46,6 +46,8 @@ from .experts import expert_tensors, find_top_k, write_layer
 from ..format import TOKENIZER_PATTERNS
 
 INDEX = "model.safetensors.index.json"
+# Headers of weight files read at once.
+HEADER_THREADS = 8
 ST_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32,
              "U8": mx.uint8, "I8": mx.int8, "I32": mx.int32, "U16": mx.uint16,
              "I16": mx.int16, "I64": mx.int64, "U64": mx.uint64, "BOOL": mx.bool_}
@@ -111,24 +113,35 @@ def _small_files(repo) -> List[str]:
 
 
 def _headers(repo) -> Tuple[Dict[str, str], Dict[str, Tuple[str, tuple]]]:
-    """``(tensor -> shard, tensor -> (dtype, shape))`` from the shards'
-    safetensors headers, read by range request."""
+    """``(tensor -> shard, tensor -> (dtype, shape))`` from the safetensors
+    headers, read by range request, of the files mlx_lm.load reads
+    (``HubRepo.weight_files``: an index need not list them, nor exist)."""
+    from concurrent.futures import ThreadPoolExecutor
     from huggingface_hub import HfApi
 
-    try:
-        meta = HfApi(endpoint=repo.endpoint).get_safetensors_metadata(
-            repo.repo_id, revision=repo.commit)
-    except Exception as e:
-        raise ConversionError(f"cannot read the safetensors headers of {repo.repo_id} "
-                              f"({type(e).__name__}); is it an mlx-lm model?") from None
-    tensors = {}
-    for fmeta in meta.files_metadata.values():
+    api = HfApi(endpoint=repo.endpoint)
+
+    def header(name: str):
+        try:
+            return api.parse_safetensors_file_metadata(repo.repo_id, name,
+                                                       revision=repo.commit)
+        except Exception as e:
+            raise ConversionError(f"cannot read the safetensors header of {name} in "
+                                  f"{repo.repo_id} ({type(e).__name__}); is it an mlx-lm "
+                                  "model?") from None
+
+    names = repo.weight_files
+    with ThreadPoolExecutor(max_workers=max(1, min(HEADER_THREADS, len(names)))) as pool:
+        headers = list(pool.map(header, names))
+    weight_map, tensors = {}, {}
+    for shard, fmeta in zip(names, headers):
         for name, t in fmeta.tensors.items():
             if t.dtype not in ST_DTYPES:
                 raise ConversionError(f"{repo.repo_id}: tensor {name} has dtype {t.dtype}, "
                                       "which MLX does not load")
+            weight_map[name] = shard
             tensors[name] = (t.dtype, tuple(t.shape))
-    return dict(meta.weight_map), tensors
+    return weight_map, tensors
 
 
 def _skeleton(folder: Path, tensors: Dict[str, Tuple[str, tuple]]):

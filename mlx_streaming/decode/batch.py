@@ -27,7 +27,11 @@ def encode(tokenizer, prompt: Prompt) -> List[int]:
         ids = list(tokenizer.encode(prompt, add_special_tokens=bos is None
                                     or not prompt.startswith(bos)))
     else:
-        ids = [int(t) for t in prompt]
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ConfigError(f"a prompt is {type(prompt).__name__} {prompt!r:.40}: give a "
+                              "text or a list of token ids") from None
     if not ids:
         raise ConfigError("a prompt encodes to no tokens: give it some text or token ids")
     return ids
@@ -39,12 +43,28 @@ def _prompts(tokenizer, prompts) -> List[List[int]]:
     return [encode(tokenizer, p) for p in prompts]
 
 
-def batch_generate(model, tokenizer, prompts: Sequence[Prompt], **kwargs) -> BatchResponse:
+def _max_tokens(max_tokens, n: int) -> List[int]:
+    """``max_tokens`` (one for all, or one per prompt) as a list of ``n``."""
+    def ok(m):
+        return isinstance(m, int) and not isinstance(m, bool) and m > 0
+
+    if ok(max_tokens):
+        return [max_tokens] * n
+    if isinstance(max_tokens, Sequence) and len(max_tokens) == n and all(map(ok, max_tokens)):
+        return list(max_tokens)
+    raise ConfigError(f"max_tokens must be an integer of 1 or more, or a list of one per "
+                      f"prompt ({n}); got {max_tokens!r}")
+
+
+def batch_generate(model, tokenizer, prompts: Sequence[Prompt], *,
+                   max_tokens: Union[int, Sequence[int]] = 128, **kwargs) -> BatchResponse:
     """``mlx_lm.batch_generate`` that also takes prompts as text; every
     other argument is mlx-lm's (``max_tokens``, ``sampler``,
     ``completion_batch_size``, ``return_logprobs`` ...)."""
+    ids = _prompts(tokenizer, prompts)
     kwargs.setdefault("prefill_step_size", step_of(model))
-    return mlx_lm.batch_generate(model, tokenizer, _prompts(tokenizer, prompts), **kwargs)
+    return mlx_lm.batch_generate(model, tokenizer, ids,
+                                 max_tokens=_max_tokens(max_tokens, len(ids)), **kwargs)
 
 
 def batch_stream_generate(model, tokenizer, prompts: Sequence[Prompt], *,
@@ -56,8 +76,7 @@ def batch_stream_generate(model, tokenizer, prompts: Sequence[Prompt], *,
     prompt's place in ``prompts``. ``kwargs`` are ``BatchGenerator``'s
     (``sampler``, ``completion_batch_size``, ``prefill_batch_size`` ...)."""
     ids = _prompts(tokenizer, prompts)
-    if isinstance(max_tokens, int):
-        max_tokens = [max_tokens] * len(ids)
+    max_tokens = _max_tokens(max_tokens, len(ids))
     kwargs.setdefault("prefill_step_size", step_of(model))
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], **kwargs)
     try:

@@ -46,6 +46,7 @@ from .layout import (  # noqa: F401
 from .parse import (  # noqa: F401
     Malformed,
     layer_from_dict,
+    layer_to_dict,
     manifest_from_dict,
     dense_from_dict,
     manifest_to_dict,
@@ -67,6 +68,7 @@ from .files import (  # noqa: F401
     dense_checksum,
     blob_path,
     check_blob_size,
+    write_copies_command,
     SAFETENSORS_ITEMSIZE,
     MAX_SAFETENSORS_HEADER,
     SPINE_PATTERN,
@@ -81,4 +83,5 @@ from .check import (  # noqa: F401
     damaged_spine,
     checked_layers,
     damaged_records,
+    damaged_experts,
 )

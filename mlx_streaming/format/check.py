@@ -7,7 +7,7 @@ from typing import List, Tuple
 from ..errors import FormatError
 from .files import (blob_path, check_blob_size, crc_or_none, dense_checksum, read_dense,
                     read_manifest)
-from .layout import Manifest, SPINE_DIR, record_checksum
+from .layout import LayerSpec, Manifest, SPINE_DIR, record_checksum
 
 
 def damaged_spine(path, manifest: Manifest) -> List[str]:
@@ -55,6 +55,12 @@ def damaged_records(path, progress=None, rank=None) -> List[Tuple[int, int]]:
     Returns:
         ``(layer, expert)`` of every record whose checksum does not match.
     """
+    return [(spec.layer, e) for spec, e in damaged_experts(path, progress, rank)]
+
+
+def damaged_experts(path, progress=None, rank=None) -> List[Tuple[LayerSpec, int]]:
+    """``damaged_records`` with each record's layer entry, which tells a
+    record from its low-bit copy (``LayerSpec.copy_bits``)."""
     bad = []
     for spec in checked_layers(path, rank):
         with open(blob_path(path, spec), "rb", buffering=0) as f:
@@ -65,7 +71,7 @@ def damaged_records(path, progress=None, rank=None) -> List[Tuple[int, int]]:
                 f.readinto(view)
                 segs = (view[s.offset : s.offset + s.nbytes] for s in spec.segments)
                 if record_checksum(segs) != spec.checksums[e]:
-                    bad.append((spec.layer, e))
+                    bad.append((spec, e))
                 if progress is not None:
                     progress(1)
     return bad

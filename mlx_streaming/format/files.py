@@ -153,20 +153,32 @@ def blob_path(path, spec: LayerSpec) -> Path:
     return experts_dir(path) / spec.file
 
 
+def write_copies_command(path, bits, force: bool = False) -> str:
+    """The command that writes the ``bits``-bit copies (a width, or widths
+    as ``2,3``) of the stream directory ``path`` again (``force``: whole
+    ones too, e.g. damaged)."""
+    return (f"`python -m mlx_streaming.convert --out {path} --miss-bits {bits}"
+            f"{' --force' if force else ''}`")
+
+
 def check_blob_size(path, spec: LayerSpec) -> None:
     bpath = blob_path(path, spec)
+    bits = spec.copy_bits
+    what = "blob" if bits is None else f"blob of the {bits}-bit copies"
+    advice = "re-convert the model" if bits is None else \
+        f"write the copies again with {write_copies_command(path, bits)}"
     try:
         size = bpath.stat().st_size
     except FileNotFoundError:
-        raise FormatError(
-            f"layer {spec.layer}: expert blob {bpath} is missing; re-convert the model"
-        ) from None
+        raise FormatError(f"layer {spec.layer}: {'expert ' if bits is None else ''}{what} "
+                          f"{bpath} is missing; {advice}") from None
     if size < spec.blob_nbytes:
         first_bad = size // spec.stride
         raise CorruptExpertError(
             spec.layer,
             first_bad,
-            f"blob {bpath} is truncated ({size} of {spec.blob_nbytes} bytes)",
+            f"{what} {bpath} is truncated ({size} of {spec.blob_nbytes} bytes)",
+            advice,
         )
 
 

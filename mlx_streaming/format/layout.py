@@ -112,6 +112,9 @@ class LayerSpec:
     segments: Tuple[Segment, ...]
     quantization: Dict[str, Optional[dict]]
     checksums: Tuple[int, ...]
+    # The width of the low-bit copies this layer holds (``LowBits``); None:
+    # the records themselves. Not written to the manifest: its place says it.
+    copy_bits: Optional[int] = None
 
     @property
     def expert_nbytes(self) -> int:

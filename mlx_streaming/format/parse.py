@@ -2,7 +2,7 @@
 """
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 from .layout import (DTYPES, DenseSpec, FORMAT_NAME, LOW_BITS, LOW_GROUP_SIZES, LOW_RECORD_ALIGNMENT,
@@ -135,6 +135,13 @@ def layer_from_dict(d, where: str = "layer", alignment: int = RECORD_ALIGNMENT) 
     )
 
 
+def layer_to_dict(spec: LayerSpec) -> dict:
+    """A layer's manifest entry (``layer_from_dict``'s input)."""
+    d = asdict(spec)
+    del d["copy_bits"]  # the entry's place in the manifest says it
+    return d
+
+
 def _spine_from_list(entries) -> Tuple[SpineFile, ...]:
     if not isinstance(entries, list):
         raise Malformed("spine is not a list")
@@ -210,7 +217,8 @@ def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...]) -> Tuple[LowBits, 
         if bits not in LOW_BITS or group not in LOW_GROUP_SIZES:
             raise Malformed(f"{w}: bits {bits} / group_size {group} are not a width mlx "
                             "quantizes to")
-        specs = tuple(layer_from_dict(l, f"{w}.layers[{j}]", LOW_RECORD_ALIGNMENT)
+        specs = tuple(replace(layer_from_dict(l, f"{w}.layers[{j}]", LOW_RECORD_ALIGNMENT),
+                              copy_bits=bits)
                       for j, l in enumerate(get_field(e, "layers", list, w)))
         if [(s.layer, s.module, s.num_experts, s.top_k) for s in specs] != \
                 [(s.layer, s.module, s.num_experts, s.top_k) for s in main]:
@@ -308,15 +316,15 @@ def manifest_to_dict(manifest: Manifest) -> dict:
         "checksum": "crc32",
         "source": manifest.source,
         "spine": [asdict(s) for s in manifest.spine],
-        "layers": [asdict(l) for l in manifest.layers],
+        "layers": [layer_to_dict(l) for l in manifest.layers],
         **({"mtp": {"spine": asdict(manifest.mtp.spine),
-                    "layers": [asdict(l) for l in manifest.mtp.layers]}}
+                    "layers": [layer_to_dict(l) for l in manifest.mtp.layers]}}
            if manifest.mtp is not None else {}),
         **({"dense": [asdict(d) for d in manifest.dense]} if manifest.version >= 2 else {}),
         **({"tensor_parallel": {"ranks": len(manifest.ranks),
-                                "layers": [[asdict(l) for l in rank] for rank in manifest.ranks]}}
+                                "layers": [[layer_to_dict(l) for l in rank] for rank in manifest.ranks]}}
            if manifest.ranks else {}),
         **({"low_bits": [{"bits": c.bits, "group_size": c.group_size,
-                          "layers": [asdict(l) for l in c.layers]} for c in manifest.low_bits]}
+                          "layers": [layer_to_dict(l) for l in c.layers]} for c in manifest.low_bits]}
            if manifest.low_bits else {}),
     }

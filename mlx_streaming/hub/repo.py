@@ -11,12 +11,13 @@ Everything about URLs, revisions, the endpoint and tokens is
 huggingface_hub's; this module only decides what to fetch.
 """
 
+import fnmatch
 import re
 import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from ..config import StreamConfig
 from ..errors import ConfigError, FormatError, first_line
@@ -25,6 +26,9 @@ from ..format import EXPERTS_DIR, MANIFEST_NAME, SPINE_DIR, Manifest, blob_path
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 COMMIT = re.compile(r"[0-9a-fA-F]{7,40}")
 MANIFEST_FILE = f"{EXPERTS_DIR}/{MANIFEST_NAME}"
+# The weight files mlx_lm.load reads from a model directory (its glob; it
+# reads no index).
+WEIGHT_FILES = "model*.safetensors"
 # A default disk cache takes at most this share of the free space.
 DEFAULT_DISK_SHARE = 0.5
 
@@ -60,6 +64,14 @@ class HubRepo:
     @property
     def is_stream(self) -> bool:
         return self.files is not None and MANIFEST_FILE in self.files
+
+    @property
+    def weight_files(self) -> List[str]:
+        """The files mlx_lm.load would read weights from, in a download of
+        the repo: top-level ``model*.safetensors``, whether an index names
+        them or not."""
+        return sorted(f for f in self.files or () if "/" not in f
+                      and fnmatch.fnmatchcase(f, WEIGHT_FILES))
 
     def url(self, filename: str) -> str:
         from huggingface_hub import hf_hub_url
@@ -214,10 +226,9 @@ def open_model(name: str, revision: Optional[str], config: StreamConfig, dense: 
     if repo.is_stream:
         _check_no_pace(config)  # before the spine's download
         return download_metadata(repo, config, dense), repo
-    if "config.json" not in repo.files or not any(
-            f.endswith(".safetensors") for f in repo.files):
+    if "config.json" not in repo.files or not repo.weight_files:
         raise FormatError(f"{name} is neither a stream directory nor an mlx-lm model "
-                          "(no experts/manifest.json, config.json or safetensors files)")
+                          f"(no {MANIFEST_FILE}, config.json or {WEIGHT_FILES} files)")
     from ..conversion.shards import convert_repo
 
     dst = cache_root(config) / "converted" / f"{name.replace('/', '--')}--{repo.commit}"

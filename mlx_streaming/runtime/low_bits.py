@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from ..errors import ConfigError, CorruptExpertError
-from ..format import LayerSpec
+from ..format import LayerSpec, write_copies_command
 from ..models.discover import projections
 from .pool import SlotPool
 
@@ -79,11 +79,10 @@ class LowBitMisses:
             return self.store.ensure(experts)
         except CorruptExpertError as e:
             spec = self.store.spec
-            bits = next(iter(spec.quantization.values()))["bits"]
             raise CorruptExpertError(
-                e.layer, e.expert, f"its low-bit copy in {spec.file} fails its checksum",
-                f"write the copies again with `python -m mlx_streaming.convert --out DIR "
-                f"--miss-bits {bits} --force`") from None
+                e.layer, e.expert, f"its {spec.copy_bits}-bit copy in {spec.file} fails its "
+                "checksum", "write the copies again with "
+                f"{write_copies_command('DIR', spec.copy_bits, force=True)}") from None
 
     def slot_ids(self, experts: np.ndarray) -> mx.array:
         return mx.array(self.store.pool.slot_of_expert[experts].astype(np.int32))
