@@ -20,7 +20,7 @@ IO_CHOICES = ("auto", "native", "python")
 PREFETCH_CHOICES = ("off", "next-layer", "auto")
 # Eviction policies (mlx_streaming.runtime.policy.POLICIES); bench cache compares them.
 POLICY_CHOICES = ("adaptive", "lru", "lfu", "lfu-decay", "lru-2", "arc", "router-ema", "gate-ema")
-DEFAULT_POLICY = "lfu-decay"
+DEFAULT_POLICY = "adaptive"
 CHECKSUM_CHOICES = ("first-read", "always", "off")
 ROUTING_CHOICES = ("exact", "cache-aware", "top-k-cut", "skip-misses")
 # Widths of low-bit miss reads (format.LOW_BITS).

@@ -143,7 +143,8 @@ def test_native_step_is_exact_on_other_families(models, family, quantized):
     assert type(_residencies(model)[0]) is NativePaged
 
 
-@pytest.mark.parametrize("policy,checksums", [("lfu-decay", "first-read"), ("lru", "always")])
+@pytest.mark.parametrize("policy,checksums", [("lfu-decay", "first-read"), ("lru", "always"),
+                                             ("adaptive", "off")])
 def test_native_step_rebinds_after_a_resize(qwen, monkeypatch, policy, checksums):
     # A pool resized between calls (memory pressure) reallocates the tables
     # the native step writes: it must follow them.
