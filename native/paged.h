@@ -1,7 +1,7 @@
 // The host bookkeeping of one paged MoE call, in one native step: the
 // distinct experts of the router's ids, hit counting, the eviction policy's
 // update (LRU, decayed LFU or adaptive), victim choice, reads of the misses and the
-// id-to-slot table update. mlx_streaming/store.py's ExpertStore and
+// id-to-slot table update. mlx_streaming/runtime/store.py's ExpertStore and
 // policy.py's LRU / DecayedLFU / Adaptive are the reference this must agree with,
 // state for state (tests/test_native_paging.py).
 //

@@ -48,3 +48,16 @@ def test_batch_generate_examples_take_the_texts_of_its_response():
             if m and m.group(1) != ".texts":
                 wrong.append(f"{doc.relative_to(ROOT)}: {line.strip()}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_repository_paths_named_in_the_docs_exist():
+    """A file or folder of the repository named in the README, docs/ or
+    native/README.md (``mlx_streaming/runtime/store.py``) is there."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "native" / "README.md"]
+    missing = []
+    for doc in docs:
+        for path in re.findall(r"(?<![\w/.-])((?:mlx_streaming|tests|scripts|native|docs|\.ci)/"
+                               r"[\w./-]*\w)", doc.read_text()):
+            if not (ROOT / path).exists():
+                missing.append(f"{doc.relative_to(ROOT)} names {path}")
+    assert not missing, "\n".join(missing)
