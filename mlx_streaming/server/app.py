@@ -11,6 +11,7 @@ from ..cli import run_main
 from ..config import add_config_flags, config_from_args
 from ..errors import ConfigError, first_line
 from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count
+from ..runtime.loader import approximations
 from ..runtime.prefill import step_of
 from .provider import make_provider
 from .service import Service, counting
@@ -119,7 +120,8 @@ def serve(args) -> None:
     problem = check_sampling({"top_k": args.top_k}, vocab, temperature=1.0)
     if problem is not None:
         raise ConfigError(f"--top-k: {problem[1]}")
-    service = Service(provider, args.max_queue, args.memo_mb, running, limit)
+    service = Service(provider, args.max_queue, args.memo_mb, running, limit,
+                      "; ".join(approximations(provider.model.streaming)))
     from .handler import make_handler
 
     if args.draft:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Optional
 from ..errors import StreamingError
-from ..runtime.loader import approximations
 from .admission import Admission, current_request
 from .memo import Memo
 
@@ -25,7 +24,7 @@ class Service:
     the memo and the record of recent requests."""
 
     def __init__(self, provider, max_queue: int, memo_mb: float, running: int = 1,
-                 max_context: Optional[int] = None):
+                 max_context: Optional[int] = None, approximate: str = ""):
         self.provider = provider
         self.path = str(provider.cli_args.model)
         self.model_id = Path(self.path).name
@@ -36,8 +35,7 @@ class Service:
         self.lock = threading.Lock()
         self._longest_token = None
         # What makes the answers approximate ("": none), said in each response.
-        runtime = getattr(provider.model, "streaming", None)
-        self.approximate = "; ".join(approximations(runtime)) if runtime is not None else ""
+        self.approximate = approximate
 
     def known_model(self, name) -> bool:
         return name in ("default_model", self.model_id, self.path)
