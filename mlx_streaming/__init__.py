@@ -14,6 +14,10 @@ while it starts stops with one line instead of a traceback.
 
 import importlib
 
+from .cli import quiet_interrupt_while_starting
+
+quiet_interrupt_while_starting()
+
 from .supported import check_mlx_lm
 
 check_mlx_lm()

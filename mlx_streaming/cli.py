@@ -31,10 +31,39 @@ COMMANDS = {
 }
 
 
+def starting_a_command() -> bool:
+    """Whether this process is one of the package's commands, starting
+    (``python -m mlx_streaming...`` or the ``mlx_streaming`` script)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1] in COMMAND_MODULES
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "mlx_streaming"
+
+
+def quiet_interrupt_while_starting() -> None:
+    """A Ctrl-C before a command reaches ``run_main`` (its imports) ends it
+    with one line, as one after would; library imports are left alone."""
+    if threading.current_thread() is threading.main_thread() and starting_a_command():
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+# What ``python -m`` runs as a command (each enters ``run_main``).
+COMMAND_MODULES = {"mlx_streaming", "mlx_streaming.generate", "mlx_streaming.convert",
+                   "mlx_streaming.check", "mlx_streaming.demo", "mlx_streaming.server",
+                   "mlx_streaming.bench"}
+
+
 def run_main(body: Callable[[], int]) -> int:
     """Run a command body; a ``StreamingError`` becomes one line on stderr
     and exit status 1, never a traceback. Warnings are one line too, without
     the source line that raised them."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     warnings.formatwarning = _one_line_warning
     try:
         return body() or 0

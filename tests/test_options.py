@@ -234,3 +234,18 @@ def test_converting_a_stream_directory_or_one_without_a_tokenizer_says_so(qwen, 
     (src / "tekken.json").write_text("{}")  # Mistral's: a vocabulary, no warning
     convert(src, tmp_path / "out2")
     assert "tokenizer vocabulary" not in capsys.readouterr().err
+
+
+def test_only_commands_take_ctrl_c_quietly_while_starting():
+    import signal
+
+    from mlx_streaming.cli import COMMAND_MODULES, COMMANDS
+
+    # Every command's module is one python -m runs.
+    assert {f"mlx_streaming.{name}" for name in COMMANDS if name != "serve"} \
+        <= COMMAND_MODULES | {"mlx_streaming.bench"}
+    code = ("import signal, mlx_streaming.cli as c; "
+            "print(signal.getsignal(signal.SIGINT) is c._interrupted_while_starting)")
+    library = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+    assert library.stdout.strip() == "False", library.stderr  # an import leaves Ctrl-C alone
