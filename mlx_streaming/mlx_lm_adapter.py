@@ -44,9 +44,28 @@ def server_parser() -> argparse.ArgumentParser:
         try:
             mlx_server.main()
         except _Captured as captured:
-            return captured.args[0]
+            parser = captured.args[0]
+            for action in parser._actions:
+                if callable(action.type):
+                    action.type = _argument_type(action.type)
+            return parser
     raise ConfigError("mlx_lm.server.main() no longer parses its flags first; this mlx-lm "
                       "is outside the range mlx_streaming supports")
+
+
+def _argument_type(parse: Callable) -> Callable:
+    """mlx-lm's flag parser ``parse``, any failure a usage error (its size
+    parser raises decimal's errors, which argparse would show as a traceback)."""
+    def checked(text):
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError:
+            raise
+        except Exception:
+            raise argparse.ArgumentTypeError(f"not a valid value: {text!r}") from None
+
+    checked.__name__ = getattr(parse, "__name__", "value")
+    return checked
 
 
 # -- the model provider ------------------------------------------------------

@@ -522,6 +522,8 @@ def test_models_and_stats(server, models):
     # The tiny model's head dimension (32) is no multiple of the group size (64).
     (["--kv-bits", "3", "--quantized-kv-start", "0"], "--kv-bits 3 --kv-group-size 64"),
     (["--kv-bits", "7"], "--kv-bits must be one of"),
+    # mlx-lm's own size parser raised decimal's error: a traceback.
+    (["--prompt-cache-bytes", "junk"], "--prompt-cache-bytes: not a valid value: 'junk'"),
 ])
 def test_bad_request_defaults_are_refused_at_start(models, flags, message):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
