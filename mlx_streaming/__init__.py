@@ -18,9 +18,17 @@ from .cli import quiet_interrupt_while_starting
 
 quiet_interrupt_while_starting()
 
+from .cli import starting_a_command
 from .supported import check_mlx_lm
 
-check_mlx_lm()
+try:
+    check_mlx_lm()
+except ImportError as e:
+    if not starting_a_command():
+        raise
+    import sys
+
+    sys.exit(f"error: {e}")  # a command says it in one line
 
 from .config import StreamConfig
 from .errors import (
