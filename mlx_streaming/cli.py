@@ -52,6 +52,18 @@ def _interrupted_while_starting(signum, frame) -> None:
     os._exit(130)
 
 
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C inside a command: ``KeyboardInterrupt`` where it lands, except
+    in a finalizer, where Python would print it as ignored and go on (seen in
+    CI, inside a garbage-collected ``__del__``): there the command ends at
+    once with the same one line."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            _interrupted_while_starting(signum, frame)
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
 # What ``python -m`` runs as a command (each enters ``run_main``).
 COMMAND_MODULES = {"mlx_streaming", "mlx_streaming.generate", "mlx_streaming.convert",
                    "mlx_streaming.check", "mlx_streaming.demo", "mlx_streaming.server",
@@ -63,7 +75,7 @@ def run_main(body: Callable[[], int]) -> int:
     and exit status 1, never a traceback. Warnings are one line too, without
     the source line that raised them."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, _interrupt)
     warnings.formatwarning = _one_line_warning
     try:
         return body() or 0

@@ -101,6 +101,30 @@ def test_sigint_during_start_up_is_one_line(qwen):
         assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)
 
 
+def test_sigint_inside_a_finalizer_ends_the_command_quietly():
+    # CI saw a Ctrl-C land in a garbage-collected ``__del__`` during a
+    # command: Python printed it as an ignored exception with a traceback and
+    # the command went on. Inside a finalizer it now ends the command.
+    import signal
+
+    code = ("import signal, sys, time\n"
+            "from mlx_streaming import cli\n"
+            "signal.signal(signal.SIGINT, cli._interrupted_while_starting)\n"
+            "class Slow:\n"
+            "    def __del__(self):\n"
+            "        print('finalizing', flush=True); time.sleep(3)\n"
+            "def body():\n"
+            "    s = Slow(); del s\n"
+            "    print('went on', flush=True)\n"
+            "sys.exit(cli.run_main(body))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "finalizing\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (130, "", "interrupted\n")
+
+
 @pytest.mark.parametrize("leave", [True, False])
 def test_sigint_while_the_interpreter_exits_ends_it_quietly(leave):
     # A Ctrl-C that lands after a command's work, while Python joins its
