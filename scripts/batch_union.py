@@ -4,7 +4,7 @@ give? Streams of a held-out text are decoded together (teacher-forced, the
 whole pool resident so routing is the router's own) with the routing trace
 on; each call's union is counted.
 
-    python scripts/batch_union.py --model T/stream --tokens 1536 --batch 1,2,4,8
+    python scripts/batch_union.py --model MODEL/stream --tokens 1536 --batch 1,2,4,8
 """
 
 import argparse

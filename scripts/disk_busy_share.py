@@ -2,19 +2,18 @@
 read in flight, and the rate while one is, against the rate over the run.
 
 On a disk that serves reads one after another at its rate (a real SSD, or
-``read_pace_mbps``) the rate while reading is that rate (less each read's
-own overhead: 0.547 GB/s paced at 550 MB/s on 3.9 MB records, a third
-less on 16 KiB ones). A cgroup blkio throttle banks its
+``read_pace_mbps``) the rate while reading is that rate, less each read's
+own overhead. A cgroup blkio throttle banks its
 idle time instead: reads run at the device's speed on credit earned while
 the model computed, and only the rate over the whole run is held to the
 limit. That credit is the idle disk time prefetch exists to use, so
 through a throttle prefetch off already overlaps its reads with compute.
 
-    python scripts/disk_busy_share.py --model TW12/stream --pace-mbps 550
-    python scripts/disk_busy_share.py --model TW12/stream --read-mbps 400   # root, cgroup v1
+    python scripts/disk_busy_share.py --model MODEL/stream --pace-mbps 550
+    python scripts/disk_busy_share.py --model MODEL/stream --read-mbps 400   # root, cgroup v1
 
 Prefetch off, direct I/O, 8 slots per layer by default (25% of a
-32-expert model such as the trained T12).
+32-expert model).
 """
 
 import argparse

@@ -5,7 +5,7 @@ each policy's misses (``stats()``), the sum of the better of LRU and
 decayed LFU taken generation by generation, and the adaptive policy's
 ratio to that sum and its worst ratio on one generation.
 
-    python scripts/live_eviction.py --model T/stream --pools 0.25,0.5 --prompts 4 --tokens 256
+    python scripts/live_eviction.py --model MODEL/stream --pools 0.25,0.5 --prompts 4 --tokens 256
 """
 
 import argparse

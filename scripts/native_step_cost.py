@@ -1,7 +1,7 @@
 """Time of the native step's bookkeeping (route and ensure) per layer call,
 for several eviction policies on the same routing, rounds interleaved.
 
-    python scripts/native_step_cost.py --model T/stream --trace TRACE --slots 8
+    python scripts/native_step_cost.py --model MODEL/stream --trace TRACE --slots 8
 
 TRACE is a routing trace `bench cache` recorded (routing-trace-w4.jsonl);
 its first layer's decode calls are replayed through layer 0's store.

@@ -2,7 +2,7 @@
 what it computes, to make a learned-routing model whose experts are large
 (a read-bound benchmark case).
 
-    python scripts/pad_experts.py --model T/mlx --out T-wide --intermediate 16384
+    python scripts/pad_experts.py --model MODEL/mlx --out MODEL-wide --intermediate 16384
 
 Each expert's intermediate width grows from I to --intermediate: the new
 gate/up rows and down-projection columns are quantized zeros (scale 0,

@@ -1,7 +1,7 @@
 """How well prefetch's scores and ranks tell which predictions a layer will
 use, offline, on a trained model's real routing (teacher-forced text).
 
-    python scripts/prefetch_scores.py --model T12/mlx --tokens 400 --slots 8
+    python scripts/prefetch_scores.py --model MODEL/mlx --tokens 400 --slots 8
 
 For every MoE layer but the first, the prediction is made as prefetch
 makes it: the layer's router applied to the previous layer's MoE input,
@@ -136,8 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=4, help="most records read ahead a call")
     p.add_argument("--norm-ratio", action="store_true",
                    help="scale the MoE input by the ratio of the two layers' norm weights "
-                        "before the next router (on T12, whose norm weights are all near 1, "
-                        "it changed nothing; untried on a real model)")
+                        "before the next router (untried on a real model)")
     p.add_argument("--distance", type=int, default=1,
                    help="predict the layer this many MoE layers on (2: prefetch_depth=2's "
                         "reads two layers ahead)")

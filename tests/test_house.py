@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlx_streaming"
+ROOT = PACKAGE.parent
 
 # Each unit (a top-level module or subpackage) may import from its own layer
 # and those before it, never from a later one.
@@ -31,7 +32,7 @@ LONG_MODULES = {"testing/families.py"}
 # Stop numbers, sessions and the code names of measured models belong in
 # docs/results.md, not in the code.
 DIARY = re.compile(r"\b(stop \d+|this stop|a later stop|earlier session|this session|"
-                   r"T2|T12|TW|TW12|S3|models? T)\b")
+                   r"T2|T8|T12|TW|TW12|S3|models? T|--model T\b|T/(?:mlx|stream))")
 
 
 def _modules():
@@ -136,12 +137,13 @@ def _comments_and_docstrings(path: Path):
             yield i, line[line.index("#"):]
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+@pytest.mark.parametrize("path", _modules() + sorted((ROOT / "scripts").glob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_lab_diary_in_the_code(path):
     found = []
     for line, text in _comments_and_docstrings(path):
         found += [f"{line}: {m.group(0)!r}" for m in DIARY.finditer(text)]
-    assert not found, f"{path.relative_to(PACKAGE)} mentions " + ", ".join(found)
+    assert not found, f"{path.relative_to(ROOT)} mentions " + ", ".join(found)
 
 
 def test_every_test_asserts():
@@ -155,3 +157,11 @@ def test_every_test_asserts():
                 if not re.search(r"\bassert\b|raises|warns|\bcheck_\w+\(|\bassert_\w+\(", src):
                     empty.append(f"{path.name}::{node.name}")
     assert not empty, "tests that assert nothing: " + ", ".join(empty)
+
+
+def test_every_subpackage_says_what_it_is():
+    """Each ``__init__.py`` opens with a docstring naming what its
+    subpackage holds."""
+    silent = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py")
+              if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not silent, f"no docstring: {silent}"

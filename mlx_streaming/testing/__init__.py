@@ -1,1 +1,2 @@
-"""What the tests, the benchmarks and the demo build: tiny models of every\nfamily, synthetic large ones, and a local stand-in for the Hugging Face Hub."""
+"""What the tests, the benchmarks and the demo build: tiny models of every
+family, synthetic large ones, and a local stand-in for the Hugging Face Hub."""
