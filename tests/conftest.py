@@ -63,6 +63,19 @@ def pytest_sessionfinish(session):
         shutil.rmtree(DemoBuild.cache_dir, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def close_what_the_test_left_open():
+    """A model a test loaded and did not close (it failed, or it ends with
+    the model) is closed after it: its reader threads and files never
+    outlive the test."""
+    from mlx_streaming.runtime.runtime import OPEN
+
+    before = set(OPEN)
+    yield
+    for runtime in set(OPEN) - before:
+        runtime.close()
+
+
 @pytest.fixture(scope="session")
 def demo_build():
     """``(the demo's first run, its cache directory)``."""

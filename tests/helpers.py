@@ -71,10 +71,9 @@ def check_matches_resident(src: Path, stream_dir: Path, **load_kwargs):
     """The streamed model's prefill and decode logits are bit-identical to
     mlx-lm's resident model, and greedy generation gives the same text."""
     reference, ref_tok = mlx_lm.load(str(src))
-    model, tokenizer = mlx_streaming.load(stream_dir, **load_kwargs)
-    assert_same_logits(logits_trace(reference), logits_trace(model))
-    assert greedy_text(model, tokenizer) == greedy_text(reference, ref_tok)
-    model.streaming.close()
+    with mlx_streaming.load(stream_dir, **load_kwargs) as (model, tokenizer):
+        assert_same_logits(logits_trace(reference), logits_trace(model))
+        assert greedy_text(model, tokenizer) == greedy_text(reference, ref_tok)
     return model
 
 

@@ -62,7 +62,6 @@ def test_batch_generate_takes_text_and_matches_mlx_lm(qwen):
     assert one == mlx_lm.generate(reference, tokenizer, texts[0], max_tokens=8)
     with pytest.raises(mlx_streaming.ConfigError, match="prompts must be a non-empty list"):
         mlx_streaming.batch_generate(model, tok, [])
-    model.streaming.close()
 
 
 @pytest.mark.parametrize("prompts, kwargs, message", [

@@ -191,7 +191,6 @@ def test_a_server_that_stops_answering_is_a_clear_error(served, tmp_path):
     with pytest.raises(ExpertFetchError, match="no answer within 0.5 s"):
         greedy_text(model, tokenizer)
     assert time.perf_counter() - start < 20
-    model.streaming.close()
 
 
 # The endpoint comes from huggingface_hub's own setting (HF_ENDPOINT) here.
@@ -353,7 +352,6 @@ def test_without_the_hub_a_filled_cache_still_runs(qwen, tmp_path):
                                               slots_per_layer=4, fetch_retries=0)
     assert_same_logits(reference[0], logits_trace(model))
     assert stats(model)["remote"]["bytes_fetched"] == 0
-    model.streaming.close()
 
 
 def test_concurrent_puts_never_pass_the_cap_or_count_twice(tmp_path):
@@ -415,7 +413,6 @@ def test_records_damaged_in_the_cache_mid_run_are_fetched_again(qwen, served, tm
     cached.write_bytes(b"\0" * cached.stat().st_size)
     again = reader.records(0, [3])[0]
     assert np.array_equal(again, first) and reader.fetcher.requests == fetched + 1
-    model.streaming.close()
 
 
 def test_close_does_not_wait_for_hung_fetches(served, tmp_path):
@@ -443,7 +440,6 @@ def test_two_models_share_one_disk_cache_dir(qwen, served, tmp_path):
     assert greedy_text(a, tok_a) == greedy_text(b, tok_b) == reference[1]
     a.streaming.close()
     assert greedy_text(b, tok_b) == reference[1]
-    b.streaming.close()
 
 
 def test_offline_revisions(qwen, tmp_path):
@@ -495,9 +491,13 @@ def test_a_server_on_a_hub_repo_logs_a_line_per_request(served, tmp_path):
     try:
         for _ in range(2):
             assert s.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 16})[0] == 200
+        # The line follows the answer: a loaded machine stopped the server between them.
+        deadline = time.monotonic() + 30
+        while "".join(s.lines).count("POST /v1/completions 200") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         err = s.stop()
-    requests = [l for l in err.splitlines() if "POST /v1/completions 200" in l]
+    requests = [line for line in err.splitlines() if "POST /v1/completions 200" in line]
     assert len(requests) == 2, err
     assert len(served.ranged()) > 10  # the experts did come by range request
     assert not any(w in err for w in ("HTTP Request", "Prompt processing")), err

@@ -80,7 +80,6 @@ def test_a_damaged_copy_is_a_checksum_error(models, tmp_path):
     model, _ = mlx_streaming.load(out, slots_per_layer=low.top_k, miss_bits=2)
     with pytest.raises(CorruptExpertError, match="checksum"):
         logits_trace(model, steps=8)
-    model.streaming.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -111,7 +110,6 @@ def test_a_weight_no_miss_stays_under_is_exact(models, tmp_path):
     model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=2, miss_bits_weight=0.0)
     assert_same_logits(logits_trace(reference), logits_trace(model))
     assert mlx_streaming.stats(model)["miss_bits"]["substituted"] == 0
-    model.streaming.close()
 
 
 def test_a_weight_limits_which_misses_take_copies(models, tmp_path):
@@ -296,7 +294,6 @@ def test_mtp_layers_run_with_miss_bits(models, tmp_path):
     proc_text = mlx_lm.generate(model, tokenizer, prompt="def f(x):", max_tokens=8)
     assert isinstance(proc_text, str)
     assert mlx_streaming.stats(model)["miss_bits"]["substituted"] > 0
-    model.streaming.close()
 
 
 def test_reservations_add_up():

@@ -222,7 +222,6 @@ def test_bind_refuses_arrays_it_would_have_to_copy(qwen):
         store.index.bind(pool.slot_of_expert.astype(np.int64), pool.expert_of_slot,
                          pool.addresses, policy.last_use, policy.score, store.crcs,
                          store.unverified)
-    model.streaming.close()
 
 
 def test_a_closed_model_is_a_clear_error_on_both_kinds_of_call(qwen):

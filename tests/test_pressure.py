@@ -48,7 +48,6 @@ def test_pools_shrink_and_grow_with_available_memory_and_stay_exact(qwen, spine)
     assert all(s.pool.slots == runtime.slots for s in runtime.stores)
     report = stats(model)["pressure"]
     assert report["shrinks"] >= 1 and report["grows"] >= 1
-    model.streaming.close()
 
 
 def test_pressure_off_and_fully_resident_models_never_resize(qwen):
@@ -57,7 +56,6 @@ def test_pressure_off_and_fully_resident_models_never_resize(qwen):
     model.streaming.close()
     model, _ = mlx_streaming.load(qwen[1])  # every expert fits: nothing pages
     assert stats(model)["pressure"] is None
-    model.streaming.close()
 
 
 SCRIPT = """

@@ -261,7 +261,6 @@ def test_cache_aware_routing_on_every_family(models, family, monkeypatch):
     # The same text twice gives the same logits: deterministic.
     again, _ = mlx_streaming.load(stream_dir, **options)
     assert_same_logits(first, logits_trace(again, steps=12))
-    again.streaming.close()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_k3", "olmoe"])
@@ -275,7 +274,6 @@ def test_keeping_every_expert_of_the_router_is_exact(models, family, recwarn):
     assert model.streaming.routers, "the routers were not wrapped"
     assert_same_logits(logits_trace(reference), logits_trace(model))
     assert mlx_streaming.stats(model)["routing"]["substituted"] == 0
-    model.streaming.close()
 
 
 def test_cache_aware_routing_reads_less_and_says_so(models, recwarn):
@@ -318,7 +316,6 @@ def test_a_full_pool_is_exact_with_routing_by_residency(models, mode):
     model, _ = mlx_streaming.load(stream_dir, routing=mode)
     assert not model.streaming.routers
     assert_same_logits(logits_trace(reference), logits_trace(model))
-    model.streaming.close()
 
 
 def test_top_k_cut_cuts_a_full_pool_too(models):

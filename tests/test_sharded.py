@@ -307,10 +307,10 @@ def test_a_lost_rank_stops_the_others(split_models, tmp_path, how):
         # unless the backend gives the stopped peer up first: either way a clear error.
         lost = "error: rank 0 lost its peers" in err
         waited = "error: rank 0 waited 5 s for its peers" in err
+        # A killed peer is usually reported by the ring backend at once, but
+        # on a loaded machine a collective can hang on it: the watchdog's line.
         assert (lost and rank0.returncode == 1) or (waited and rank0.returncode == -signal.SIGKILL), \
             (rank0.returncode, err)
-        if how == "killed":
-            assert lost, err
     finally:
         for p in (rank0, rank1):
             p.kill()

@@ -67,7 +67,6 @@ def test_ngram_and_draft_model_are_token_identical_to_greedy(models, family):
     spec = SpecStats()
     assert speculative_tokens(model, ModelDraft(reference), k=3, spec=spec) == want
     assert spec.accepted > 0.8 * spec.drafted
-    model.streaming.close()
 
 
 def _partial(stream_dir):
@@ -84,7 +83,6 @@ def test_stats_report_drafted_and_accepted(qwen):
     assert stats(model)["speculative"]["drafted"] == 0
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         speculative_tokens(model, NgramDraft(), k=0)
-    model.streaming.close()
 
 
 def _first_token_frequencies(p, q_rows, k, trials, rule, seed=0):
@@ -135,7 +133,6 @@ def test_sampled_speculation_runs_on_a_streamed_model(qwen):
     out = [t for t, *_ in speculative_generate_step(PROMPT, model, NgramDraft(), temp=0.7,
                                                     max_tokens=16, stats=spec)]
     assert len(out) == 16 and spec.drafted > 0
-    model.streaming.close()
 
 
 def test_verify_calls_prefetch_and_chunk_when_the_union_exceeds_the_pool(models):
@@ -151,7 +148,6 @@ def test_verify_calls_prefetch_and_chunk_when_the_union_exceeds_the_pool(models)
     total = stats(model)["total"]
     assert total["prefetch_issued"] > 0 and spec.accepted > 0
     assert max(l["experts_per_call"] or 0 for l in stats(model)["layers"].values()) > top_k
-    model.streaming.close()
 
 
 class OracleMtp(MtpDraft):
@@ -201,7 +197,6 @@ def test_mtp_drafts_are_token_identical_and_stream_their_experts(models):
         spec = SpecStats()
         assert speculative_tokens(model, OracleMtp(model, want, miss), k=3, spec=spec) == want
         assert spec.accepted > 0 and (spec.accepted < spec.drafted) == bool(miss)
-    model.streaming.close()
 
 
 def test_models_without_mtp_layers_say_so(models, qwen, capsys):
@@ -260,7 +255,6 @@ def test_sliding_window_caches_that_fill_during_a_call_stay_exact(models):
             got = [t for t, *_ in speculative_generate_step(prompt, model, draft,
                                                              num_draft_tokens=3, max_tokens=40)]
             assert got == want
-    model.streaming.close()
 
 
 def test_draft_models_are_reusable_and_may_have_a_larger_vocabulary(models):
@@ -281,7 +275,6 @@ def test_draft_models_are_reusable_and_may_have_a_larger_vocabulary(models):
     out = [t for t, *_ in speculative_generate_step(PROMPT, model, ModelDraft(wide, temp=0.8),
                                                      temp=0.8, max_tokens=12)]
     assert len(out) == 12 and max(out) < 512
-    model.streaming.close()
 
 
 def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
@@ -306,7 +299,6 @@ def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
     finally:
         mtp.MTPLayer.__call__ = call
     assert max(seen) <= speculative.PREFILL_STEP and sum(seen) >= 1099
-    model.streaming.close()
 
 
 def test_families_without_deepseek_style_mtp_convert_without_it(tmp_path, tokenizer_dir):
@@ -413,4 +405,3 @@ def test_a_settled_cache_holds_the_prompt_and_the_tokens_yielded(models, family)
         assert int(mx.argmax(got)) == int(mx.argmax(want))
         assert np.allclose(np.array(got), np.array(want), atol=1e-3), taken
     assert spec.accepted > spec.calls
-    model.streaming.close()

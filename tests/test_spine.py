@@ -86,7 +86,6 @@ def test_a_spine_larger_than_the_budget_is_streamed(models, family, quantized):
     streamed = len(memory["streamed_layers"])
     assert passes * streamed <= ring["reads"] <= passes * streamed + 1
     assert ring["preloaded"] >= passes * streamed - passes
-    model.streaming.close()
 
 
 def budget_case(models):
@@ -242,7 +241,6 @@ def test_a_pass_broken_by_an_error_leaves_the_ring_exact(models):
     finally:
         type(layers[2]).__mro__[1].__call__ = original
     assert_same_logits(logits_trace(reference), logits_trace(model))
-    model.streaming.close()
 
 
 def mlx_lm_load(src):
@@ -274,7 +272,6 @@ def test_the_ring_rule_is_what_keeps_it_exact(models, monkeypatch):
     monkeypatch.setattr(spine.mx, "async_eval", lambda *arrays: None)
     got = logits_trace(model, steps=2)
     assert not all(mx.array_equal(a, b).item() for a, b in zip(want, got))
-    model.streaming.close()
 
 
 def test_typed_views_share_the_buffer():
@@ -327,7 +324,6 @@ def test_a_dense_record_rewritten_mid_run_is_checked_again(models, tmp_path):
     # Still damaged: the next call fails again rather than using the bytes.
     with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
         mx.eval(model(mx.array([PROMPT[:3]])))
-    model.streaming.close()
 
 
 def test_a_rewrite_that_puts_the_mtime_back_is_noticed(models, tmp_path):
@@ -354,7 +350,6 @@ def test_a_rewrite_that_puts_the_mtime_back_is_noticed(models, tmp_path):
     with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
         for _ in range(3):
             mx.eval(model(mx.array([PROMPT[:3]])))
-    model.streaming.close()
 
 
 def test_the_returned_config_is_the_models_own(models):
@@ -365,4 +360,3 @@ def test_the_returned_config_is_the_models_own(models):
     model, _, config = mlx_streaming.load(stream_dir, return_config=True, pinned_layers=0,
                                           slots_per_layer=4)
     assert config["quantization"] == on_disk["quantization"]
-    model.streaming.close()

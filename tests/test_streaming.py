@@ -352,7 +352,6 @@ def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):
     for step in range(1, 9):
         assert mx.array_equal(out, reference[step - 1]).item(), f"logits differ at {step - 1}"
         out = model(mx.argmax(out, axis=-1, keepdims=True), cache=cache)[:, -1]
-    model.streaming.close()
 
 
 def test_a_closed_model_with_overlap_is_a_clear_error(qwen, monkeypatch):
@@ -368,3 +367,13 @@ def test_a_closed_model_with_overlap_is_a_clear_error(qwen, monkeypatch):
     model.streaming.close()
     with pytest.raises(ExpertReadError, match="this model was closed"):
         mx.eval(model(mx.array([[PROMPT[3]]]), cache=cache))
+
+
+def test_a_with_block_closes_the_model(qwen):
+    from mlx_streaming.runtime.runtime import OPEN
+
+    with mlx_streaming.load(qwen[1], slots_per_layer=4) as (model, tokenizer):
+        assert tokenizer is not None and model.streaming in OPEN
+    assert model.streaming.closed and model.streaming not in OPEN
+    model, _, config = loaded = mlx_streaming.load(qwen[1], return_config=True)
+    assert len(loaded) == 3 and isinstance(config, dict)

@@ -49,6 +49,17 @@ def _say_if_approximate(runtime) -> None:
             "`mlx_streaming bench quality` measures what it costs", UserWarning, stacklevel=4)
 
 
+class Loaded(tuple):
+    """What ``load`` returns: ``(model, tokenizer[, config])``, which also
+    closes the model at the end of a ``with`` block."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self[0].streaming.close()
+
+
 def load(
     path_or_hf_repo,
     tokenizer_config: Optional[Dict[str, Any]] = None,
@@ -91,7 +102,8 @@ def load(
         tokenizer, config)``: an mlx-lm model that works with
         ``mlx_lm.generate``, ``stream_generate`` and ``make_prompt_cache``.
         ``model.streaming.close()`` releases its files and threads (as
-        does garbage collection of the model).
+        do garbage collection of the model and the end of ``with
+        load(...) as (model, tokenizer):``).
 
     Raises:
         FormatError: not a complete stream directory of a known version.
@@ -104,8 +116,8 @@ def load(
     model, tokenizer, model_config = _open(path_or_hf_repo, revision, config, tokenizer_config,
                                            model_config, trust_remote_code, lazy)
     if return_config:
-        return model, tokenizer, model_config
-    return model, tokenizer
+        return Loaded((model, tokenizer, model_config))
+    return Loaded((model, tokenizer))
 
 
 def sharded_load(
@@ -156,8 +168,8 @@ def sharded_load(
         model, failure = None, e
     sharding.agree(model, pipeline_group or tensor_group or mx.distributed.init(), failure)
     if return_config:
-        return model, tokenizer, model_config
-    return model, tokenizer
+        return Loaded((model, tokenizer, model_config))
+    return Loaded((model, tokenizer))
 
 
 def _check_arguments(tokenizer_config, model_config, adapter_path) -> None:

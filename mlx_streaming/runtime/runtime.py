@@ -3,6 +3,7 @@
 
 from concurrent.futures import ThreadPoolExecutor
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import List, Optional, Tuple
 import mlx.core as mx
@@ -18,6 +19,10 @@ from .stats import SpecStats, Stats
 from .store import ExpertStore
 from .trace import TraceWriter
 from .prefetch.factory import make_prefetch
+
+
+# Every Runtime not yet closed (the tests close what a test left open).
+OPEN: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 
 
 class Runtime:
@@ -56,6 +61,7 @@ class Runtime:
         self.events = Events([self.stats] + ([self.trace] if self.trace else []))
         self.prefetch = make_prefetch(config, manifest, reader, self.paged)
         self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
+        OPEN.add(self)
 
     def overlap_reads(self) -> Optional[ThreadPoolExecutor]:
         """The paged blocks' worker for reads overlapped with compute (one
@@ -77,6 +83,7 @@ class Runtime:
             if self.closed:
                 return
             self.closed = True
+            OPEN.discard(self)
             if self.trace is not None:
                 self.trace.close()
             if self.ring is not None:
