@@ -68,6 +68,35 @@ NB_MODULE(_ext, m) {
 
   nb::exception<ReadError>(m, "ReadError");
 
+  // The named types of the contract with runtime/store.py.
+  nb::enum_<Verify>(m, "Verify", "When a paged layer checks a record's checksum.")
+      .value("off", Verify::Off)
+      .value("first_read", Verify::FirstRead)
+      .value("always", Verify::Always);
+  nb::enum_<Failure>(m, "Failure", "What failed in a call made inside the graph.")
+      .value("none", Failure::None)
+      .value("read", Failure::Read)
+      .value("checksum", Failure::Checksum)
+      .value("other", Failure::Other);
+  nb::class_<PagedError>(m, "PagedError")
+      .def_ro("kind", &PagedError::kind)
+      .def_ro("expert", &PagedError::expert)
+      .def_ro("message", &PagedError::message);
+  nb::class_<PagedCounters>(m, "Counters", "What a layer's calls inside the graph did.")
+      .def_ro("calls", &PagedCounters::calls)
+      .def_ro("tokens", &PagedCounters::tokens)
+      .def_ro("hits", &PagedCounters::hits)
+      .def_ro("misses", &PagedCounters::misses)
+      .def_ro("distinct", &PagedCounters::distinct)
+      .def_ro("records", &PagedCounters::records)
+      .def_ro("read_s", &PagedCounters::read_s)
+      .def_ro("stall_s", &PagedCounters::stall_s);
+  nb::class_<EnsureResult>(m, "Ensured", "What making experts resident did.")
+      .def_ro("read", &EnsureResult::read, "records read")
+      .def_ro("bad", &EnsureResult::bad, "an expert whose checksum failed, or -1")
+      .def_ro("read_s", &EnsureResult::read_s, "seconds in the reader")
+      .def_ro("load_s", &EnsureResult::load_s, "seconds of the stall");
+
   nb::class_<Staging>(m, "Staging")
       .def(
           "stage",
@@ -133,13 +162,9 @@ NB_MODULE(_ext, m) {
       .def(
           "paged_index",
           [](PyReader& r, int file, int64_t stride, CArray<int64_t, 2> segments, double decay,
-             double shadow_decay, double lru_margin, int verify, std::string blob) {
-            if (verify < 0 || verify > 2) {
-              throw std::invalid_argument("verify must be 0 (off), 1 (first-read) or 2 (always)");
-            }
+             double shadow_decay, double lru_margin, Verify verify, std::string blob) {
             return std::make_shared<PagedIndex>(r.reader, file, stride, to_segments(segments),
-                                                decay, shadow_decay, lru_margin,
-                                                static_cast<Verify>(verify),
+                                                decay, shadow_decay, lru_margin, verify,
                                                 std::move(blob));
           },
           "file"_a, "stride"_a, "segments"_a, "decay"_a, "shadow_decay"_a, "lru_margin"_a,
@@ -208,31 +233,23 @@ NB_MODULE(_ext, m) {
               nb::gil_scoped_release release;
               r = p.ensure(experts.data(), experts.shape(0));
             }
-            return std::make_tuple(r.read, r.bad, r.read_s, r.load_s);
+            return r;
           },
-          "experts"_a,
-          "Make `experts` resident: (records read, expert whose checksum failed or -1, "
-          "read seconds, stall seconds).")
+          "experts"_a, "Make `experts` resident (an Ensured).")
       .def(
           "take_counters",
-          [](PagedIndex& p) {
-            PagedCounters c = p.take_counters();
-            return std::make_tuple(c.calls, c.tokens, c.hits, c.misses, c.distinct, c.records,
-                                   c.read_s, c.stall_s);
-          },
-          "(calls, tokens, hits, misses, distinct, records, read_s, stall_s) of the calls "
-          "made in the graph since the last take; resets them.")
+          &PagedIndex::take_counters,
+          "The Counters of the calls made in the graph since the last take; resets them.")
       .def(
           "take_error",
-          [](PagedIndex& p) -> std::optional<std::tuple<int, int64_t, std::string>> {
+          [](PagedIndex& p) -> std::optional<PagedError> {
             PagedError e = p.take_error();
-            if (e.kind == 0) {
+            if (e.kind == Failure::None) {
               return std::nullopt;
             }
-            return std::make_tuple(e.kind, e.expert, e.message);
+            return e;
           },
-          "The first failure of a call made in the graph (kind 1 read, 2 checksum, 3 other; "
-          "expert; message), or None; resets it.");
+          "The first failure (a PagedError) of a call made in the graph, or None; resets it.");
 
   m.def(
       "paged_remap",

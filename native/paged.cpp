@@ -273,8 +273,8 @@ void PagedIndex::remap(const uint32_t* ids, size_t n, size_t k, int32_t* slots) 
   std::fill(slots, slots + n, 0); // in range whatever happens below
   std::lock_guard<std::mutex> lock(mutex_);
   if (a_.slot_of_expert == nullptr) {
-    if (error_.kind == 0) {
-      error_ = {1, -1, "this model was closed; load it again to use it"};
+    if (error_.kind == Failure::None) {
+      error_ = {Failure::Read, -1, "this model was closed; load it again to use it"};
     }
     return;
   }
@@ -290,20 +290,20 @@ void PagedIndex::remap(const uint32_t* ids, size_t n, size_t k, int32_t* slots) 
     counters_.read_s += r.read_s;
     if (r.bad < 0) {
       counters_.stall_s += r.load_s;
-    } else if (error_.kind == 0) {
-      error_ = {2, r.bad, "checksum mismatch"};
+    } else if (error_.kind == Failure::None) {
+      error_ = {Failure::Checksum, r.bad, "checksum mismatch"};
     }
   } catch (const ReadError& e) {
-    if (error_.kind == 0) {
-      error_ = {1, -1, e.what()};
+    if (error_.kind == Failure::None) {
+      error_ = {Failure::Read, -1, e.what()};
     }
   } catch (const std::exception& e) {
-    if (error_.kind == 0) {
-      error_ = {3, -1, e.what()};
+    if (error_.kind == Failure::None) {
+      error_ = {Failure::Other, -1, e.what()};
     }
   } catch (...) {
-    if (error_.kind == 0) {
-      error_ = {3, -1, "unknown failure"};
+    if (error_.kind == Failure::None) {
+      error_ = {Failure::Other, -1, "unknown failure"};
     }
   }
   // An expert not resident after a failure computes with slot 0: the

@@ -53,9 +53,12 @@ struct PagedCounters {
   double stall_s = 0;
 };
 
+// What failed inside the graph (bound as _ext.Failure).
+enum class Failure { None = 0, Read = 1, Checksum = 2, Other = 3 };
+
 // A failure inside the graph, raised by Python after the forward pass.
 struct PagedError {
-  int kind = 0; // 0 none, 1 read error, 2 checksum mismatch, 3 other
+  Failure kind = Failure::None;
   int64_t expert = -1;
   std::string message;
 };

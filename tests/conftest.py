@@ -1,11 +1,14 @@
 """Shared fixtures: a tokenizer trained once per session, and tiny models of
 each family saved in mlx-lm format and converted to stream directories."""
 
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,28 +25,49 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # The demo's model trains for two to three minutes on one core (as the
 # README's first command does): its build starts as the session does, in a
-# process of its own on the other core, and the test that reads its output
-# runs last.
+# process of its own, and the test that reads its output runs last. With
+# pytest-xdist the first worker starts it and the worker given the test waits.
 DEMO_TESTS = ("test_demo_recites_the_zen_of_python",)
+DEMO_ARGS = [sys.executable, "-m", "mlx_streaming.demo", "--max-tokens", "40"]
 
 
 class DemoBuild:
-    """``python -m mlx_streaming.demo`` run once, in the background."""
+    """``python -m mlx_streaming.demo`` run once per test run, in the
+    background; its output and status land in a folder of the run."""
 
     proc = None
-    cache_dir = None
+    waiter = None
+
+    @staticmethod
+    def folder() -> Path:
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+        return Path(tempfile.gettempdir()) / f"mlx-streaming-demo-{run}"
 
     @classmethod
     def start(cls):
-        cls.cache_dir = Path(tempfile.mkdtemp(prefix="mlx-streaming-demo-"))
-        cls.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_streaming.demo", "--cache-dir", str(cls.cache_dir),
-             "--max-tokens", "40"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        folder = cls.folder()
+        folder.mkdir()
+        with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+            cls.proc = subprocess.Popen(DEMO_ARGS + ["--cache-dir", str(folder / "cache")],
+                                        stdout=out, stderr=err)
+
+        def record_status():
+            (folder / "rc.tmp").write_text(str(cls.proc.wait()))
+            (folder / "rc.tmp").rename(folder / "rc")
+
+        cls.waiter = threading.Thread(target=record_status, daemon=True)
+        cls.waiter.start()
 
     @classmethod
     def result(cls) -> subprocess.CompletedProcess:
-        out, err = cls.proc.communicate(timeout=1200)
-        return subprocess.CompletedProcess(cls.proc.args, cls.proc.returncode, out, err)
+        folder = cls.folder()
+        deadline = time.monotonic() + 1200
+        while not (folder / "rc").exists():
+            assert time.monotonic() < deadline, "the demo's build took over 20 minutes"
+            time.sleep(0.5)
+        return subprocess.CompletedProcess(DEMO_ARGS, int((folder / "rc").read_text()),
+                                           (folder / "stdout").read_text(),
+                                           (folder / "stderr").read_text())
 
 
 def pytest_collection_modifyitems(items):
@@ -51,16 +75,17 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    if any(item.name in DEMO_TESTS for item in session.items):
+    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    if first_worker and any(item.name in DEMO_TESTS for item in session.items):
         DemoBuild.start()
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
+    # Another worker may still be waiting for the build: stop it only on an interrupt.
     if DemoBuild.proc is not None:
-        if DemoBuild.proc.poll() is None:
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
             DemoBuild.proc.kill()
-            DemoBuild.proc.communicate()
-        shutil.rmtree(DemoBuild.cache_dir, ignore_errors=True)
+        DemoBuild.waiter.join(timeout=1200)
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +104,8 @@ def close_what_the_test_left_open():
 @pytest.fixture(scope="session")
 def demo_build():
     """``(the demo's first run, its cache directory)``."""
-    return DemoBuild.result(), DemoBuild.cache_dir
+    yield DemoBuild.result(), DemoBuild.folder() / "cache"
+    shutil.rmtree(DemoBuild.folder(), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

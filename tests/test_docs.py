@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK_START = [
     'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
     "python -m mlx_streaming.demo",
-    ". .venv/bin/activate && python -m pytest -q",
+    ". .venv/bin/activate && python -m pytest -q -n 2",
 ]
 
 

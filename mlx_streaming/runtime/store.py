@@ -225,11 +225,8 @@ class ExpertStore:
                 self.events.on_prefetch(self.layer, wasted=dropped)
 
 
-# The policies the native step implements, and its code for each checksums mode.
+# The policies the native step implements.
 NATIVE_POLICIES = (LRU, DecayedLFU, Adaptive)
-
-
-_CHECKSUM_CODES = {"off": 0, "first-read": 1, "always": 2}
 
 
 def native_store_fits(reader, policy: Policy, staging) -> bool:
@@ -260,7 +257,7 @@ class NativeStore(ExpertStore):
             self.file, self.spec.stride, self.pool.segments,
             getattr(self.policy, "decay", 1.0), getattr(self.policy, "regret_decay", 1.0),
             getattr(self.policy, "lru_margin", 1.0),
-            _CHECKSUM_CODES[self.checksums], blob)
+            getattr(self.ext.Verify, self.checksums.replace("-", "_")), blob)
         self.index.clock = self.policy.clock
         # (calls, records read, seconds) of the calls made inside the graph
         # since ``take_graph_reads``: whether a layer's calls should sync to
@@ -295,9 +292,10 @@ class NativeStore(ExpertStore):
 
     def ensure(self, experts: np.ndarray, last: bool = True) -> float:
         try:
-            read, bad, read_s, load_s = self.index.ensure(experts)
+            done = self.index.ensure(experts)
         except self.ext.ReadError as e:
             raise self._read_error(str(e)) from None
+        read, bad, read_s, load_s = done.read, done.bad, done.read_s, done.load_s
         if not read:
             return 0.0
         self.events.on_read(self.layer, read, read * self.expert_nbytes, read_s)
@@ -329,20 +327,19 @@ class NativeStore(ExpertStore):
     def flush(self) -> None:
         """After a forward pass (every remap evaluated): report the calls
         made in the graph and raise the first failure."""
-        calls, tokens, hits, misses, distinct, records, read_s, stall_s = \
-            self.index.take_counters()
+        c = self.index.take_counters()
         self.policy.clock = self.index.clock
         done = self._graph_reads
-        self._graph_reads = (done[0] + calls, done[1] + records, done[2] + stall_s)
-        if calls:
-            self.events.on_graph_calls(self.layer, calls, tokens, hits, misses, distinct,
-                                       records, records * self.expert_nbytes, read_s, stall_s)
+        self._graph_reads = (done[0] + c.calls, done[1] + c.records, done[2] + c.stall_s)
+        if c.calls:
+            self.events.on_graph_calls(self.layer, c.calls, c.tokens, c.hits, c.misses,
+                                       c.distinct, c.records, c.records * self.expert_nbytes,
+                                       c.read_s, c.stall_s)
         error = self.index.take_error()
         if error is None:
             return
-        kind, expert, message = error
-        if kind == 2:
-            raise CorruptExpertError(self.layer, expert, message)
-        if kind == 1:
-            raise self._read_error(message)
-        raise ExpertReadError(f"layer {self.layer}: {message}")
+        if error.kind == self.ext.Failure.checksum:
+            raise CorruptExpertError(self.layer, error.expert, error.message)
+        if error.kind == self.ext.Failure.read:
+            raise self._read_error(error.message)
+        raise ExpertReadError(f"layer {self.layer}: {error.message}")
