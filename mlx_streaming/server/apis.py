@@ -1,0 +1,139 @@
+"""The handler of every API served: OpenAI's (``handler.py``), and Ollama's
+and Anthropic's made OpenAI requests (``translate.py``), so that all go
+through one admission queue, one prompt cache and one memory plan.
+"""
+
+import json
+from typing import Optional
+
+from . import anthropic, ollama
+from .handler import StreamingAPIHandler
+from .prompt import prompt_text, prompt_tokens
+from .service import Service
+from .translate import Renderer, RequestError, Translator
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+
+
+class APIsHandler(StreamingAPIHandler):
+    """``StreamingAPIHandler`` with Ollama's and Anthropic's endpoints."""
+
+    renderer: Optional[Renderer] = None
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0].rstrip("/")
+        answers = {"/api/tags": ollama.tags, "/api/ps": ollama.ps,
+                   "/api/version": lambda service: {"version": ollama.OLLAMA_VERSION}}
+        if path not in answers:
+            return super().do_GET()
+        try:
+            self._json(200, answers[path](self.service))
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # the client left before the answer
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        routes = {"/api/chat": (self._ollama, True), "/api/generate": (self._ollama, False),
+                  "/api/show": (self._ollama_show, None),
+                  "/v1/messages": (self._anthropic, None),
+                  "/v1/messages/count_tokens": (self._count_tokens, None)}
+        if path in routes:
+            answer, arg = routes[path]
+            errors = anthropic.MessagesRenderer("") if path.startswith("/v1/") else \
+                ollama.ChatRenderer("")
+            return self.handle_post(lambda: self._translated(errors, answer, arg))
+        if path.startswith("/api/"):
+            return self.handle_post(lambda: self._translated(
+                ollama.ChatRenderer(""), self._not_served, None))
+        return super().do_POST()
+
+    def _translated(self, errors: Renderer, answer, arg) -> None:
+        """Read the body and ``answer(body, arg)`` it, every reply written in
+        the API's own shape (``errors`` renders them until the request's
+        renderer is known)."""
+        translator = self.wfile = Translator(self.wfile, errors)
+        try:
+            raw = self._read_body()
+            body = self._parse(raw) if raw is not None else None
+            if body is None:
+                return
+            try:
+                answer(body, arg)
+            except RequestError as e:
+                self._error(e.status, str(e), param=e.param)
+        finally:
+            translator.finish()
+
+    def _generate(self, request: dict, renderer: Renderer) -> None:
+        """Serve ``request`` (OpenAI's) as the API of ``renderer`` answers."""
+        self.wfile.renderer = self.renderer = renderer
+        self.request_context = request.pop("num_ctx", None)
+        if request.get("stream"):
+            request["stream_options"] = {"include_usage": True}
+        self.asked_path, self.path = self.path, CHAT_PATH if "messages" in request \
+            else COMPLETIONS_PATH
+        self._serve(request, json.dumps(request).encode())
+
+    def prompt_counted(self, tokens: int) -> None:
+        if self.renderer is not None:
+            self.renderer.prompt_tokens = tokens
+
+    # -- Ollama --------------------------------------------------------------
+
+    def _ollama(self, body: dict, chat: bool) -> None:
+        context = self.service.context_length() or 0
+        request = (ollama.chat_request if chat else ollama.generate_request)(body, context)
+        if ollama.is_load(body):
+            self._known(request["model"])
+            return self._json(200, ollama.loaded(body, chat, self.service.approximate))
+        renderer = ollama.ChatRenderer if chat else ollama.GenerateRenderer
+        self._generate(request, renderer(body["model"], self.service.approximate))
+
+    def _ollama_show(self, body: dict, _) -> None:
+        self._known(ollama.model_name(dict(model=body.get("model") or body.get("name"))))
+        tool_calling = self.service.provider.tokenizer.has_tool_calling
+        self._json(200, ollama.show(self.service, tool_calling))
+
+    def _not_served(self, body: dict, _) -> None:
+        raise RequestError(f"{self.path} is not served here: this server serves /api/chat, "
+                           "/api/generate, /api/tags, /api/show, /api/ps and /api/version",
+                           status=404)
+
+    # -- Anthropic -----------------------------------------------------------
+
+    def _anthropic(self, body: dict, _) -> None:
+        request = anthropic.messages_request(body)
+        self._generate(request, anthropic.MessagesRenderer(
+            body["model"], self.service.approximate))
+
+    def _count_tokens(self, body: dict, _) -> None:
+        """``/v1/messages/count_tokens``: the prompt's tokens, counted as an
+        admitted request (tokenizing a long prompt is work)."""
+        request = anthropic.prompt_request(body)
+        if not self._valid(request):
+            return
+        ticket = self.service.admission.enter()
+        if ticket is None:
+            return self._error(429, "the server is busy: retry later", "rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+        try:
+            template = self.response_generator.cli_args.chat_template_args
+            tokenizer = self.service.provider.tokenizer
+            text = prompt_text(tokenizer, request, "messages", template, False)
+            n = prompt_tokens(tokenizer, request, "messages", text, template, False)
+        except Exception as e:  # a chat template may raise anything
+            raise RequestError(f"the chat template could not be applied to this request "
+                               f"({type(e).__name__}: {e})") from None
+        finally:
+            ticket.release()
+        self._json(200, {"input_tokens": n})
+
+    def _known(self, model: str) -> None:
+        if not self.service.known_model(model):
+            raise RequestError(f"model {model!r} not found; this server serves "
+                               f"{self.service.model_id!r}", "model", status=404)
+
+
+def make_handler(service: Service) -> type:
+    """The handler class of a server of ``service``."""
+    return type("APIsHandler", (APIsHandler,), {"service": service})
