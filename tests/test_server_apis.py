@@ -6,7 +6,7 @@ the template's format (special tokens on hidden dimensions of their own)."""
 
 import json
 import shutil
-import threading
+import time
 import urllib.request
 
 import anthropic
@@ -87,12 +87,14 @@ def tool_model(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def server(tool_model):
-    # Approximate routing: every API must say so. One request at a time and
+    # Approximate (static) routing: every API must say so. One request at a time and
     # no queue: a second request while one runs is a 429. Small prefill
     # steps: a streamed answer gets keep-alives while its prompt is read.
-    s = Server(tool_model, "--slots-per-layer", "4", "--routing", "cache-aware",
+    ollama_port = free_port()
+    s = Server(tool_model, "--slots-per-layer", "4", "--routing", "top-k-cut", "--routing-keep", "2",
                "--decode-concurrency", "1", "--max-queue", "0", "--prefill-step-size", "4",
-               "--ollama-port", str(free_port()))
+               "--ollama-port", str(ollama_port))
+    s.ollama_port = ollama_port
     s.ollama = ollama.Client(host=s.url)
     s.anthropic = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
     s.model = s.client.models.list().data[0].id
@@ -129,7 +131,8 @@ def ollama_generate_text(s, stream: bool) -> str:
 
 
 def anthropic_text(s, stream: bool) -> str:
-    request = dict(model=s.model, system=SYSTEM, max_tokens=8, temperature=0,
+    # The SDK leaves sampling out of its arguments; the API takes it.
+    request = dict(model=s.model, system=SYSTEM, max_tokens=8, extra_body={"temperature": 0},
                    messages=[{"role": "user", "content": QUESTION}])
     if not stream:
         return "".join(b.text for b in s.anthropic.messages.create(**request).content)
@@ -154,9 +157,7 @@ def test_an_ollama_model_list_names_the_model(server):
 
 
 def test_the_ollama_port_serves_the_same_model(server):
-    port = next(a for a in server.proc.args if a.isdigit() and int(a) != server.port
-                and a != "4" and a != "1" and a != "0")
-    other = ollama.Client(host=f"http://127.0.0.1:{port}")
+    other = ollama.Client(host=f"http://127.0.0.1:{server.ollama_port}")
     assert [m.model for m in other.list().models] == [server.model]
     reply = other.chat(model=server.model, messages=MESSAGES,
                        options={"temperature": 0, "num_predict": 8})
@@ -205,7 +206,8 @@ def test_ollama_tool_call_round_trip(server):
 
 def test_anthropic_tool_use_round_trip(server):
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    request = dict(model=server.model, max_tokens=16, temperature=0, tools=TOOLS_ANTHROPIC)
+    request = dict(model=server.model, max_tokens=16, tools=TOOLS_ANTHROPIC,
+                   extra_body={"temperature": 0})
     reply = server.anthropic.messages.create(messages=messages, **request)
     assert reply.stop_reason == "tool_use", reply
     use = reply.content[-1]
@@ -251,12 +253,12 @@ def test_approximate_answers_say_so_in_every_api(server):
             "messages": [{"role": "user", "content": QUESTION}]}
     for path, stream in (("/api/chat", False), ("/v1/messages", False)):
         status, headers, reply = server.post(path, dict(body, stream=stream))
-        assert status == 200 and "cache-aware" in headers[HEADER]
+        assert status == 200 and "top-k-cut" in headers[HEADER]
         assert reply["approximate"] == headers[HEADER]
     req = urllib.request.Request(server.url + "/api/chat", json.dumps(body).encode())
     with urllib.request.urlopen(req) as r:
         lines = [json.loads(line) for line in r.read().splitlines()]
-        assert "cache-aware" in r.headers[HEADER]
+        assert "top-k-cut" in r.headers[HEADER]
     assert lines[-1]["done"] and all(line["approximate"] == r.headers[HEADER] for line in lines)
 
 
@@ -309,33 +311,33 @@ def test_the_clients_raise_their_own_errors(server):
         server.anthropic.messages.create(model="claude-x", max_tokens=4,
                                          messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic.BadRequestError):
-        server.anthropic.messages.create(model=server.model, max_tokens=10**6,
+        server.anthropic.messages.create(model=server.model, max_tokens=5000,
                                          messages=[{"role": "user", "content": "x"}])
     with pytest.raises(ollama.ResponseError) as e:
         server.ollama.chat(model="nope", messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 404
 
 
-def test_a_busy_server_answers_429_in_every_api(server):
-    started, done = threading.Event(), []
+def test_a_busy_server_answers_429_in_every_api(server, tool_model):
+    from transformers import AutoTokenizer
 
-    def long_request():
-        for i, _ in enumerate(server.client.completions.create(
-                model=server.model, prompt="def ", max_tokens=300, temperature=0.7,
-                stream=True)):
-            if i == 2:
-                started.set()
-        done.append(True)
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    assert started.wait(60)
+    eos = AutoTokenizer.from_pretrained(str(tool_model)).eos_token_id
+    # A request that holds the one place until its client leaves.
+    stream = server.client.completions.create(
+        model=server.model, prompt="def ", max_tokens=1000, temperature=0.7, stream=True,
+        logit_bias={str(eos): -100})
+    next(iter(stream))
     chat = {"model": server.model, "messages": [{"role": "user", "content": "x"}],
             "max_tokens": 2}
-    for path in ("/api/chat", "/v1/messages", "/v1/messages/count_tokens"):
-        status, headers, reply = server.post(path, chat)
-        assert status == 429 and headers.get("Retry-After") == "1", (path, reply)
-        assert reply.get("error") if path.startswith("/api/") else \
-            reply["error"]["type"] == "rate_limit_error"
-    t.join(120)
-    assert done and server.post("/api/chat", dict(chat, stream=False))[0] == 200
+    try:
+        for path in ("/api/chat", "/v1/messages", "/v1/messages/count_tokens"):
+            status, headers, reply = server.post(path, chat)
+            assert status == 429 and headers.get("Retry-After") == "1", (path, reply)
+            assert reply.get("error") if path.startswith("/api/") else \
+                reply["error"]["type"] == "rate_limit_error"
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 30
+    while server.post("/api/chat", dict(chat, stream=False))[0] == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

@@ -85,14 +85,14 @@ class APIsHandler(StreamingAPIHandler):
         request = (ollama.chat_request if chat else ollama.generate_request)(body, context)
         if ollama.is_load(body):
             self._known(request["model"])
-            return self._json(200, ollama.loaded(body, chat, self.service.approximate))
+            return self._answer(ollama.loaded(body, chat, self.service.approximate))
         renderer = ollama.ChatRenderer if chat else ollama.GenerateRenderer
         self._generate(request, renderer(body["model"], self.service.approximate))
 
     def _ollama_show(self, body: dict, _) -> None:
         self._known(ollama.model_name(dict(model=body.get("model") or body.get("name"))))
         tool_calling = self.service.provider.tokenizer.has_tool_calling
-        self._json(200, ollama.show(self.service, tool_calling))
+        self._answer(ollama.show(self.service, tool_calling))
 
     def _not_served(self, body: dict, _) -> None:
         raise RequestError(f"{self.path} is not served here: this server serves /api/chat, "
@@ -126,7 +126,12 @@ class APIsHandler(StreamingAPIHandler):
                                f"({type(e).__name__}: {e})") from None
         finally:
             ticket.release()
-        self._json(200, {"input_tokens": n})
+        self._answer({"input_tokens": n})
+
+    def _answer(self, obj: dict) -> None:
+        """Send ``obj``, an answer in the API's shape, as it is."""
+        self.wfile.renderer = None
+        self._json(200, obj)
 
     def _known(self, model: str) -> None:
         if not self.service.known_model(model):

@@ -57,10 +57,10 @@ REWRITTEN = (b"content-type:", b"content-length:")
 class Translator:
     """A handler's output stream: the OpenAI response written to it (status
     line and headers, then a JSON body or server-sent events) goes out as
-    ``renderer``'s API answers it. ``finish`` ends a body sent without a
-    length (mlx-lm's own error replies)."""
+    ``renderer``'s API answers it (without one, as it is). ``finish`` ends a
+    body sent without a length (mlx-lm's own error replies)."""
 
-    def __init__(self, out, renderer: Renderer):
+    def __init__(self, out, renderer: Optional[Renderer]):
         self.out, self.renderer = out, renderer
         self.buffer = b""
         self.mode = None  # None (head pending), "json", "events" or "done"
@@ -70,6 +70,8 @@ class Translator:
 
     def write(self, b) -> int:
         b = bytes(b)
+        if self.renderer is None:  # an answer of the API's own shape already
+            return self.out.write(b)
         self.buffer += b
         if self.mode is None and b"\r\n\r\n" in self.buffer:
             head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
