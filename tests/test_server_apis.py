@@ -240,6 +240,26 @@ def test_anthropic_stream_follows_the_documented_event_sequence(server):
     assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 5
 
 
+def test_anthropic_says_which_stop_sequence_ended_the_answer(server, tool_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tool_model))
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = server.client.chat.completions.create(model=server.model, messages=messages,
+                                                  max_tokens=8, temperature=0, logprobs=True)
+    ids = [t.model_extra["id"] for t in reply.choices[0].logprobs.content]
+    # A token of the answer that is a stop sequence of its own.
+    stop = next(tok.decode([i]) for i in ids[1:] if tok.encode(tok.decode([i])) == [i])
+    request = dict(model=server.model, max_tokens=8, messages=messages, stop_sequences=[stop],
+                   extra_body={"temperature": 0})
+    with server.anthropic.messages.stream(**request) as events:
+        streamed = events.get_final_message()
+    for message in (server.anthropic.messages.create(**request), streamed):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    unstopped = server.anthropic.messages.create(**dict(request, stop_sequences=["\x01"]))
+    assert unstopped.stop_reason != "stop_sequence" and unstopped.stop_sequence is None
+
+
 def test_count_tokens_counts_the_prompt_of_a_message(server):
     request = dict(model=server.model, system=SYSTEM,
                    messages=[{"role": "user", "content": "count me " * 7}])
@@ -272,6 +292,8 @@ def test_approximate_answers_say_so_in_every_api(server):
                    "options": {"temperature": "hot"}}, 400),
     ("/api/chat", {"model": "M", "messages": [{"role": "user", "content": "x"}],
                    "options": {"num_ctx": 100000}}, 400),
+    ("/api/chat", {"model": "M", "messages": [{"role": "user", "content": "x " * 50}],
+                   "options": {"num_ctx": 20, "num_predict": 4}}, 400),
     ("/api/generate", {"model": "M", "prompt": 5}, 400),
     ("/api/chat", None, 400),  # not JSON
     ("/api/pull", {"model": "M"}, 404),
@@ -341,3 +363,14 @@ def test_a_busy_server_answers_429_in_every_api(server, tool_model):
     while server.post("/api/chat", dict(chat, stream=False))[0] == 429:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_bench_clients_speak_every_api(server):
+    from mlx_streaming.bench.clients import APIS, streamed
+
+    raw = {api: streamed(server.url, api, 4, prompt=QUESTION) for api in ("openai", "ollama")}
+    chats = {api: streamed(server.url, api, 4, messages=MESSAGES) for api in APIS}
+    for r in [*raw.values(), *chats.values()]:
+        assert r["tokens"] == 4 and r["ttft"] is not None, r
+    assert raw["openai"]["text"] == raw["ollama"]["text"]
+    assert len({r["text"] for r in chats.values()}) == 1

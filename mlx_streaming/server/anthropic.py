@@ -116,13 +116,13 @@ def messages_request(body: dict) -> dict:
 class MessagesRenderer(Renderer):
     """``/v1/messages``' answers: a message, or its event stream."""
 
-    def __init__(self, model: str, approximate: str = "", prompt_tokens: int = 0):
+    def __init__(self, model: str, approximate: str = "", stopped_by=lambda: None):
         self.model, self.approximate = model, approximate
+        self.stopped_by = stopped_by  # the stop sequence that ended the answer, or None
         self.id = f"msg_{uuid.uuid4().hex}"
-        self.prompt_tokens = prompt_tokens  # set by the handler once counted
         self.index = -1
         self.open = None  # the type of the content block streaming, if any
-        self.stop_reason = "end_turn"
+        self.finish_reason = "stop"
         self.usage = {}
 
     def error(self, status, message, kind):
@@ -135,10 +135,18 @@ class MessagesRenderer(Renderer):
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
                 "output_tokens": usage.get("completion_tokens", 0)}
 
-    def _message(self, content: list, stop_reason, usage: dict) -> dict:
+    def _stop(self, finish_reason) -> dict:
+        """``stop_reason`` and ``stop_sequence`` of an OpenAI finish reason."""
+        sequence = self.stopped_by() if finish_reason == "stop" else None
+        reason = "stop_sequence" if sequence is not None else \
+            STOP_REASONS.get(finish_reason, "end_turn")
+        return {"stop_reason": reason, "stop_sequence": sequence}
+
+    def _message(self, content: list, finish_reason, usage: dict) -> dict:
+        stop = self._stop(finish_reason) if finish_reason else \
+            {"stop_reason": None, "stop_sequence": None}
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                   "content": content, "stop_reason": stop_reason, "stop_sequence": None,
-                   "usage": self._usage(usage)}
+                   "content": content, **stop, "usage": self._usage(usage)}
         if self.approximate:
             message["approximate"] = self.approximate
         return message
@@ -150,8 +158,8 @@ class MessagesRenderer(Renderer):
             if reasoning else []
         content += [{"type": "text", "text": text}] if text else []
         content += [_tool_use(call) for call in calls]
-        return self._message(content, STOP_REASONS.get(choice.get("finish_reason"),
-                                                       "end_turn"), response.get("usage", {}))
+        return self._message(content, choice.get("finish_reason") or "stop",
+                             response.get("usage", {}))
 
     def _event(self, kind: str, **data) -> bytes:
         return f"event: {kind}\ndata: {json.dumps(dict(type=kind, **data))}\n\n".encode()
@@ -181,8 +189,7 @@ class MessagesRenderer(Renderer):
         if not chunk.get("choices"):
             return b""
         choice = chunk["choices"][0]
-        if choice.get("finish_reason"):
-            self.stop_reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
         text, reasoning, calls = choice_parts(choice)
         out = b""
         if reasoning:
@@ -205,7 +212,7 @@ class MessagesRenderer(Renderer):
         return out
 
     def end(self):
-        delta = {"stop_reason": self.stop_reason, "stop_sequence": None}
+        delta = self._stop(self.finish_reason)
         extra = {"approximate": self.approximate} if self.approximate else {}
         return self._close() + self._event("message_delta", delta=delta,
                                            usage=self._usage(self.usage), **extra) + \

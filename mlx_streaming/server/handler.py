@@ -124,6 +124,7 @@ class StreamingAPIHandler(APIHandler):
         logged."""
         start, self.status = time.perf_counter(), None
         current_request.tokens, current_request.status = 0, None
+        current_request.generated = ()
         try:
             answer()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -361,7 +362,7 @@ class StreamingAPIHandler(APIHandler):
         self.prompt_counted(n)
         if self.request_context is not None and n + asked > self.request_context:
             self._error(400, f"the prompt has {n} tokens and {asked} more are asked for, "
-                        f"beyond the request's context of {self.request_context}",
+                        f"beyond the context it asked for (num_ctx {self.request_context})",
                         "context_length_exceeded", param=field)
             return False
         if n + asked > limit:

@@ -20,6 +20,7 @@ class Renderer:
     """One API's answer, made from the OpenAI one; subclasses override."""
 
     stream_type = "text/event-stream"
+    prompt_tokens = 0  # the prompt's length, once the handler counted it
 
     def error(self, status: int, message: str, kind: str) -> dict:
         """The body of an error reply (``kind``: OpenAI's error type)."""
