@@ -152,6 +152,7 @@ def test_an_ollama_model_list_names_the_model(server):
     assert [m.model for m in server.ollama.list().models] == [server.model]
     assert server.ollama.show(server.model + ":latest").capabilities == ["completion", "tools"]
     assert server.ollama.ps().models[0].context_length == 1024
+    assert server.ollama.chat(model=server.model, messages=[]).done_reason == "load"
     with urllib.request.urlopen(server.url + "/api/version") as r:
         assert json.loads(r.read())["version"]
 

@@ -41,12 +41,15 @@ def _blocks(message) -> list:
     text, calls, results = [], [], []
     for block in content:
         kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            text.append(block["text"])
-        elif kind == "tool_use" and isinstance(block.get("name"), str) and \
-                isinstance(block.get("input", {}), dict):
+        if kind == "text":
+            text.append(_text([block], "messages"))
+        elif kind == "tool_use":
+            name, arguments = block.get("name"), block.get("input", {})
+            if not (isinstance(name, str) and isinstance(arguments, dict)):
+                raise RequestError("a tool_use block needs a string 'name' and an object "
+                                   "'input'", "messages")
             calls.append({"id": block.get("id") or "", "type": "function", "function": {
-                "name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+                "name": name, "arguments": json.dumps(arguments)}})
         elif kind == "tool_result":
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": _text(block.get("content", ""), "messages")})

@@ -34,24 +34,20 @@ class APIsHandler(StreamingAPIHandler):
 
     def do_POST(self):
         path = self.path.split("?", 1)[0]
-        routes = {"/api/chat": (self._ollama, True), "/api/generate": (self._ollama, False),
-                  "/api/show": (self._ollama_show, None),
-                  "/v1/messages": (self._anthropic, None),
-                  "/v1/messages/count_tokens": (self._count_tokens, None)}
-        if path in routes:
-            answer, arg = routes[path]
-            errors = anthropic.MessagesRenderer("") if path.startswith("/v1/") else \
-                ollama.ChatRenderer("")
-            return self.handle_post(lambda: self._translated(errors, answer, arg))
-        if path.startswith("/api/"):
-            return self.handle_post(lambda: self._translated(
-                ollama.ChatRenderer(""), self._not_served, None))
-        return super().do_POST()
+        routes = {"/api/chat": self._ollama_chat, "/api/generate": self._ollama_generate,
+                  "/api/show": self._ollama_show, "/v1/messages": self._anthropic,
+                  "/v1/messages/count_tokens": self._count_tokens}
+        answer = routes.get(path, self._not_served if path.startswith("/api/") else None)
+        if answer is None:
+            return super().do_POST()
+        errors = anthropic.MessagesRenderer("") if path.startswith("/v1/") else \
+            ollama.ChatRenderer("")
+        self.handle_post(lambda: self._translated(errors, answer))
 
-    def _translated(self, errors: Renderer, answer, arg) -> None:
-        """Read the body and ``answer(body, arg)`` it, every reply written in
-        the API's own shape (``errors`` renders them until the request's
-        renderer is known)."""
+    def _translated(self, errors: Renderer, answer) -> None:
+        """Read the body and ``answer`` it, every reply written in the API's
+        own shape (``errors`` renders them until the request's renderer is
+        known)."""
         translator = self.wfile = Translator(self.wfile, errors)
         try:
             raw = self._read_body()
@@ -59,7 +55,7 @@ class APIsHandler(StreamingAPIHandler):
             if body is None:
                 return
             try:
-                answer(body, arg)
+                answer(body)
             except RequestError as e:
                 self._error(e.status, str(e), param=e.param)
         finally:
@@ -81,28 +77,35 @@ class APIsHandler(StreamingAPIHandler):
 
     # -- Ollama --------------------------------------------------------------
 
+    def _ollama_chat(self, body: dict) -> None:
+        self._ollama(body, chat=True)
+
+    def _ollama_generate(self, body: dict) -> None:
+        self._ollama(body, chat=False)
+
     def _ollama(self, body: dict, chat: bool) -> None:
         context = self.service.context_length() or 0
         request = (ollama.chat_request if chat else ollama.generate_request)(body, context)
+        kind = ollama.ChatRenderer if chat else ollama.GenerateRenderer
+        renderer = kind(body["model"], self.service.approximate)
         if ollama.is_load(body):
             self._known(request["model"])
-            return self._answer(ollama.loaded(body, chat, self.service.approximate))
-        renderer = ollama.ChatRenderer if chat else ollama.GenerateRenderer
-        self._generate(request, renderer(body["model"], self.service.approximate))
+            return self._answer(renderer.loaded())
+        self._generate(request, renderer)
 
-    def _ollama_show(self, body: dict, _) -> None:
+    def _ollama_show(self, body: dict) -> None:
         self._known(ollama.model_name(dict(model=body.get("model") or body.get("name"))))
         tool_calling = self.service.provider.tokenizer.has_tool_calling
         self._answer(ollama.show(self.service, tool_calling))
 
-    def _not_served(self, body: dict, _) -> None:
+    def _not_served(self, body: dict) -> None:
         raise RequestError(f"{self.path} is not served here: this server serves /api/chat, "
                            "/api/generate, /api/tags, /api/show, /api/ps and /api/version",
                            status=404)
 
     # -- Anthropic -----------------------------------------------------------
 
-    def _anthropic(self, body: dict, _) -> None:
+    def _anthropic(self, body: dict) -> None:
         request = anthropic.messages_request(body)
         stops = request.get("stop", [])
         self._generate(request, anthropic.MessagesRenderer(
@@ -119,7 +122,7 @@ class APIsHandler(StreamingAPIHandler):
                 return stop
         return None
 
-    def _count_tokens(self, body: dict, _) -> None:
+    def _count_tokens(self, body: dict) -> None:
         """``/v1/messages/count_tokens``: the prompt's tokens, counted as an
         admitted request (tokenizing a long prompt is work)."""
         request = anthropic.prompt_request(body)

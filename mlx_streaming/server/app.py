@@ -166,6 +166,7 @@ def serve(args) -> None:
             finally:
                 if also:
                     also.shutdown()
+                    also.server_close()
     finally:
         # Its thread is not a daemon: the process would otherwise never exit.
         generator.stop_and_join()

@@ -91,6 +91,10 @@ class StreamingAPIHandler(APIHandler):
     extra endpoints; ``make_handler`` gives it the service it serves."""
 
     service: Service = None
+    # A request's own, smaller context (Ollama's num_ctx), if any.
+    request_context: Optional[int] = None
+    # The path asked for, where another API's request is served as OpenAI's.
+    asked_path: Optional[str] = None
 
     def do_GET(self):
         try:
@@ -322,11 +326,6 @@ class StreamingAPIHandler(APIHandler):
                             f"{limit} tokens", "context_length_exceeded", param=name)
                 return False
         return True
-
-    # A request's own, smaller context (Ollama's num_ctx), if any.
-    request_context: Optional[int] = None
-    # The path asked for, where another API's request is served as OpenAI's.
-    asked_path: Optional[str] = None
 
     def prompt_counted(self, tokens: int) -> None:
         """The prompt was counted (a hook: another API's answer shows it)."""

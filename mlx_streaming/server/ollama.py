@@ -7,6 +7,7 @@ or one JSON object; ``/api/tags``, ``/api/show``, ``/api/ps`` and
 import json
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from .translate import Renderer, RequestError, choice_parts, tool_call_of
 
@@ -210,18 +211,16 @@ class ChatRenderer(Renderer):
     def failed(self, message):
         return self._line({"error": message})
 
+    def loaded(self) -> dict:
+        """The answer to a request that only loads the model (``is_load``)."""
+        return self._object(True, **self._content("", "", []), done_reason="load")
+
 
 class GenerateRenderer(ChatRenderer):
     """``/api/generate``'s answers: a ``response`` text per object."""
 
     def _content(self, text, reasoning, calls):
         return dict(response=text, **({"thinking": reasoning} if reasoning else {}))
-
-
-def loaded(body: dict, chat: bool, approximate: str = "") -> dict:
-    """The answer to a load request (``is_load``)."""
-    renderer = (ChatRenderer if chat else GenerateRenderer)(body.get("model"), approximate)
-    return renderer._object(True, **renderer._content("", "", []), done_reason="load")
 
 
 def model_entry(service) -> dict:
@@ -258,14 +257,12 @@ def show(service, tool_calling: bool) -> dict:
 
 def _config(service) -> dict:
     try:
-        with open(f"{service.path}/config.json") as f:
+        with open(Path(service.path) / "config.json") as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
 
 
 def _size(service) -> int:
-    from pathlib import Path
-
     root = Path(service.path)
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
