@@ -5,7 +5,6 @@ with ``<|call|>``, and weights that follow ``<|call|>`` with a tool call in
 the template's format (special tokens on hidden dimensions of their own)."""
 
 import json
-import shutil
 import time
 import urllib.request
 
