@@ -310,6 +310,9 @@ def test_approximate_answers_say_so_in_every_api(server):
     ("/v1/messages", {"model": "M", "max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400),
     ("/v1/messages", None, 400),
+    # Refused by mlx-lm itself (its reply has no length): still Anthropic's shape.
+    ("/v1/messages", {"model": "M", "max_tokens": 5, "stream": "yes", "messages": [
+        {"role": "user", "content": "x"}]}, 400),
     ("/v1/messages/count_tokens", {"model": "M"}, 400),
 ])
 def test_bad_requests_get_errors_in_their_apis_shape(server, path, body, status):
