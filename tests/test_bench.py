@@ -265,6 +265,9 @@ def test_bench_serve_starts_each_case_with_its_setting(models):
     args.cases = ["serial", "serial"]
     with pytest.raises(BenchError, match="names a case twice"):
         serve._servers(args, 6, manifest)
+    args.cases, args.mlx_model, args.api = ["mlx-lm"], stream_dir, "anthropic"
+    with pytest.raises(BenchError, match="speaks only the OpenAI API"):
+        serve._servers(args, 6, manifest)
 
 
 def test_bench_decode_compares_policies_and_prefetch_under_a_read_limit(models, tmp_path):

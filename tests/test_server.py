@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -586,10 +587,11 @@ def test_admission_is_free_once_the_last_token_is_out():
     ticket = service.admission.enter()
     assert service.admission.enter() is None  # the one place is taken
     current_request.ticket = ticket
+    responses = [types.SimpleNamespace(text=t, token=i) for i, t in enumerate("ab")]
     try:
-        wrapped = counting(service, lambda request, args, cb: (None, iter("ab")))
+        wrapped = counting(service, lambda request, args, cb: (None, iter(responses)))
         _, tokens = wrapped(None, None)
-        assert list(tokens) == ["a", "b"]
+        assert list(tokens) == responses and current_request.generated == (0, 1)
     finally:
         current_request.ticket = None
     again = service.admission.enter()

@@ -1,10 +1,13 @@
 """bench serve: this package's server, one request at a time (serial) and
 decoding requests together (batched), against mlx_lm.server on the same
 weights fully resident (batching too), all started here; 1, 2, 4 and 8
-concurrent OpenAI clients, each request with a prompt of its own. Reports
-total tok/s, time to first token and inter-token latency (p50, p95), our
-servers' expert hit rate and MB read per generated token, in interleaved
-rounds, with ratios to the serial server and to mlx-lm from the same run.
+concurrent clients of one API (``--api``: OpenAI, Ollama or Anthropic),
+each request with a prompt of its own. Reports total tok/s, time to first
+token and inter-token latency (p50, p95), our servers' expert hit rate and
+MB read per generated token, in interleaved rounds, with ratios to the
+serial server and to mlx-lm from the same run. ``--agent-turns N`` also
+times an agent's warm second turn against its cold first one on a system
+prompt of N words.
 
     python -m mlx_streaming.bench serve --model STREAM --mlx-model MLX [--read-mbps 50]
 """
@@ -24,8 +27,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..format import read_manifest
-from .common import BenchError, ReadLimit, figure, finish, pool_slots
+from .common import BenchError, ReadLimit, figure, finish, pool_slots, print_table
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
+from .clients import APIS, streamed
 from .quality import equal_memory_slots, setting_options
 
 # A different prompt per request: clients share no prompt cache.
@@ -78,6 +82,14 @@ def add_arguments(p) -> None:
     p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
                    help="throttle our servers' disk reads to this many MB/s (cgroup blkio, "
                         "root; reads uncached), to emulate a Mac's read/compute ratio")
+    p.add_argument("--api", choices=APIS, default="openai",
+                   help="the API the clients speak (mlx-lm's server speaks OpenAI's only): "
+                        "OpenAI completions, Ollama's /api/generate raw, or Anthropic's "
+                        "messages (one user turn, through the chat template)")
+    p.add_argument("--agent-turns", type=count(0, 100_000), default=0, metavar="WORDS",
+                   help="also time an agent's two turns on a system prompt of WORDS words, "
+                        "new each round: the first turn's time to first token (cold) against "
+                        "the second's, which extends it (warm: mlx-lm's prompt cache); 0: off")
     p.add_argument("--out", type=Path, default=Path("bench-results/serve"))
 
 
@@ -128,41 +140,20 @@ class _Process:
         self.log.close()
 
 
-def _one_request(client, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion through the OpenAI client: its time to first
-    token, the gaps between its tokens and its token count."""
-    start = time.perf_counter()
-    stamps, tokens = [], 0
-    stream = client.completions.create(model="default_model", prompt=prompt, stream=True,
-                                       max_tokens=max_tokens, temperature=0,
-                                       stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-        elif chunk.choices and chunk.choices[0].text:
-            stamps.append(time.perf_counter())
-    latency = time.perf_counter() - start
-    return dict(latency=latency, ttft=stamps[0] - start if stamps else None,
-                gaps=list(np.diff(stamps)), tokens=tokens)
-
-
-def _load_test(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def _load_test(url: str, clients: int, requests: int, max_tokens: int,
+               api: str = "openai") -> dict:
     """``requests`` requests from ``clients`` threads, each request with its
     own prompt (fixed by its index, so every server sees the same ones)."""
-    import openai
-
     results, lock, next_index = [], threading.Lock(), [0]
 
     def client_thread():
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                               timeout=600)
         while True:
             with lock:
                 i = next_index[0]
                 next_index[0] += 1
             if i >= requests:
                 return
-            r = _one_request(client, PROMPTS[i % len(PROMPTS)] + f" # {i}", max_tokens)
+            r = streamed(url, api, max_tokens, prompt=PROMPTS[i % len(PROMPTS)] + f" # {i}")
             with lock:
                 results.append(r)
 
@@ -187,7 +178,7 @@ def _measure(proc: "_Process", clients: int, args) -> dict:
     """A load test, with our server's hit rate and bytes read per generated
     token over it."""
     before = proc.counters()
-    row = _load_test(proc.url, clients, args.requests, args.max_tokens)
+    row = _load_test(proc.url, clients, args.requests, args.max_tokens, args.api)
     after = proc.counters()
     if before is not None and after is not None:
         hits = after["hits"] - before["hits"]
@@ -206,6 +197,9 @@ def _servers(args, slots: int, manifest) -> Dict[str, tuple]:
         raise BenchError("--cases names a case twice")
     if "mlx-lm" in args.cases and not args.mlx_model:
         raise BenchError("the mlx-lm case needs --mlx-model (or leave it out of --cases)")
+    if "mlx-lm" in args.cases and args.api != "openai":
+        raise BenchError(f"mlx_lm.server speaks only the OpenAI API: leave mlx-lm out of "
+                         f"--cases with --api {args.api}")
     concurrency = {"serial": "1", "batched": str(args.decode_concurrency)}
     servers = {}
     for case in args.cases:
@@ -247,10 +241,13 @@ def run(args) -> dict:
             ours = case != "mlx-lm"
             running[name] = _Process(command, int(command[-1]), throttle if ours else None)
         measured = {(n, c): [] for n in servers for c in args.clients}
-        for _ in range(args.rounds):  # interleaved: slow spells hit every case alike
+        turns = {n: [] for n in servers if args.agent_turns and servers[n][0] != "mlx-lm"}
+        for r in range(args.rounds):  # interleaved: slow spells hit every case alike
             for c in args.clients:
                 for name, proc in running.items():
                     measured[name, c].append(_measure(proc, c, args))
+            for name in turns:
+                turns[name].append(agent_turns(running[name].url, args, f"{r}"))
     finally:
         for proc in running.values():
             proc.stop()
@@ -263,8 +260,47 @@ def run(args) -> dict:
                 if args.read_mbps else ", page cache warm"))
     result = dict(rows=rows, model=str(stream_dir), mlx_model=str(args.mlx_model),
                   pool=args.pool, slots_per_layer=slots, read_mbps=args.read_mbps,
-                  decode_concurrency=args.decode_concurrency)
+                  decode_concurrency=args.decode_concurrency, api=args.api)
+    if turns:
+        result["agent_turns"] = _turn_rows(turns)
+        print_table(result["agent_turns"], TURN_COLUMNS,
+                    f"agent turns through {args.api}: a system prompt of {args.agent_turns} "
+                    f"words, greedy, median of {args.rounds} rounds")
     return finish(args.out, "serve", result, rows, COLUMNS, title, _plot)
+
+
+TURN_COLUMNS = [("server", "server", "s"), ("cold_ttft_s", "cold TTFT s"),
+                ("warm_ttft_s", "warm TTFT s"), ("warm_vs_cold", "warm / cold", ".3f")]
+
+
+def agent_turns(url: str, args, nonce: str) -> dict:
+    """An agent's two turns on a long system prompt new to the server
+    (``nonce``): the first turn's time to first token (cold: the whole
+    prompt is read) and the second's, which extends the first."""
+    words = (" ".join(PROMPTS) + " ").split()
+    system = f"Session {nonce}-{time.time_ns()}. " + " ".join(
+        words[i % len(words)] for i in range(args.agent_turns))
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Write a function."}]
+    first = streamed(url, args.api, args.max_tokens, messages=messages)
+    messages += [{"role": "assistant", "content": first["text"]},
+                 {"role": "user", "content": "Now test it."}]
+    second = streamed(url, args.api, args.max_tokens, messages=messages)
+    return dict(cold_ttft_s=first["ttft"], warm_ttft_s=second["ttft"])
+
+
+def _turn_rows(turns: Dict[str, list]) -> List[dict]:
+    """Per server, the median cold and warm times to first token, and the
+    median of each round's warm / cold ratio (paired)."""
+    rows = []
+    for name, runs in turns.items():
+        ok = [r for r in runs if r["cold_ttft_s"] and r["warm_ttft_s"]]
+        median = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
+        rows.append(dict(server=name, cold_ttft_s=median([r["cold_ttft_s"] for r in ok]),
+                         warm_ttft_s=median([r["warm_ttft_s"] for r in ok]),
+                         warm_vs_cold=median([r["warm_ttft_s"] / r["cold_ttft_s"] for r in ok]),
+                         runs=runs))
+    return rows
 
 
 def _rows(measured, cases: Dict[str, str]) -> List[dict]:

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible server on a streamed model.
+"""A server of the OpenAI, Ollama and Anthropic APIs on a streamed model.
 
     python -m mlx_streaming.server --model DIR [--cache-gb X | --slots-per-layer N]
         [--host 127.0.0.1] [--port 8080] [--max-queue 4] [--memo-mb 64] [...]
@@ -13,6 +13,9 @@ models. On top of it:
   with ``Retry-After``, never a hang;
 - OpenAI-style 4xx errors for bad JSON, bad parameters, an unknown model id
   and a prompt longer than the model's context;
+- Ollama's ``/api/*`` and Anthropic's ``/v1/messages``, translated into
+  OpenAI requests (``apis.py``): the same queue, prompt cache and memory
+  plan; ``--ollama-port`` listens on a second port too;
 - ``GET /v1/stats``: the model's streaming counters and recent requests;
 - ``--memo-mb N``: greedy (temperature 0) requests equal to an earlier one
   are answered from a bounded in-memory LRU of responses, marked by the

@@ -49,6 +49,7 @@ class _Request(threading.local):
     ticket: Optional[Ticket] = None
     failure: Optional[Exception] = None
     tokens: int = 0  # generated for the request (its log line)
+    generated: tuple = ()  # the token ids generated (which stop sequence ended them)
     status: Optional[int] = None  # the status an error reply was rewritten to
 
 

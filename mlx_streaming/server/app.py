@@ -6,6 +6,7 @@ from dataclasses import replace
 import logging
 import socket
 import sys
+import threading
 from http.server import ThreadingHTTPServer
 from ..cli import run_main
 from ..config import add_config_flags, config_from_args
@@ -59,6 +60,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "room for --decode-concurrency KV caches this long (default: the "
                         f"model's context, at most {DEFAULT_MAX_CONTEXT}); longer requests get "
                         "HTTP 400")
+    p.add_argument("--ollama-port", type=int, default=None,
+                   help="also listen on this port (11434: Ollama's) for tools that know only "
+                        "that one; the same model, queue and memory plan (default: off)")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="under mlx.launch: split every layer across the ranks (the default "
                         "there without --pipeline, as mlx-lm's server does)")
@@ -98,6 +102,8 @@ def serve(args) -> None:
                           f"got {args.num_draft_tokens}")
     _check_defaults(args)
     _check_address(args.host, args.port)
+    if args.ollama_port is not None:
+        _check_address(args.host, args.ollama_port, "--ollama-port")
     configure_logging(args.log_level)
     for flag in ("decode_concurrency", "prompt_concurrency"):
         if not 1 <= getattr(args, flag) <= MAX_CONCURRENCY:
@@ -122,7 +128,7 @@ def serve(args) -> None:
         raise ConfigError(f"--top-k: {problem[1]}")
     service = Service(provider, args.max_queue, args.memo_mb, running, limit,
                       "; ".join(approximations(provider.model.streaming)))
-    from .handler import make_handler
+    from .apis import make_handler
 
     if args.draft:
         from . import drafts
@@ -147,18 +153,37 @@ def serve(args) -> None:
             raise ConfigError(f"cannot listen on {args.host}:{args.port} "
                               f"({e.strerror or e}); choose another --host or --port") from None
         port = httpd.server_address[1]  # the one bound, for --port 0
+        also = _also_listen(args, generator, make_handler(service))
         print(f"[mlx_streaming] serving {service.model_id} on http://{args.host}:"
-              f"{port} (reader: {provider.model.streaming.reader.name}, "
-              f"{running} decoded together, max queue {args.max_queue})", file=sys.stderr,
-              flush=True)
+              f"{port}{f' and :{also.server_address[1]}' if also else ''} (reader: "
+              f"{provider.model.streaming.reader.name}, {running} decoded together, "
+              f"max queue {args.max_queue})", file=sys.stderr, flush=True)
         with httpd:
             try:
                 httpd.serve_forever()
             except KeyboardInterrupt:
                 pass  # Ctrl-C stops the server: a clean exit
+            finally:
+                if also:
+                    also.shutdown()
+                    also.server_close()
     finally:
         # Its thread is not a daemon: the process would otherwise never exit.
         generator.stop_and_join()
+
+
+def _also_listen(args, generator, handler):
+    """``--ollama-port``'s server, serving in a thread of its own (the
+    same handler class, hence the same queue), or None."""
+    if args.ollama_port is None:
+        return None
+    try:
+        httpd = http_server(args.host, args.ollama_port, generator, handler, _Server)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {args.host}:{args.ollama_port} "
+                          f"({e.strerror or e}); choose another --ollama-port") from None
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
 
 
 # Sequences decoded together at most (each with a KV cache).
@@ -271,11 +296,11 @@ def _check_defaults(args) -> None:
         raise ConfigError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
 
 
-def _check_address(host: str, port: int) -> None:
+def _check_address(host: str, port: int, flag: str = "--port") -> None:
     """Refuse an address the server could not listen on, before the model
     loads and the generation thread starts (which would keep the process)."""
     if not 0 <= port <= 65535:
-        raise ConfigError(f"--port must be from 0 to 65535, got {port}")
+        raise ConfigError(f"{flag} must be from 0 to 65535, got {port}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -284,7 +309,7 @@ def _check_address(host: str, port: int) -> None:
             s.bind(address)
     except OSError as e:
         raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
-                          "choose another --host or --port") from None
+                          f"choose another --host or {flag}") from None
 
 
 def main(argv=None) -> int:

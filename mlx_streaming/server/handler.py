@@ -91,6 +91,10 @@ class StreamingAPIHandler(APIHandler):
     extra endpoints; ``make_handler`` gives it the service it serves."""
 
     service: Service = None
+    # A request's own, smaller context (Ollama's num_ctx), if any.
+    request_context: Optional[int] = None
+    # The path asked for, where another API's request is served as OpenAI's.
+    asked_path: Optional[str] = None
 
     def do_GET(self):
         try:
@@ -117,10 +121,16 @@ class StreamingAPIHandler(APIHandler):
     def do_POST(self):
         if self.path not in COMPLETION_PATHS:
             return super().do_POST()
+        self.handle_post(self._post)
+
+    def handle_post(self, answer) -> None:
+        """Run ``answer`` for this request: its failures answered, its line
+        logged."""
         start, self.status = time.perf_counter(), None
         current_request.tokens, current_request.status = 0, None
+        current_request.generated = ()
         try:
-            self._post()
+            answer()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.status = "client left"  # mlx-lm stops a generation it was streaming
         except Exception as e:  # a read error mid-generation, say
@@ -136,8 +146,9 @@ class StreamingAPIHandler(APIHandler):
         memo = getattr(self, "memo_status", "off")
         status = current_request.status or getattr(self, "status", None)
         level = logging.WARNING if isinstance(status, int) and status >= 500 else logging.INFO
-        log.log(level, "%s %s %s, %d tokens, %.2f s%s", self.command, self.path, status,
-                current_request.tokens, seconds, "" if memo == "off" else f", memo {memo}")
+        log.log(level, "%s %s %s, %d tokens, %.2f s%s", self.command,
+                self.asked_path or self.path, status, current_request.tokens, seconds,
+                "" if memo == "off" else f", memo {memo}")
 
     def _failed(self, error: Exception):
         message = " ".join(str(error).split()) or type(error).__name__
@@ -161,8 +172,11 @@ class StreamingAPIHandler(APIHandler):
         if raw is None:
             return
         body = self._parse(raw)
-        if body is None:
-            return
+        if body is not None:
+            self._serve(body, raw)
+
+    def _serve(self, body: dict, raw: bytes):
+        """Answer the OpenAI request ``body`` (``raw``: its JSON)."""
         if None in body.values():  # OpenAI's null: the field's default
             body = {k: v for k, v in body.items() if v is not None}
             raw = json.dumps(body).encode()
@@ -313,6 +327,9 @@ class StreamingAPIHandler(APIHandler):
                 return False
         return True
 
+    def prompt_counted(self, tokens: int) -> None:
+        """The prompt was counted (a hook: another API's answer shows it)."""
+
     def _vocab_size(self) -> Optional[int]:
         args = getattr(self.service.provider.model, "args", None)
         return getattr(args, "vocab_size", None)
@@ -341,6 +358,12 @@ class StreamingAPIHandler(APIHandler):
             return True  # mlx-lm's own parsing reports what is wrong
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or \
             self.response_generator.cli_args.max_tokens
+        self.prompt_counted(n)
+        if self.request_context is not None and n + asked > self.request_context:
+            self._error(400, f"the prompt has {n} tokens and {asked} more are asked for, "
+                        f"beyond the context it asked for (num_ctx {self.request_context})",
+                        "context_length_exceeded", param=field)
+            return False
         if n + asked > limit:
             self._error(400, f"the prompt has {n} tokens and {asked} more are asked for "
                         f"(max_tokens), beyond the model's context of {limit}; shorten the "
@@ -400,9 +423,3 @@ def _token_text(tokenizer, token: int) -> str:
     parts would all read U+FFFD)."""
     text = tokenizer.decode([token])
     return text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(token)
-
-
-def make_handler(service: Service) -> type:
-    """The handler class of a server of ``service``."""
-    return type("StreamingAPIHandler", (StreamingAPIHandler,), {"service": service})
-

@@ -104,17 +104,18 @@ def counting(service: Service, generate):
             raise
 
         def tokens():
-            n, first = 0, None
+            ids, first = [], None
             try:
                 for item in response:
                     if first is None:
                         first = time.perf_counter() - start
-                    n += 1
+                    ids.append(item.token)
                     yield item
             finally:
                 if ticket is not None:
                     ticket.release()
-                current_request.tokens = n
+                n = current_request.tokens = len(ids)
+                current_request.generated = tuple(ids)
                 service.record(n, time.perf_counter() - start, first)
 
         return ctx, tokens()

@@ -1,0 +1,160 @@
+"""The handler of every API served: OpenAI's (``handler.py``), and Ollama's
+and Anthropic's made OpenAI requests (``translate.py``), so that all go
+through one admission queue, one prompt cache and one memory plan.
+"""
+
+import json
+from typing import Optional
+
+from . import anthropic, ollama
+from .admission import current_request
+from .handler import StreamingAPIHandler
+from .prompt import prompt_text, prompt_tokens
+from .service import Service
+from .translate import Renderer, RequestError, Translator
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+
+
+class APIsHandler(StreamingAPIHandler):
+    """``StreamingAPIHandler`` with Ollama's and Anthropic's endpoints."""
+
+    renderer: Optional[Renderer] = None
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0].rstrip("/")
+        answers = {"/api/tags": ollama.tags, "/api/ps": ollama.ps,
+                   "/api/version": lambda service: {"version": ollama.OLLAMA_VERSION}}
+        if path not in answers:
+            return super().do_GET()
+        try:
+            self._json(200, answers[path](self.service))
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # the client left before the answer
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        routes = {"/api/chat": self._ollama_chat, "/api/generate": self._ollama_generate,
+                  "/api/show": self._ollama_show, "/v1/messages": self._anthropic,
+                  "/v1/messages/count_tokens": self._count_tokens}
+        answer = routes.get(path, self._not_served if path.startswith("/api/") else None)
+        if answer is None:
+            return super().do_POST()
+        errors = anthropic.MessagesRenderer("") if path.startswith("/v1/") else \
+            ollama.ChatRenderer("")
+        self.handle_post(lambda: self._translated(errors, answer))
+
+    def _translated(self, errors: Renderer, answer) -> None:
+        """Read the body and ``answer`` it, every reply written in the API's
+        own shape (``errors`` renders them until the request's renderer is
+        known)."""
+        translator = self.wfile = Translator(self.wfile, errors)
+        try:
+            raw = self._read_body()
+            body = self._parse(raw) if raw is not None else None
+            if body is None:
+                return
+            try:
+                answer(body)
+            except RequestError as e:
+                self._error(e.status, str(e), param=e.param)
+        finally:
+            translator.finish()
+
+    def _generate(self, request: dict, renderer: Renderer) -> None:
+        """Serve ``request`` (OpenAI's) as the API of ``renderer`` answers."""
+        self.wfile.renderer = self.renderer = renderer
+        self.request_context = request.pop("num_ctx", None)
+        if request.get("stream"):
+            request["stream_options"] = {"include_usage": True}
+        self.asked_path, self.path = self.path, CHAT_PATH if "messages" in request \
+            else COMPLETIONS_PATH
+        self._serve(request, json.dumps(request).encode())
+
+    def prompt_counted(self, tokens: int) -> None:
+        if self.renderer is not None:
+            self.renderer.prompt_tokens = tokens
+
+    # -- Ollama --------------------------------------------------------------
+
+    def _ollama_chat(self, body: dict) -> None:
+        self._ollama(body, chat=True)
+
+    def _ollama_generate(self, body: dict) -> None:
+        self._ollama(body, chat=False)
+
+    def _ollama(self, body: dict, chat: bool) -> None:
+        context = self.service.context_length() or 0
+        request = (ollama.chat_request if chat else ollama.generate_request)(body, context)
+        kind = ollama.ChatRenderer if chat else ollama.GenerateRenderer
+        renderer = kind(body["model"], self.service.approximate)
+        if ollama.is_load(body):
+            self._known(request["model"])
+            return self._answer(renderer.loaded())
+        self._generate(request, renderer)
+
+    def _ollama_show(self, body: dict) -> None:
+        self._known(ollama.model_name(dict(model=body.get("model") or body.get("name"))))
+        tool_calling = self.service.provider.tokenizer.has_tool_calling
+        self._answer(ollama.show(self.service, tool_calling))
+
+    def _not_served(self, body: dict) -> None:
+        raise RequestError(f"{self.path} is not served here: this server serves /api/chat, "
+                           "/api/generate, /api/tags, /api/show, /api/ps and /api/version",
+                           status=404)
+
+    # -- Anthropic -----------------------------------------------------------
+
+    def _anthropic(self, body: dict) -> None:
+        request = anthropic.messages_request(body)
+        stops = request.get("stop", [])
+        self._generate(request, anthropic.MessagesRenderer(
+            body["model"], self.service.approximate, lambda: self._stopped_by(stops)))
+
+    def _stopped_by(self, stops: list) -> Optional[str]:
+        """The stop sequence the answer's tokens end with (mlx-lm matches
+        them on tokens), or None (the end of text, or no stop)."""
+        encode = self.service.provider.tokenizer.encode
+        generated = list(current_request.generated)
+        for stop in stops:
+            ids = encode(stop, add_special_tokens=False)
+            if ids and generated[-len(ids):] == ids:
+                return stop
+        return None
+
+    def _count_tokens(self, body: dict) -> None:
+        """``/v1/messages/count_tokens``: the prompt's tokens, counted as an
+        admitted request (tokenizing a long prompt is work)."""
+        request = anthropic.prompt_request(body)
+        if not self._valid(request):
+            return
+        ticket = self.service.admission.enter()
+        if ticket is None:
+            return self._error(429, "the server is busy: retry later", "rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+        try:
+            template = self.response_generator.cli_args.chat_template_args
+            tokenizer = self.service.provider.tokenizer
+            text = prompt_text(tokenizer, request, "messages", template, False)
+            n = prompt_tokens(tokenizer, request, "messages", text, template, False)
+        except Exception as e:  # a chat template may raise anything
+            raise RequestError(f"the chat template could not be applied to this request "
+                               f"({type(e).__name__}: {e})") from None
+        finally:
+            ticket.release()
+        self._answer({"input_tokens": n})
+
+    def _answer(self, obj: dict) -> None:
+        """Send ``obj``, an answer in the API's shape, as it is."""
+        self.wfile.renderer = None
+        self._json(200, obj)
+
+    def _known(self, model: str) -> None:
+        if not self.service.known_model(model):
+            raise RequestError(f"model {model!r} not found; this server serves "
+                               f"{self.service.model_id!r}", "model", status=404)
+
+
+def make_handler(service: Service) -> type:
+    """The handler class of a server of ``service``."""
+    return type("APIsHandler", (APIsHandler,), {"service": service})
