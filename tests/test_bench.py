@@ -93,7 +93,7 @@ def _run(argv, out):
     assert bench_main(argv + ["--out", str(out)]) == 0
 
 
-def test_bench_decode_cache_verify_prefill(models, tmp_path, capsys):
+def test_bench_decode_records_what_the_others_replay(models, tmp_path, capsys):
     src, stream_dir = models.get("qwen3_moe", quantized=True)
     common = ["--model", str(stream_dir)]
     _run(["decode", *common, "--mlx-model", str(src), "--pools", "0.25,1.0", "--max-tokens",
@@ -123,10 +123,18 @@ def test_bench_decode_cache_verify_prefill(models, tmp_path, capsys):
     assert {"temporal_reuse", "top8_share", "next_layer_recall_top4"} <= set(d["routing"])
     assert (tmp_path / "decode" / "decode.png").stat().st_size > 0
 
+
+def test_bench_cache_replays_beside_belady(models, tmp_path):
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    common = ["--model", str(stream_dir)]
     _run(["cache", *common, "--tokens", "24", "--capacities", "0.25,0.5"], tmp_path / "cache")
     c = json.loads((tmp_path / "cache" / "cache.json").read_text())
     assert all(r["belady"] >= r["lru"] for r in c["rows"])
 
+
+def test_bench_speculative_and_prefill(models, tmp_path):
+    src, stream_dir = models.get("qwen3_moe", quantized=True)
+    common = ["--model", str(stream_dir)]
     _run(["speculative", *common, "--mlx-model", str(src), "--max-k", "3", "--repeats", "2"],
          tmp_path / "speculative")
     v = json.loads((tmp_path / "speculative" / "speculative.json").read_text())
