@@ -5,11 +5,10 @@ from its config and safetensors headers alone (docs/predict.md)."""
 import argparse
 import json
 import re
-import sys
 from dataclasses import replace
 from typing import List, Optional
 
-from ..cli import run_main, write_out
+from ..cli import leave, run_main, write_out
 from ..config import DEFAULT_POLICY, StreamConfig
 from ..errors import ConfigError
 from .curves import builtin_curve, trace_curve
@@ -48,6 +47,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="routing trace of your own run (the trace option) for "
                                    "the hit rates, instead of the built-in curves")
     p.add_argument("--revision", help="of a repo id: branch, tag or commit")
+    p.add_argument("--endpoint", help="Hub endpoint (default: huggingface_hub's, HF_ENDPOINT)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -68,7 +68,7 @@ def predict(args) -> dict:
         mac = measure_here()
     else:
         mac = machine(args.machine)
-    files = read_model(args.model, args.revision)
+    files = read_model(args.model, args.revision, args.endpoint)
     whole = model_shape(files)
     shape = split(whole, args.ranks)
     config = StreamConfig(policy=args.policy)
@@ -81,7 +81,7 @@ def predict(args) -> dict:
                top_k=shape.top_k, record_mb=shape.record_bytes / 1e6,
                context=args.context, kv_cache_gb=result.kv_bytes / GB,
                least_budget_gb=result.least_budget_gb, max_context=result.max_context,
-               refusal=result.refusal, slots_per_layer=None, decode_tok_s=None,
+               refusal=_for_predict(result.refusal), slots_per_layer=None, decode_tok_s=None,
                decode_tok_s_band=None, machine_sources=mac.sources)
     if not result.fits:
         return out
@@ -94,6 +94,11 @@ def predict(args) -> dict:
                cold_fill_s=cold_fill_s(resident, shape.record_bytes, mac),
                prefill_tok_s=prefill_tok_s(shape, mac, plan.slots, plan.prefill_step))
     return out
+
+
+def _for_predict(refusal: Optional[str]) -> Optional[str]:
+    """The loader's refusal in predict's words: its budget is --budget."""
+    return refusal and refusal.replace("--cache-gb", "--budget").replace("cache_gb=", "budget ")
 
 
 def _miss_share(config: dict, miss_bits: Optional[int]) -> float:
@@ -155,4 +160,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -56,10 +56,15 @@ def _with_kv(shape, machine, budget_gb, kv: int, config) -> MemoryPlan:
 
 
 def _least_budget(shape, machine, config) -> Optional[float]:
-    """The smallest budget (to 0.01 GB) the plan accepts, or None."""
-    low, high = 0.0, machine.usable_bytes / GB
-    if not _fits(shape, machine, high, config):
+    """The smallest budget (to 0.01 GB) the plan accepts, or None: the
+    budgets that fit run from it to what the headroom leaves, so a scan
+    down from the machine's memory finds one, then halving finds the edge."""
+    usable = machine.usable_bytes / GB
+    high = next((usable * i / 64 for i in range(64, 0, -1)
+                 if _fits(shape, machine, usable * i / 64, config)), None)
+    if high is None:
         return None
+    low = 0.0
     while high - low > 0.01:
         mid = (low + high) / 2
         low, high = (low, mid) if _fits(shape, machine, mid, config) else (mid, high)

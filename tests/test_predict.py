@@ -1,0 +1,186 @@
+"""predict: a model's fit and decode speed on a Mac from its config and
+safetensors headers, against a local Hub serving a real-size 235B-shaped
+repo of sparse files (headers over holes)."""
+
+import json
+import socket
+
+import pytest
+
+from mlx_streaming.predict.__main__ import main as predict_main
+from mlx_streaming.predict.curves import HitCurve, builtin_curve, trace_curve
+from mlx_streaming.predict.headers import read_model
+from mlx_streaming.predict.machines import MACHINES, machine
+from mlx_streaming.predict.plan import fit
+from mlx_streaming.predict.shape import model_shape
+from mlx_streaming.predict.speed import forecast
+from mlx_streaming.runtime.memory import bytes_per_slot
+from mlx_streaming.testing.hubserver import HubServer
+from mlx_streaming.testing.sparse_repo import write_sparse_repo
+
+REPO = "org/Qwen3-235B-A22B-4bit"
+PUBLISHED = json.loads((__import__("pathlib").Path(__file__).parent.parent / "mlx_streaming"
+                        / "predict" / "data" / "published.json").read_text())
+QWEN_235B = PUBLISHED["models"]["Qwen3-235B-A22B-4bit"]["config"]
+
+
+@pytest.fixture(scope="module")
+def sparse_235b(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen235b")
+    total = write_sparse_repo(root, QWEN_235B)
+    assert total > 130e9  # a real-size model, on a few hundred KB of disk
+    return root
+
+
+@pytest.fixture(scope="module")
+def hub(sparse_235b):
+    with HubServer({REPO: sparse_235b}) as server:
+        yield server
+
+
+def run(capsys, *argv):
+    status = predict_main(list(argv))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def predicted(capsys, hub, *argv):
+    status, out, err = run(capsys, REPO, "--endpoint", hub.url, "--json", *argv)
+    assert status == 0, err
+    return json.loads(out)
+
+
+def test_a_235b_repo_is_predicted_from_under_2mb_of_headers(capsys, hub):
+    before, sent = len(hub.log), hub.state.bytes_sent
+    r = predicted(capsys, hub, "--budget", "70GB", "--machine", "m5-max-128gb")
+    gets = [q for q in hub.log[before:] if q.method == "GET"]
+    shards = [q for q in gets if q.path.endswith(".safetensors")]
+    assert shards and all(q.range is not None for q in shards)
+    assert 0 < r["fetched_bytes"] <= hub.state.bytes_sent - sent < 2e6
+    assert r["fits"] is True
+    assert (r["moe_layers"], r["experts_per_layer"], r["top_k"]) == (94, 128, 8)
+    low, high = r["decode_tok_s_band"]
+    assert 0 < low <= r["decode_tok_s"] <= high
+    assert isinstance(r["slots_per_layer"], int)
+
+
+def test_the_slots_are_what_the_budget_holds(sparse_235b):
+    """The loader's plan: the pools take what the spine leaves of the
+    budget, to within one slot across all layers."""
+    shape = model_shape(read_model(str(sparse_235b)))
+    per_slot = bytes_per_slot(shape.manifest)
+    for budget in (30, 70, 90):
+        plan = fit(shape, machine("m5-max-128gb"), budget, 4096).plan
+        spine = plan.base + plan.pinned_bytes + plan.ring
+        assert spine + plan.slots * per_slot <= budget * 1e9 < spine + (plan.slots + 1) * per_slot
+
+
+def test_more_memory_is_more_slots_and_more_speed(capsys, sparse_235b):
+    rows = []
+    for budget in ("40", "70", "90"):
+        status, out, _ = run(capsys, str(sparse_235b), "--budget", budget,
+                             "--machine", "m5-max-128gb", "--json")
+        rows.append(json.loads(out))
+    assert [r["slots_per_layer"] for r in rows] == sorted({r["slots_per_layer"] for r in rows})
+    assert rows[0]["decode_tok_s"] < rows[1]["decode_tok_s"] < rows[2]["decode_tok_s"]
+    assert rows[0]["fetched_bytes"] == 0  # a local directory
+
+
+def test_a_budget_below_the_spine_does_not_fit_and_names_the_least(capsys, hub):
+    r = predicted(capsys, hub, "--budget", "3GB", "--machine", "m5-max-128gb")
+    assert r["fits"] is False and r["slots_per_layer"] is None
+    assert r["least_budget_gb"] > 3 and "--budget" in r["refusal"]
+    again = predicted(capsys, hub, "--budget", str(r["least_budget_gb"]),
+                      "--machine", "m5-max-128gb")
+    assert again["fits"] is True
+    status, out, _ = run(capsys, REPO, "--endpoint", hub.url, "--budget", "3",
+                         "--machine", "m5-max-128gb")
+    assert "DOES NOT FIT" in out and f"{r['least_budget_gb']:g} GB" in out
+
+
+def test_a_machine_too_small_for_any_budget_says_so(capsys, hub):
+    r = predicted(capsys, hub, "--budget", "20", "--machine", "m2-air-24gb",
+                  "--context", "10000000")
+    assert r["fits"] is False
+
+
+def test_an_unknown_machine_lists_the_known_ones(capsys, hub):
+    status, _, err = run(capsys, REPO, "--endpoint", hub.url, "--budget", "70",
+                         "--machine", "m9-ultra")
+    assert status == 1 and len(err.strip().splitlines()) == 1
+    assert all(name in err for name in MACHINES)
+
+
+def test_a_repo_without_weights_or_config_is_one_line_naming_it(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_235B))
+    status, _, err = run(capsys, str(tmp_path), "--budget", "70", "--machine", "m5-max-128gb")
+    assert status == 1 and len(err.strip().splitlines()) == 1
+    assert "safetensors" in err
+    (tmp_path / "config.json").write_text("{not json")
+    status, _, err = run(capsys, str(tmp_path), "--budget", "70", "--machine", "m5-max-128gb")
+    assert status == 1 and "config.json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_header_that_is_not_safetensors_is_one_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_235B))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    status, _, err = run(capsys, str(tmp_path), "--budget", "70", "--machine", "m5-max-128gb")
+    assert status == 1 and "model.safetensors" in err and len(err.strip().splitlines()) == 1
+
+
+def test_without_the_network_a_repo_id_is_a_clear_error_and_nothing_is_cached(
+        capsys, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    status, out, err = run(capsys, REPO, "--endpoint", closed, "--budget", "70",
+                           "--machine", "m5-max-128gb")
+    assert status == 1 and out == "" and "reach" in err
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_a_trace_routing_always_to_the_same_experts_always_hits(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"tok": t, "layers": [[1, 5], [2, 7]]}) + "\n"
+                             for t in range(40)))
+    curve = trace_curve(str(trace), "lru")
+    assert curve.top_k == 2 and all(h == 1.0 for h in curve.hits)
+
+
+def test_the_built_in_curves_rise_with_the_resident_share_and_say_whence():
+    for policy in ("lru", "lfu-decay", "adaptive"):
+        c = builtin_curve(policy)
+        assert list(c.hits) == sorted(c.hits) and 0.3 < c.hits[0] < c.hits[-1] < 1
+        assert "OLMoE" in c.name and policy in c.name
+    notice = (__import__("pathlib").Path(__file__).parent.parent / "mlx_streaming" / "predict"
+              / "data" / "NOTICE.md").read_text()
+    assert "Apache-2.0" in notice and "sqliteai/warp" in notice
+
+
+def test_a_curve_carries_to_a_wider_choice_with_more_hits():
+    c = HitCurve("t", "lru", 64, 8, (0.25, 0.5), (0.5, 0.8))
+    assert c.carried(0.25, 64, 8) == c.hit_rate(0.25) == 0.5
+    assert c.carried(0.25, 128, 8, carry=0.0) == 0.5 < c.carried(0.25, 128, 8)
+    assert c.carried(0.25, 128, 8, carry=1.0) == 0.8 and c.carried(1.0, 128, 8) == 1.0
+
+
+def test_the_forecasts_meet_the_published_m5_max_rows(tmp_path):
+    """The validation of docs/predict.md: within 25% on every M5 Max row."""
+    shapes = {}
+    for name, m in PUBLISHED["models"].items():
+        write_sparse_repo(tmp_path / name, m["config"])
+        shapes[name] = model_shape(read_model(str(tmp_path / name)))
+    checked = 0
+    for row in PUBLISHED["rows"]:
+        if row["machine"] != "m5-max-128gb":
+            continue
+        shape, mac = shapes[row["model"]], machine(row["machine"])
+        slots = (fit(shape, mac, row["budget_gb"], 0).plan.slots if "budget_gb" in row
+                 else round(row["resident"] * shape.experts))
+        f = forecast(shape, mac, slots, builtin_curve("lru"))
+        assert 0.75 <= f.tok_s / row["published_tok_s"] <= 1.25, row
+        checked += 1
+    assert checked == 5
