@@ -184,3 +184,20 @@ def test_the_forecasts_meet_the_published_m5_max_rows(tmp_path):
         assert 0.75 <= f.tok_s / row["published_tok_s"] <= 1.25, row
         checked += 1
     assert checked == 5
+
+
+def test_here_uses_this_machines_cached_measurement(capsys, sparse_235b, tmp_path, monkeypatch):
+    from mlx_streaming.predict.here import cache_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cache_file().parent.mkdir(parents=True)
+    cache_file().write_text(json.dumps(dict(
+        memory_gb=256, measured_gbps=300.0, ssd_gbps=5.0, disk_note="4 MB reads",
+        host="testhost", at="then")))
+    status, out, err = run(capsys, str(sparse_235b), "--budget", "70", "--here", "--json")
+    r = json.loads(out)
+    assert status == 0 and r["machine"] == "this machine (testhost)" and r["fits"]
+    cache_file().write_text(json.dumps(dict(json.loads(cache_file().read_text()),
+                                            ssd_gbps=10.0)))
+    _, out, _ = run(capsys, str(sparse_235b), "--budget", "70", "--here", "--json")
+    assert json.loads(out)["decode_tok_s"] > r["decode_tok_s"]  # a faster disk, read again
