@@ -201,3 +201,38 @@ def test_here_uses_this_machines_cached_measurement(capsys, sparse_235b, tmp_pat
                                             ssd_gbps=10.0)))
     _, out, _ = run(capsys, str(sparse_235b), "--budget", "70", "--here", "--json")
     assert json.loads(out)["decode_tok_s"] > r["decode_tok_s"]  # a faster disk, read again
+
+
+def test_a_run_says_where_its_speed_fell_against_the_forecast(qwen, capsys, tmp_path):
+    """predict on a converted stream directory, then generate with its
+    forecast: the measured speed placed against the band."""
+    import subprocess
+    import sys
+
+    src, stream_dir = qwen
+    for model in (src, stream_dir):  # an mlx-lm directory and a stream directory agree
+        status, out, err = run(capsys, str(model), "--budget", "0.02", "--machine",
+                               "m4-pro-48gb", "--json", "--context", "256")
+        assert status == 0, err
+        r = json.loads(out)
+        assert r["fits"] and r["experts_per_layer"] > r["top_k"] > 0
+    forecast, stats = tmp_path / "forecast.json", tmp_path / "stats.json"
+    forecast.write_text(out)
+    proc = subprocess.run([sys.executable, "-m", "mlx_streaming.generate", "--model",
+                           str(stream_dir), "--prompt", "def f(x):", "--max-tokens", "8",
+                           "--slots-per-layer", str(r["slots_per_layer"]), "--forecast",
+                           str(forecast), "--stats-json", str(stats)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    a = json.loads(stats.read_text())["summary"]["forecast"]
+    measured = json.loads(stats.read_text())["summary"]["generation_tps"]
+    assert a["ratio"] == pytest.approx(measured / r["decode_tok_s"]) and a["same_slots"]
+    low, high = r["decode_tok_s_band"]
+    assert a["where"] == ("below the band" if measured < low else "above the band"
+                          if measured > high else "inside the band")
+    assert a["where"] in proc.stderr
+    forecast.write_text("{}")
+    bad = subprocess.run([sys.executable, "-m", "mlx_streaming.generate", "--model",
+                          str(stream_dir), "--forecast", str(forecast)],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "predict --json" in bad.stderr
