@@ -72,7 +72,7 @@ def main() -> int:
         f = forecast(shape, mac, slots, curve, best)
         ratio = f.tok_s / row["published_tok_s"]
         budget = f"{row['budget_gb']} GB" if "budget_gb" in row else "-"
-        print(f"| {row['model']} | {mac.name} | {budget} | {f.resident:.0%} | "
+        print(f"| {row['model']} | {mac.name} | {budget} | {f.resident:.1%} | "
               f"{row['published_tok_s']} | {f.tok_s:.1f} ({f.band[0]:.1f}-{f.band[1]:.1f}) | "
               f"{ratio:.2f} | {'fit' if i in fit_rows else 'out of sample'} |")
         table.append(dict(row, forecast=f.report(), ratio=ratio, fitted=i in fit_rows))

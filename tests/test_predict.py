@@ -78,7 +78,7 @@ def test_the_slots_are_what_the_budget_holds(sparse_235b):
 def test_more_memory_is_more_slots_and_more_speed(capsys, sparse_235b):
     rows = []
     for budget in ("40", "70", "90"):
-        status, out, _ = run(capsys, str(sparse_235b), "--budget", budget,
+        _, out, _ = run(capsys, str(sparse_235b), "--budget", budget,
                              "--machine", "m5-max-128gb", "--json")
         rows.append(json.loads(out))
     assert [r["slots_per_layer"] for r in rows] == sorted({r["slots_per_layer"] for r in rows})
@@ -194,7 +194,7 @@ def test_here_uses_this_machines_cached_measurement(capsys, sparse_235b, tmp_pat
     cache_file().write_text(json.dumps(dict(
         memory_gb=256, measured_gbps=300.0, ssd_gbps=5.0, disk_note="4 MB reads",
         host="testhost", at="then")))
-    status, out, err = run(capsys, str(sparse_235b), "--budget", "70", "--here", "--json")
+    status, out, _ = run(capsys, str(sparse_235b), "--budget", "70", "--here", "--json")
     r = json.loads(out)
     assert status == 0 and r["machine"] == "this machine (testhost)" and r["fits"]
     cache_file().write_text(json.dumps(dict(json.loads(cache_file().read_text()),

@@ -5,7 +5,6 @@ from its config and safetensors headers alone (docs/predict.md)."""
 import argparse
 import json
 import re
-from dataclasses import replace
 from typing import List, Optional
 
 from ..cli import leave, run_main, write_out

@@ -16,7 +16,8 @@ def read_forecast(path: str) -> dict:
         ConfigError: not a forecast of a model that fits.
     """
     try:
-        f = json.loads(open(path).read())
+        with open(path) as file:
+            f = json.load(file)
         band = [float(x) for x in f["decode_tok_s_band"]]
         if len(band) != 2 or not f["fits"] or not float(f["decode_tok_s"]) > 0:
             raise ValueError("no decode forecast")

@@ -13,6 +13,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from ..config import default_io_threads
 from .machines import Machine
@@ -31,7 +32,7 @@ def cache_file() -> Path:
     return base / "mlx_streaming" / "predict-here.json"
 
 
-def measure_here(path: Path = None) -> Machine:
+def measure_here(path: Optional[Path] = None) -> Machine:
     """This machine's profile, from the cache or measured now."""
     path = path or cache_file()
     try:

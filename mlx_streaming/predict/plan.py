@@ -32,9 +32,10 @@ class Fit:
 
 
 def fit(shape: ModelShape, machine: Machine, budget_gb: float, context: int,
-        config: StreamConfig = StreamConfig()) -> Fit:
+        config: Optional[StreamConfig] = None) -> Fit:
     """The plan the loader would make for ``budget_gb`` on ``machine``,
     with the KV cache of ``context`` tokens kept beside it."""
+    config = config or StreamConfig()
     kv = kv_cache_bytes(shape.config, context)
     least = _least_budget(shape, machine, config)
     try:
