@@ -236,3 +236,17 @@ def test_a_run_says_where_its_speed_fell_against_the_forecast(qwen, capsys, tmp_
                           str(stream_dir), "--forecast", str(forecast)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "predict --json" in bad.stderr
+
+
+def test_a_stream_repo_is_predicted_from_its_manifest(qwen, capsys):
+    _, stream_dir = qwen
+    with HubServer({"org/tiny-stream": stream_dir}) as server:
+        status, out, err = run(capsys, "org/tiny-stream", "--endpoint", server.url,
+                               "--budget", "0.02", "--machine", "m4-pro-48gb", "--json")
+        blobs = [q for q in server.log if q.path.endswith(".blob")]
+    assert status == 0, err
+    r = json.loads(out)
+    local = json.loads(run(capsys, str(stream_dir), "--budget", "0.02", "--machine",
+                           "m4-pro-48gb", "--json")[1])
+    assert not blobs and r["fetched_bytes"] > 0  # the manifest, never a record
+    assert r["slots_per_layer"] == local["slots_per_layer"] and r["fits"]
