@@ -86,7 +86,7 @@ def _from_tensors(files: ModelFiles) -> ModelShape:
     blocks: Dict[str, List[Tuple[str, str, tuple, int]]] = defaultdict(list)
     rest: Dict[str, int] = {}
     for name, (dtype, shape) in sorted(files.tensors.items()):
-        nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE.get(dtype, 2)
+        nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE.get(dtype, 1)  # F8_*: 1 byte
         match = list(EXPERT_MODULE.finditer(name))
         if match and len(shape) >= 2 and shape[0] == experts:
             end = match[-1].end() - 1

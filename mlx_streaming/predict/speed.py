@@ -14,7 +14,7 @@ parameters are fitted on published measurements (docs/predict.md,
 """
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .curves import CARRY, CARRY_BAND, HitCurve
 from .machines import Machine
@@ -60,13 +60,16 @@ class Forecast:
 
 def forecast(shape: ModelShape, machine: Machine, slots: int, curve: HitCurve,
              model: SpeedModel = SpeedModel(), miss_share: float = 1.0,
-             extra_s: float = 0.0) -> Forecast:
+             extra_s: float = 0.0, paged: Optional[bool] = None) -> Forecast:
     """Decode speed of ``shape`` with ``slots`` per layer on ``machine``.
     ``miss_share``: bytes a miss reads as a share of a record (low-bit
-    copies); ``extra_s``: time per token outside the model (all-reduces)."""
+    copies); ``extra_s``: time per token outside the model (all-reduces);
+    ``paged``: whether calls sync (default: unless every expert is resident,
+    where this runtime runs mlx-lm's own decode)."""
     resident = min(1.0, slots / shape.experts)
+    paged = resident < 1 if paged is None else paged
     compute = shape.active_bytes / (model.bandwidth_share * machine.memory_gbps * 1e9)
-    calls = shape.moe_layers * model.call_s
+    calls = shape.moe_layers * model.call_s if paged else 0.0
     record = shape.record_bytes * miss_share
     rate = machine.ssd_rate(record, model.queue_depth)
 
