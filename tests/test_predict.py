@@ -95,7 +95,7 @@ def test_a_budget_below_the_spine_does_not_fit_and_names_the_least(capsys, hub):
     assert again["fits"] is True
     status, out, _ = run(capsys, REPO, "--endpoint", hub.url, "--budget", "3",
                          "--machine", "m5-max-128gb")
-    assert "DOES NOT FIT" in out and f"{r['least_budget_gb']:g} GB" in out
+    assert status == 0 and "DOES NOT FIT" in out and f"{r['least_budget_gb']:g} GB" in out
 
 
 def test_a_machine_too_small_for_any_budget_says_so(capsys, hub):

@@ -89,7 +89,9 @@ def predict(args) -> dict:
     extra = 0.0 if args.ranks == 1 else 2 * shape.moe_layers * ALL_REDUCE_S
     speed = forecast(shape, mac, plan.slots, curve, SpeedModel(), miss_share, extra)
     resident = plan.base + plan.pinned_bytes + plan.pool
+    rate = mac.ssd_rate(shape.record_bytes * miss_share, SpeedModel().queue_depth)
     out.update(speed.report(), slots_per_layer=plan.slots, plan=plan.report(),
+               ssd_gbps_at_record=rate / GB,
                cold_fill_s=cold_fill_s(resident, shape.record_bytes, mac),
                prefill_tok_s=prefill_tok_s(shape, mac, plan.slots, plan.prefill_step))
     return out
@@ -137,7 +139,8 @@ def render(r: dict) -> str:
         "the pools)",
         f"  decode       {r['decode_tok_s']:.1f} tok/s (band {r['decode_tok_s_band'][0]:.1f}-"
         f"{r['decode_tok_s_band'][1]:.1f}): compute {r['compute_s'] * 1e3:.1f} ms + calls "
-        f"{r['calls_s'] * 1e3:.1f} ms + reads {r['reads_s'] * 1e3:.1f} ms per token",
+        f"{r['calls_s'] * 1e3:.1f} ms + reads {r['reads_s'] * 1e3:.1f} ms per token (SSD "
+        f"{r['ssd_gbps_at_record']:.1f} GB/s at this record size)",
         f"               hit rate {r['hit_rate']:.0%}, {r['misses_per_token']:.0f} misses per "
         f"token, from the curve {r['curve']}",
         f"  prefill      at most {r['prefill_tok_s']:.0f} tok/s (reads and weight passes; the "

@@ -102,7 +102,7 @@ def replay_curve(calls: Dict[int, list], policy: str, name: str) -> HitCurve:
         hit = total = 0
         for seq in calls.values():
             missed = replay_misses(seq, slots, make_policy(policy, experts))
-            for call, m in list(zip(seq, missed))[WARMUP:]:
+            for call, m in list(zip(seq, missed, strict=True))[WARMUP:]:
                 total += call.ids.size
                 hit += call.ids.size - int(np.isin(call.ids, m).sum())
         fractions.append(round(slots / experts, 4))
