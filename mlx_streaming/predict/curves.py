@@ -114,11 +114,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="replay a routing trace into predict's hit curves")
     p.add_argument("--trace", required=True, help="routing trace (real-trace format or ours)")
     p.add_argument("--name", default="OLMoE-1B-7B real routing (olmoe_299)")
+    p.add_argument("--source", default="github.com/sqliteai/warp, tests/trace_olmoe_299.jsonl "
+                                        "at commit 7f1fbba3")
+    p.add_argument("--license", default="Apache-2.0 (copyright its authors); keep "
+                                         "data/NOTICE.md with any copy")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     curves = {policy: trace_curve(args.trace, policy) for policy in POLICIES}
     first = next(iter(curves.values()))
-    data = dict(name=args.name, notice="data/NOTICE.md", experts=first.experts,
+    data = dict(name=args.name, source=args.source, license=args.license,
+                notice="data/NOTICE.md", experts=first.experts,
                 top_k=first.top_k, warmup_tokens=WARMUP,
                 curves={p: dict(fractions=c.fractions, hits=c.hits) for p, c in curves.items()})
     args.out.write_text(json.dumps(data, indent=1) + "\n")
