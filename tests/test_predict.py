@@ -251,3 +251,25 @@ def test_a_stream_repo_is_predicted_from_its_manifest(qwen, capsys):
                            "m4-pro-48gb", "--json")[1])
     assert not blobs and r["fetched_bytes"] > 0  # the manifest, never a record
     assert r["slots_per_layer"] == local["slots_per_layer"] and r["fits"]
+
+
+def test_bench_decode_places_each_case_against_the_forecast(qwen, capsys, tmp_path):
+    from mlx_streaming.bench.__main__ import main as bench_main
+
+    _, stream_dir = qwen
+    status, out, err = run(capsys, str(stream_dir), "--budget", "0.02", "--machine",
+                           "m4-pro-48gb", "--json", "--context", "256")
+    assert status == 0, err
+    forecast = tmp_path / "forecast.json"
+    forecast.write_text(out)
+    assert bench_main(["decode", "--model", str(stream_dir), "--pools", "0.5", "--max-tokens",
+                       "4", "--routing-tokens", "8", "--forecast", str(forecast),
+                       "--out", str(tmp_path / "d")]) == 0
+    rows = json.loads((tmp_path / "d" / "decode.json").read_text())["rows"]
+    band = json.loads(out)["decode_tok_s_band"]
+    placed = [r for r in rows if r.get("decode_tps")]
+    assert placed and all(r["vs_forecast"] == pytest.approx(
+        r["decode_tps"] / json.loads(out)["decode_tok_s"]) for r in placed)
+    assert all(r["forecast_where"] == ("below the band" if r["decode_tps"] < band[0] else
+                                       "above the band" if r["decode_tps"] > band[1] else
+                                       "inside the band") for r in placed)
