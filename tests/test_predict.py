@@ -6,6 +6,8 @@ import json
 import socket
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mlx_streaming.predict.__main__ import main as predict_main
 from mlx_streaming.predict.curves import HitCurve, builtin_curve, trace_curve
@@ -273,3 +275,29 @@ def test_bench_decode_places_each_case_against_the_forecast(qwen, capsys, tmp_pa
     assert all(r["forecast_where"] == ("below the band" if r["decode_tps"] < band[0] else
                                        "above the band" if r["decode_tps"] > band[1] else
                                        "inside the band") for r in placed)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.dictionaries(st.text(max_size=40), st.one_of(
+           st.none(), st.integers(), st.text(max_size=5),
+           st.fixed_dictionaries({"dtype": st.one_of(st.sampled_from(["U32", "BF16", "F8_E4M3"]),
+                                                     st.integers()),
+                                  "shape": st.lists(st.one_of(st.integers(-2, 300),
+                                                              st.floats(), st.text(max_size=2)),
+                                                    max_size=4)})), max_size=6),
+       config=st.dictionaries(st.sampled_from(["num_experts", "num_experts_per_tok",
+                                               "num_hidden_layers", "head_dim", "layer_types",
+                                               "text_config", "sliding_window"]),
+                              st.one_of(st.integers(-3, 300), st.text(max_size=3), st.none(),
+                                        st.lists(st.text(max_size=3), max_size=3)),
+                              max_size=7))
+def test_fuzz_headers_and_configs_answer_or_refuse_in_one_line(capsys, tmp_path_factory, header,
+                                                               config):
+    root = tmp_path_factory.mktemp("fuzz")
+    text = json.dumps(header).encode()
+    (root / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text)
+    (root / "config.json").write_text(json.dumps(config))
+    status, out, err = run(capsys, str(root), "--budget", "1", "--machine", "m4-pro-48gb")
+    assert (status, err) == (0, "") or (status == 1 and len(err.strip().splitlines()) == 1
+                                        and err.startswith("error: ")), err

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from ..errors import FormatError, StreamingError, first_line
-from ..format import (MANIFEST_NAME, EXPERTS_DIR, MAX_SAFETENSORS_HEADER, Malformed, Manifest,
-                      manifest_from_dict, read_manifest, spine_files)
+from ..format import (MANIFEST_NAME, EXPERTS_DIR, MAX_DIM, MAX_SAFETENSORS_HEADER, Malformed,
+                      Manifest, manifest_from_dict, read_manifest, spine_files)
 from ..hub.repo import WEIGHT_FILES, HubRepo, is_repo_id, resolve
 
 MANIFEST_FILE = f"{EXPERTS_DIR}/{MANIFEST_NAME}"
@@ -98,10 +98,15 @@ def _header(files, shard: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
         raise FormatError(f"{bad} (its length, {n}, does not fit the file)")
     try:
         header = json.loads(files.read(shard, 8, n))
-        return {k: (v["dtype"], tuple(int(d) for d in v["shape"]))
-                for k, v in header.items() if k != "__metadata__"}
+        tensors = {k: (v["dtype"], tuple(v["shape"]))
+                   for k, v in header.items() if k != "__metadata__"}
     except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{bad} ({type(e).__name__})") from None
+    for name, (dtype, shape) in tensors.items():
+        if not (isinstance(dtype, str) and all(type(d) is int and 0 <= d < MAX_DIM
+                                               for d in shape)):
+            raise FormatError(f"{bad} ({name} has dtype {dtype!r} and shape {list(shape)})")
+    return tensors
 
 
 class _LocalFiles:

@@ -56,7 +56,9 @@ class ModelShape:
 
 
 def text_config(config: dict) -> dict:
-    return config.get("text_config") or config
+    """The language model's part of a config (a multimodal model nests it)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
 
 
 def model_shape(files: ModelFiles) -> ModelShape:
@@ -156,19 +158,24 @@ def _unread_embedding(config: dict, rest: Dict[str, int]) -> int:
 
 def kv_cache_bytes(config: dict, context: int) -> int:
     """The bf16 KV cache of ``context`` tokens: every attention layer's
-    keys and values, sliding-window layers holding at most their window."""
+    keys and values, sliding-window layers holding at most their window
+    (sizes the config lacks, or gives as other than numbers, count 0)."""
     c = text_config(config)
-    layers = c.get("num_hidden_layers") or 0
-    heads = c.get("num_key_value_heads") or c.get("num_attention_heads") or 0
-    head_dim = c.get("head_dim") or ((c.get("hidden_size") or 0) // max(1, c.get(
-        "num_attention_heads") or 1))
-    types = c.get("layer_types") or ["full_attention"] * layers
-    window = c.get("sliding_window") or context
+
+    def num(key: str, default: int = 0) -> int:
+        value = c.get(key)
+        return value if type(value) is int and value > 0 else default
+
+    layers, heads = num("num_hidden_layers"), num("num_key_value_heads", num("num_attention_heads"))
+    head_dim = num("head_dim", num("hidden_size") // max(1, num("num_attention_heads", 1)))
+    types = c.get("layer_types")
+    types = types if isinstance(types, list) else ["full_attention"] * layers
+    window = num("sliding_window", context)
     total = 0
     for kind in types[:layers]:
         full = kind != "sliding_attention"
-        dim = (c.get("global_head_dim") or head_dim) if full else head_dim
-        kv = (c.get("num_global_key_value_heads") or heads) if full else heads
+        dim = num("global_head_dim", head_dim) if full else head_dim
+        kv = num("num_global_key_value_heads", heads) if full else heads
         total += 2 * kv * dim * (context if full else min(context, window)) * 2
     return total
 
