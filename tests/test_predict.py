@@ -95,6 +95,8 @@ def test_a_budget_below_the_spine_does_not_fit_and_names_the_least(capsys, hub):
     again = predicted(capsys, hub, "--budget", str(r["least_budget_gb"]),
                       "--machine", "m5-max-128gb")
     assert again["fits"] is True
+    # The least budget streams spine layers, which every token reads.
+    assert again["spine_gb_read_per_token"] > 0 and again["plan"]["streamed_layers"]
     status, out, _ = run(capsys, REPO, "--endpoint", hub.url, "--budget", "3",
                          "--machine", "m5-max-128gb")
     assert status == 0 and "DOES NOT FIT" in out and f"{r['least_budget_gb']:g} GB" in out

@@ -87,10 +87,13 @@ def predict(args) -> dict:
     plan = result.plan
     miss_share = _miss_share(files.config, args.miss_bits)
     extra = 0.0 if args.ranks == 1 else 2 * shape.moe_layers * ALL_REDUCE_S
-    speed = forecast(shape, mac, plan.slots, curve, SpeedModel(), miss_share, extra)
+    streamed = sum(d.nbytes for d in shape.manifest.dense if d.layer in plan.streamed)
+    speed = forecast(shape, mac, plan.slots, curve, SpeedModel(), miss_share, extra,
+                     spine_read_bytes=streamed)
     resident = plan.base + plan.pinned_bytes + plan.pool
     rate = mac.ssd_rate(shape.record_bytes * miss_share, SpeedModel().queue_depth)
     out.update(speed.report(), slots_per_layer=plan.slots, plan=plan.report(),
+               spine_gb_read_per_token=streamed / GB,
                ssd_gbps_at_record=rate / GB,
                cold_fill_s=cold_fill_s(resident, shape.record_bytes, mac),
                prefill_tok_s=prefill_tok_s(shape, mac, plan.slots, plan.prefill_step))

@@ -60,12 +60,14 @@ class Forecast:
 
 def forecast(shape: ModelShape, machine: Machine, slots: int, curve: HitCurve,
              model: SpeedModel = SpeedModel(), miss_share: float = 1.0,
-             extra_s: float = 0.0, paged: Optional[bool] = None) -> Forecast:
+             extra_s: float = 0.0, paged: Optional[bool] = None,
+             spine_read_bytes: int = 0) -> Forecast:
     """Decode speed of ``shape`` with ``slots`` per layer on ``machine``.
     ``miss_share``: bytes a miss reads as a share of a record (low-bit
     copies); ``extra_s``: time per token outside the model (all-reduces);
     ``paged``: whether calls sync (default: unless every expert is resident,
-    where this runtime runs mlx-lm's own decode)."""
+    where this runtime runs mlx-lm's own decode); ``spine_read_bytes``: the
+    spine layers a token reads through the ring (those the plan streams)."""
     resident = min(1.0, slots / shape.experts)
     paged = resident < 1 if paged is None else paged
     compute = shape.active_bytes / (model.bandwidth_share * machine.memory_gbps * 1e9)
@@ -79,7 +81,8 @@ def forecast(shape: ModelShape, machine: Machine, slots: int, curve: HitCurve,
         return hit, misses, misses * record / rate
 
     hit, misses, reads = parts(CARRY)
-    base = compute + calls + extra_s
+    spine = spine_read_bytes / machine.ssd_rate(spine_read_bytes, 1) if spine_read_bytes else 0
+    base = compute + calls + extra_s + spine
     tok_s = 1 / (base + reads)
     ends = [1 / (base + parts(c)[2]) for c in CARRY_BAND]
     band = (min(min(ends), tok_s * (1 - MIN_BAND)), max(max(ends), tok_s * (1 + MIN_BAND)))
