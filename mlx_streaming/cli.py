@@ -6,6 +6,7 @@
     mlx_streaming bench    {decode,cache,overhead,simulate,speculative,prefill,io,serve,fetch,quality} ...
     mlx_streaming check    DIR
     mlx_streaming serve    --model DIR [--port 8080] [--max-queue N] [--memo-mb M]
+    mlx_streaming predict  MODEL --budget 70GB (--machine NAME | --here) [--json]
     mlx_streaming --version
 """
 
@@ -28,6 +29,7 @@ COMMANDS = {
     "bench": "mlx_streaming.bench.__main__",
     "check": "mlx_streaming.check",
     "serve": "mlx_streaming.server.app",
+    "predict": "mlx_streaming.predict.__main__",
 }
 
 
@@ -67,7 +69,7 @@ def _interrupt(signum, frame) -> None:
 # What ``python -m`` runs as a command (each enters ``run_main``).
 COMMAND_MODULES = {"mlx_streaming", "mlx_streaming.generate", "mlx_streaming.convert",
                    "mlx_streaming.check", "mlx_streaming.demo", "mlx_streaming.server",
-                   "mlx_streaming.bench"}
+                   "mlx_streaming.bench", "mlx_streaming.predict"}
 
 
 def run_main(body: Callable[[], int]) -> int:

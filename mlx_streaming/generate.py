@@ -18,6 +18,7 @@ from .cli import log_to_stderr, run_main, write_out
 from .config import add_config_flags, config_from_args
 from .errors import ConfigError, first_line
 from .flags import Parser
+from .predict.against import against, describe, read_forecast
 from .flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count, number, temperature
 from .split import add_split_flags, load_split, lost, watch
 
@@ -49,6 +50,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo-prompt", action="store_true",
                    help="print the prompt before the text generated after it")
     p.add_argument("--stats-json", default=None, help="write the run's numbers here")
+    p.add_argument("--forecast", default=None,
+                   help="`mlx_streaming predict --json` output: say where the measured decode "
+                        "speed fell against its band")
     p.add_argument("--draft", choices=DRAFT_CHOICES, default=None,
                    help="speculative decoding with drafts: ngram (prompt lookup, no second "
                         "model) or mtp (the model's own MTP layers); off by default")
@@ -149,7 +153,8 @@ def print_summary(s: dict) -> None:
            f" | drafts accepted {s['draft_acceptance']:.0%}")
         + ("" if s.get("route_agreement") is None else
            f"\nrouting: approximate, {s['route_agreement']:.1%} of the router's choices kept")
-        + _miss_bits_line(s.get("miss_bits")),
+        + _miss_bits_line(s.get("miss_bits"))
+        + ("" if s.get("forecast") is None else "\n" + describe(s["forecast"])),
         file=sys.stderr,
     )
 
@@ -281,6 +286,8 @@ def main(argv=None) -> int:
         if args.prompt == "-":
             args.prompt = _read_stdin()
             check_args(args)
+        # A wrong forecast file is known before the model loads.
+        forecast = read_forecast(args.forecast) if args.forecast else None
         config = config_from_args(args)
         if args.draft == "mtp" and not config.mtp:
             config = replace(config, mtp=True)
@@ -330,6 +337,9 @@ def main(argv=None) -> int:
             return 0
         report = stats(model)
         summary = summarize(response, report)
+        if forecast is not None:
+            summary["forecast"] = against(forecast, summary["generation_tps"],
+                                          summary["slots_per_layer"])
         print_summary(summary)
         ranks = _rank_stats(model, split)
         if args.stats_json:

@@ -24,7 +24,7 @@ LAYERS = [
     {"runtime"},
     {"decode"},
     {"generate", "server", "check", "convert", "demo", "testing", "bench", "split", "__init__",
-     "__main__"},
+     "__main__", "predict"},
 ]
 MAX_LINES = 450
 # Tables of model families, long by nature.

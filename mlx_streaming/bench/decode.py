@@ -30,6 +30,7 @@ from .common import (
     pool_slots,
     run_case,
 )
+from ..predict.against import against, read_forecast
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, temperature
 
 COLUMNS = [
@@ -44,6 +45,7 @@ COLUMNS = [
     ("vs_belady", "x MIN", ".2f"), ("peak_gb", "peak RSS GB", ".2f"),
     ("mlx_peak_gb", "MLX peak GB", ".3f"), ("cgroup_peak_gb", "cgroup peak GB", ".3f"),
     ("spine_pool_gb", "planned GB", ".3f"),  # spine, pools and staging
+    ("vs_forecast", "x forecast", ".2f"), ("forecast_where", "vs band", "s"),
 ]
 
 
@@ -100,6 +102,9 @@ def add_arguments(p) -> None:
                         "off, the default policy)")
     p.add_argument("--tp-model", default=None,
                    help="with --ranks: the model converted with --tensor-parallel N")
+    p.add_argument("--forecast", default=None,
+                   help="`mlx_streaming predict --json` output: where each case's speed fell "
+                        "against its band")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
 
 
@@ -123,6 +128,7 @@ def _summary(name, r, pool=None):
             row["syncs_per_token"] = t["syncs"] / r["decode_tokens"]
             row["prefetch_wasted_share"] = t.get("prefetch_wasted_read_share")
             row["pool_gb"] = s["pool_bytes"] / 1e9
+            row["slots_per_layer"] = s.get("slots_per_layer")
             row["spine_pool_gb"] = s["memory"]["total_gb"]
             row["memory"] = s["memory"]
             row["io"] = s["io"]
@@ -185,6 +191,7 @@ def run(args) -> dict:
     _check_choices(args)
     if args.ranks > 1 or args.tp_model:
         return ranks.run(args)
+    forecast = read_forecast(args.forecast) if args.forecast else None
     affinities = on_off("--prefetch-affinity", args.prefetch_affinity)
     overlaps = on_off("--overlap", args.overlap)
     # A cache size in GB sizes the pools instead of --pools.
@@ -283,6 +290,9 @@ def run(args) -> dict:
                 row["belady_gb_per_token"] = belady[row["pool"]]
                 row["belady_serial_tps"] = 1 / (compute + belady[row["pool"]] / rate_gbps)
                 row["vs_belady"] = row["decode_tps"] / row["belady_serial_tps"]
+        if forecast is not None and row.get("decode_tps"):
+            a = against(forecast, row["decode_tps"], row.get("slots_per_layer"))
+            row.update(vs_forecast=a["ratio"], forecast_where=a["where"], forecast=a)
 
     stats = routing.measure(stream_dir, args.out, tokens=args.routing_tokens)
     result = dict(rows=rows, disk_direct_read_gbps=disk_gbps, routing=stats,

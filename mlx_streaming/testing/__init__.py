@@ -1,2 +1,3 @@
 """What the tests, the benchmarks and the demo build: tiny models of every
-family, synthetic large ones, and a local stand-in for the Hugging Face Hub."""
+family, synthetic large ones, real-size sparse ones (headers over holes), and a
+local stand-in for the Hugging Face Hub."""

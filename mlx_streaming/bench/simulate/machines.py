@@ -1,9 +1,12 @@
-"""The machines and models ``bench simulate --project`` projects: published
-figures of Apple Silicon Macs, and the shapes of large MoE models.
+"""The machines and models ``bench simulate --project`` projects: predict's
+Mac profiles, and the shapes of large MoE models.
 """
 
 from dataclasses import dataclass, field
 from typing import Dict
+
+from ...predict.machines import MACHINES
+from ...predict.speed import BANDWIDTH_SHARE, CALL_S
 
 
 @dataclass(frozen=True)
@@ -20,35 +23,20 @@ class Profile:
     sources: Dict[str, str] = field(default_factory=dict)
 
 
-# Published figures. Memory bandwidth: Apple's product pages; MLX decode on
-# these machines reaches roughly 60-70% of it on 4-bit weights (an
-# assumption we apply as weight_gbps = 0.65 x peak). SSD: sequential read
-# speeds reported by reviews of each machine (Blackmagic/AmorphousDiskMark,
-# ~4-7 GB/s); we take 4 MiB+ random reads at that rate. Sync: the cost of one
-# command buffer commit-and-wait plus our bookkeeping, ~100 us, an estimate
-# (this machine's CPU backend measures ~50-80 us; Metal adds the GPU round
-# trip).
-_APPLE_SOURCES = {
-    "weight_gbps": "0.65 x Apple's published unified memory bandwidth (apple.com tech specs)",
-    "ssd_gbps": "reviewers' disk-speed tests of the internal SSD (1-2 TB configurations)",
-    "ssd_latency_s": "NVMe queue + first byte, ~100 us (assumption)",
-    "sync_s": "Metal commit + wait + bookkeeping, ~100 us (assumption)",
-    "miss_s": "host work per missed record with the native step, 10 us (assumption; "
-              "this 2-core x86 VM measured 2.1-6.5 us on 16 KiB records in bench simulate "
-              "--validate; an expert's first-read checksum is paid once, not per miss)",
-}
+# The Macs and the fitted costs of predict's speed model (predict/machines.py,
+# predict/speed.py; docs/predict.md checks them against published runs), so
+# that a projection and a forecast start from the same numbers.
+MISS_S = 1e-5  # host work per missed record with the native step (an estimate)
 
 
-PROFILES = {
-    "m4-pro-48gb": Profile("MacBook Pro M4 Pro 48 GB", 5.0, 1e-4, 0.65 * 273, 1e-4, 1e-5, 48,
-                           _APPLE_SOURCES),
-    "m4-max-128gb": Profile("MacBook Pro M4 Max 128 GB", 6.0, 1e-4, 0.65 * 546, 1e-4, 1e-5, 128,
-                            _APPLE_SOURCES),
-    "m3-ultra-256gb": Profile("Mac Studio M3 Ultra 256 GB", 6.5, 1e-4, 0.65 * 819, 1e-4, 1e-5, 256,
-                              _APPLE_SOURCES),
-    "m2-air-24gb": Profile("MacBook Air M2 24 GB", 3.0, 1e-4, 0.65 * 100, 1e-4, 1e-5, 24,
-                           _APPLE_SOURCES),
-}
+def _profile(machine) -> Profile:
+    return Profile(machine.name, machine.ssd_gbps, machine.ssd_latency_s,
+                   BANDWIDTH_SHARE * machine.memory_gbps, CALL_S, MISS_S, machine.memory_gb,
+                   dict(machine.sources, weight_gbps=f"{BANDWIDTH_SHARE} x memory_gbps "
+                        "(fitted, docs/predict.md)", sync_s="fitted, docs/predict.md"))
+
+
+PROFILES = {key: _profile(m) for key, m in MACHINES.items()}
 
 
 @dataclass(frozen=True)
