@@ -153,15 +153,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         print(f"mlx_streaming {__version__}")
         return 0
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())  # asked for: standard output, as argparse prints it
+        return 0
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         if not argv:
             print("\nerror: give a command", file=sys.stderr)
             return 2
-        if argv[0] not in ("-h", "--help"):
-            print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
-            return 2
-        return 0
+        print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
+        return 2
     return run_main(lambda: importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]))
 
 

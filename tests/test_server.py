@@ -11,6 +11,7 @@ import threading
 import time
 import types
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import mlx_lm
@@ -823,16 +824,22 @@ def test_a_batch_that_cannot_fit_is_refused_at_start(models):
     assert "256 KV caches" in proc.stderr and "--decode-concurrency" in proc.stderr
 
 
-def test_port_0_prints_the_port_it_is_bound_to(models):
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_port_0_prints_the_url_it_is_bound_to(models, host):
+    # An IPv6 address is bracketed in the URL (it printed http://::1:PORT).
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     proc = subprocess.Popen([sys.executable, "-m", "mlx_streaming.server", "--model",
-                             str(stream_dir), "--port", "0", "--slots-per-layer", "4"],
+                             str(stream_dir), "--host", host, "--port", "0",
+                             "--slots-per-layer", "4"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        line = next(l for l in proc.stderr if "serving" in l)
-        port = int(line.split("http://127.0.0.1:")[1].split()[0])
-        assert port != 0, line
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        line = next(line for line in proc.stderr if "serving" in line)
+        url = line.split(" on ")[1].split()[0]
+        assert urllib.parse.urlsplit(url).hostname == host, line
+        assert urllib.parse.urlsplit(url).port not in (None, 0), line
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
             assert r.status == 200
     finally:
         proc.terminate()

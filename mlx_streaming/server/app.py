@@ -154,7 +154,8 @@ def serve(args) -> None:
                               f"({e.strerror or e}); choose another --host or --port") from None
         port = httpd.server_address[1]  # the one bound, for --port 0
         also = _also_listen(args, generator, make_handler(service))
-        print(f"[mlx_streaming] serving {service.model_id} on http://{args.host}:"
+        host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 URL brackets it
+        print(f"[mlx_streaming] serving {service.model_id} on http://{host}:"
               f"{port}{f' and :{also.server_address[1]}' if also else ''} (reader: "
               f"{provider.model.streaming.reader.name}, {running} decoded together, "
               f"max queue {args.max_queue})", file=sys.stderr, flush=True)
