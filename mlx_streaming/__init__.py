@@ -64,6 +64,7 @@ __all__ = [
     "FormatError",
     "StreamConfig",
     "StreamingError",
+    "__version__",
     "batch_generate",
     "convert",
     "format",

@@ -273,8 +273,6 @@ def test_converting_a_stream_directory_or_one_without_a_tokenizer_says_so(qwen, 
 
 
 def test_only_commands_take_ctrl_c_quietly_while_starting():
-    import signal
-
     from mlx_streaming.cli import COMMAND_MODULES, COMMANDS
 
     # Every command's module is one python -m runs.

@@ -168,9 +168,11 @@ class PythonReader:
         self._check_open()
         n = len(offsets)
         crcs = np.zeros(n, dtype=np.uint32)
-        work = lambda i: self._read_record(
-            file, int(offsets[i]), segments, dst[i], bool(checksum[i]), stride
-        )
+
+        def work(i):
+            return self._read_record(file, int(offsets[i]), segments, dst[i],
+                                     bool(checksum[i]), stride)
+
         if n == 1 or n * stride < INLINE_READ_BYTES:
             for i in range(n):
                 crcs[i] = work(i)
