@@ -13,7 +13,7 @@ from mlx_streaming.predict.__main__ import main as predict_main
 from mlx_streaming.predict.curves import HitCurve, builtin_curve, trace_curve
 from mlx_streaming.predict.headers import read_model
 from mlx_streaming.predict.machines import MACHINES, machine
-from mlx_streaming.predict.plan import fit
+from mlx_streaming.predict.plan import fit, whole_budget_fit
 from mlx_streaming.predict.shape import model_shape
 from mlx_streaming.predict.speed import forecast
 from mlx_streaming.runtime.memory import bytes_per_slot
@@ -183,12 +183,31 @@ def test_the_forecasts_meet_the_published_m5_max_rows(tmp_path):
         if row["machine"] != "m5-max-128gb":
             continue
         shape, mac = shapes[row["model"]], machine(row["machine"])
-        slots = (fit(shape, mac, row["budget_gb"], 0).plan.slots if "budget_gb" in row
+        slots = (_published_slots(row, shape, mac) if "budget_gb" in row
                  else round(row["resident"] * shape.experts))
         f = forecast(shape, mac, slots, builtin_curve("lru"), paged=True)
         assert 0.75 <= f.tok_s / row["published_tok_s"] <= 1.25, row
         checked += 1
     assert checked == 5
+
+
+def _published_slots(row, shape, mac) -> int:
+    counts = row["budget_counts"]
+    return whole_budget_fit(shape, mac, row["budget_gb"], counts["context"],
+                            counts["headroom_gb"]).plan.slots
+
+
+def test_a_published_budget_counts_what_its_runtime_counted(tmp_path):
+    """boyle's budget holds the spine, the slots, the KV cache at 8192
+    tokens and 4 GB of headroom: Qwen3-30B-A3B at 12 GB keeps 38% of its
+    experts, not the 68% this runtime's --budget 12 would."""
+    m = PUBLISHED["models"]["Qwen3-30B-A3B-4bit"]
+    write_sparse_repo(tmp_path / "q", m["config"])
+    shape, mac = model_shape(read_model(str(tmp_path / "q"))), machine("m1-pro-32gb")
+    (row, *_) = [r for r in PUBLISHED["rows"] if r.get("budget_gb") == 12]
+    assert _published_slots(row, shape, mac) == 49
+    assert fit(shape, mac, 12, 0).plan.slots == 87
+    assert all(r["source"].startswith("https://") for r in PUBLISHED["rows"])
 
 
 def test_here_uses_this_machines_cached_measurement(capsys, sparse_235b, tmp_path, monkeypatch):

@@ -97,3 +97,13 @@ def _max_context(shape, machine, budget_gb, config) -> int:
         mid = (low + high) // 2
         low, high = (mid, high) if ok(mid) else (low, mid)
     return low
+
+
+def whole_budget_fit(shape: ModelShape, machine: Machine, total_gb: float, context: int,
+                     headroom_gb: float) -> Fit:
+    """The plan of a runtime whose budget counts everything it wires (boyle's
+    and oMLX's: the spine, the slots, the KV cache of ``context`` tokens and
+    ``headroom_gb`` for activations): this runtime's budget is what that
+    leaves for the model, the KV cache kept beside it."""
+    kv = kv_cache_bytes(shape.config, context)
+    return fit(shape, machine, total_gb - headroom_gb - kv / GB, context)
