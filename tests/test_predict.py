@@ -88,6 +88,51 @@ def test_more_memory_is_more_slots_and_more_speed(capsys, sparse_235b):
     assert rows[0]["fetched_bytes"] == 0  # a local directory
 
 
+def test_approximate_routing_forecasts_misses_only_where_a_token_must_read(capsys,
+                                                                          sparse_235b):
+    """Only the router's own top ``keep`` can miss (cache-aware fills the
+    rest from resident experts, the baselines drop or skip them): misses
+    per token scale by keep / top-k, and the forecast says its output is
+    approximate."""
+    def forecast_of(*flags):
+        _, out, err = run(capsys, str(sparse_235b), "--budget", "70", "--machine",
+                          "m5-max-128gb", "--json", *flags)
+        assert not err
+        return json.loads(out)
+
+    exact = forecast_of()
+    assert exact["routing"]["approximate"] is False and exact["routing"]["keep"] == 8
+    for flags, keep in [(["--routing", "cache-aware"], 4), (["--routing", "top-k-cut",
+                        "--routing-keep", "6"], 6), (["--routing", "skip-misses"], 1)]:
+        r = forecast_of(*flags)
+        assert r["routing"]["approximate"] and r["routing"]["keep"] == keep
+        assert r["misses_per_token"] == pytest.approx(exact["misses_per_token"] * keep / 8)
+        assert r["routing"]["exact_misses_per_token"] == pytest.approx(
+            exact["misses_per_token"])
+        assert r["decode_tok_s"] > exact["decode_tok_s"] == pytest.approx(
+            r["routing"]["exact_decode_tok_s"])
+        assert r["hit_rate"] == exact["hit_rate"]  # the kept ones hit as exact's do
+    assert forecast_of("--routing", "cache-aware")["routing"]["window"] == 16
+    # Keeping all 8 is exact for cache-aware routing.
+    assert forecast_of("--routing", "cache-aware", "--routing-keep", "8")["decode_tok_s"] == \
+        pytest.approx(exact["decode_tok_s"])
+    status, out, _ = run(capsys, str(sparse_235b), "--budget", "70", "--machine",
+                         "m5-max-128gb", "--routing", "skip-misses")
+    assert status == 0 and "APPROXIMATE" in out and "exact routing:" in out
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--routing", "top-k-cut", "--routing-keep", "8"], "changes nothing"),
+    (["--routing-keep", "2"], "routing_keep is a setting of approximate routing"),
+    (["--routing", "skip-misses", "--routing-window", "4"], "routing_window is a setting"),
+])
+def test_a_routing_the_runtime_refuses_is_refused_in_one_line(capsys, sparse_235b, flags,
+                                                               says):
+    status, _, err = run(capsys, str(sparse_235b), "--budget", "70", "--machine",
+                         "m5-max-128gb", *flags)
+    assert status != 0 and says in err and "Traceback" not in err
+
+
 def test_a_budget_below_the_spine_does_not_fit_and_names_the_least(capsys, hub):
     r = predicted(capsys, hub, "--budget", "3GB", "--machine", "m5-max-128gb")
     assert r["fits"] is False and r["slots_per_layer"] is None
