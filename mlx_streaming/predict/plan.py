@@ -107,3 +107,26 @@ def whole_budget_fit(shape: ModelShape, machine: Machine, total_gb: float, conte
     leaves for the model, the KV cache kept beside it."""
     kv = kv_cache_bytes(shape.config, context)
     return fit(shape, machine, total_gb - headroom_gb - kv / GB, context)
+
+
+def largest_budget(shape: ModelShape, machine: Machine, context: int,
+                   config: Optional[StreamConfig] = None) -> Optional[float]:
+    """The largest budget (to 0.01 GB) the loader plans on ``machine`` with
+    the KV cache of ``context`` tokens beside it; None where none does."""
+    config = config or StreamConfig()
+    kv = kv_cache_bytes(shape.config, context)
+
+    def ok(budget_gb: float) -> bool:
+        try:
+            _with_kv(shape, machine, budget_gb, kv, config)
+            return True
+        except BudgetError:
+            return False
+
+    low, high = 0.0, machine.usable_bytes / GB
+    if ok(high):
+        return round(high, 2)
+    while high - low > 0.005:
+        mid = (low + high) / 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return round(low, 2) if low > 0 and ok(round(low, 2)) else None
