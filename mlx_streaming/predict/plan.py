@@ -123,10 +123,15 @@ def largest_budget(shape: ModelShape, machine: Machine, context: int,
         except BudgetError:
             return False
 
-    low, high = 0.0, machine.usable_bytes / GB
+    # Budgets fit from the least one up to a largest one (below the least
+    # the spine does not fit, above the largest the machine's memory).
+    least, high = _least_budget(shape, machine, config), machine.usable_bytes / GB
+    if least is None or not ok(least):
+        return None
     if ok(high):
         return round(high, 2)
+    low = least
     while high - low > 0.005:
         mid = (low + high) / 2
         low, high = (mid, high) if ok(mid) else (low, mid)
-    return round(low, 2) if low > 0 and ok(round(low, 2)) else None
+    return round(low, 2) if ok(round(low, 2)) else low
