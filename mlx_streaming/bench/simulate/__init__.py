@@ -25,7 +25,8 @@ from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number, tempe
 
 def add_arguments(p) -> None:
     p.add_argument("--validate", action="store_true",
-                   help="measure this machine and check projections against bench decode")
+                   help="measure this machine's costs and check predict's speed model "
+                        "against bench decode")
     p.add_argument("--project", action="store_true",
                    help="project Apple Silicon machines x large MoE models with predict's "
                         "speed model (needs --trace or --model for hit rates)")
