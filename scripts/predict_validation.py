@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_streaming.predict.curves import builtin_curve
 from mlx_streaming.predict.headers import read_model
 from mlx_streaming.predict.machines import machine
-from mlx_streaming.predict.plan import fit
+from mlx_streaming.predict.plan import whole_budget_fit
 from mlx_streaming.predict.shape import model_shape
 from mlx_streaming.predict.speed import SpeedModel, forecast
 from mlx_streaming.testing.sparse_repo import write_sparse_repo
@@ -37,7 +37,9 @@ def cases(data, root: Path, policy: str):
     for row in data["rows"]:
         shape, mac = shapes[row["model"]], machine(row["machine"])
         if "budget_gb" in row:
-            slots = fit(shape, mac, row["budget_gb"], 0).plan.slots
+            counts = row["budget_counts"]
+            slots = whole_budget_fit(shape, mac, row["budget_gb"], counts["context"],
+                                     counts["headroom_gb"]).plan.slots
         else:
             slots = max(shape.top_k, round(row["resident"] * shape.experts))
         yield row, shape, mac, slots, curve
@@ -56,20 +58,22 @@ def error(cases, model: SpeedModel, rows) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--fit", default="1,2,3", help="row numbers (0-based) the parameters are fitted on")
+    p.add_argument("--fit", default="1,2,3",
+                   help="row numbers (0-based) the parameters are fitted on, or 'none' to "
+                        "check predict/speed.py's own parameters")
     p.add_argument("--policy", default="lru", help="the runtimes measured run LRU slots")
     p.add_argument("--json", type=Path, help="also write the table here")
     args = p.parse_args()
     data = json.loads(DATA.read_text())
-    fit_rows = {int(x) for x in args.fit.split(",")}
+    fit_rows = set() if args.fit == "none" else {int(x) for x in args.fit.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
         all_cases = list(cases(data, Path(tmp), args.policy))
     shares = [x / 100 for x in range(30, 101)]
     calls = [x * 10e-6 for x in range(0, 61)]
     best = min((SpeedModel(s, c) for s, c in itertools.product(shares, calls)),
-               key=lambda m: error(all_cases, m, fit_rows))
-    print(f"fitted on rows {sorted(fit_rows)}: bandwidth share {best.bandwidth_share:.2f}, "
-          f"per-call cost {best.call_s * 1e6:.0f} us")
+               key=lambda m: error(all_cases, m, fit_rows)) if fit_rows else SpeedModel()
+    print(f"{'fitted on rows ' + str(sorted(fit_rows)) if fit_rows else 'predict/speed.py'}: "
+          f"bandwidth share {best.bandwidth_share:.2f}, per-call cost {best.call_s * 1e6:.0f} us")
     print("| model | machine | budget | resident | published tok/s | forecast (band) | ratio | "
           "row |")
     print("|---|---|---|---|---|---|---|---|")

@@ -340,30 +340,21 @@ def test_bench_overhead_and_simulate(models, tmp_path):
     # Each case is projected with the costs of the path it ran: prefetch
     # syncs on the host every call, calls without it run in the graph.
     assert [r["path"] for r in s["rows"]] == ["calls in the graph", "a host sync per call"] * 2
+    # Each case is forecast by predict's speed model at the hit rate it
+    # measured, with this machine's measured costs.
+    assert all(r["hit_rate"] is not None and r["misses_per_token"] >= 0 for r in s["rows"])
+    assert s["machine"]["memory_gbps"] > 0 and s["machine"]["ssd_gbps"] > 0
+    assert set(s["call_s"]) == {"calls in the graph", "a host sync per call"}
     trace = tmp_path / "s" / "decode" / "decode-trace.jsonl"
-    _run(["simulate", "--project", "--trace", str(trace), "--policies", "lru,lfu-decay",
-          "--prefetch", "off,next-layer"], tmp_path / "p")
+    _run(["simulate", "--project", "--trace", str(trace), "--policies", "lru,lfu-decay"],
+         tmp_path / "p")
     p = json.loads((tmp_path / "p" / "projection.json").read_text())
     fitted = [r for r in p["rows"] if r.get("projected_tps")]
     assert {r["policy"] for r in fitted} == {"lru", "lfu-decay"}
-    assert {r["prefetch"] for r in fitted} == {"off", "next-layer, depth 2"}
-    # Prefetch is projected only where pools page (resident: mlx-lm's decode),
-    # and its staging area (two layers' predictions) comes out of the pools.
-    assert all(r["pool"] < 1 for r in fitted if r["prefetch"] != "off")
-    # Each prefetch row says how many records a layer's compute can read.
-    assert all((r["cover"] is None) == (r["prefetch"] == "off") for r in fitted if r["pool"] < 1)
-    from mlx_streaming.bench.simulate import SHAPES
-
-    shapes = {shape.name: shape for shape in SHAPES.values()}
-    pools = {(r["machine"], r["model"], r["policy"], r["prefetch"]): r["pool"] for r in fitted}
-    staged = [(pools[key[:3] + ("off",)], pool, shapes[key[1]])
-              for key, pool in pools.items() if key[3] != "off"]
-    assert staged and all(off - pool == pytest.approx(2 * 2 * s.top_k / s.moe_layers / s.experts)
-                          for off, pool, s in staged if off < 1)
     # More memory never projects a smaller pool for the same model.
     by = {(r["machine"], r["model"]): r["pool"] for r in p["rows"]}
-    assert by[("MacBook Pro M4 Max 128 GB", "Qwen3-235B-A22B")] >= \
-        by[("MacBook Pro M4 Pro 48 GB", "Qwen3-235B-A22B")]
+    assert by[("MacBook Pro M4 Max 128 GB", "Qwen3-235B-A22B-4bit")] >= \
+        by[("MacBook Pro M4 Pro 48 GB", "Qwen3-235B-A22B-4bit")]
 
 
 def test_bench_fetch_compares_the_hub_with_local_disk(models, tmp_path):
@@ -488,9 +479,9 @@ def _trace(path, tokens=40, predicted=False, predicted2=False, probs=False):
 
 
 @pytest.mark.parametrize("trace, flags, says", [
-    (dict(), ["--prefetch", "next-layer"], "holds no predictions"),
-    (dict(predicted=True), ["--prefetch", "next-layer", "--prefetch-depth", "2"],
-     "no predictions two layers ahead"),
+    (dict(predicted=True), ["--prefetch", "next-layer"], "does not model prefetch"),
+    (dict(predicted=True), ["--prefetch", "off,next-layer", "--prefetch-depth", "2"],
+     "does not model prefetch"),
     (dict(predicted=True), ["--prefetch", "next-layer", "--prefetch-precision", "2"],
      "--prefetch-precision: must be a finite number at least 0 and at most 1"),
     (dict(), ["--policies", "lru,bogus"], "--policies takes values of policy"),
@@ -551,9 +542,35 @@ def test_simulate_project_refuses_a_cut_trace_and_takes_router_policies(tmp_path
     # them, not from the experts the trace happens to route to.
     assert bench_main(["simulate", "--project", "--trace", str(path), "--policies",
                        "router-ema", "--out", str(tmp_path / "p")]) == 0
-    assert bench_main(["simulate", "--project", "--trace", str(_trace(
-        tmp_path / "two.jsonl", predicted=True, predicted2=True)), "--prefetch",
-        "off,next-layer", "--prefetch-depth", "1,2", "--out", str(tmp_path / "q")]) == 0
+
+
+def test_simulate_project_is_predicts_forecast_with_the_traces_hit_rates(tmp_path):
+    """Each projected row is predict's speed model at the plan the loader
+    makes of the machine's memory, with the trace replayed into a curve."""
+    from mlx_streaming.bench.cache import decode_records
+    from mlx_streaming.bench.case import WARMUP_TOKENS
+    from mlx_streaming.bench.simulate.project import _shapes
+    from mlx_streaming.predict.curves import replay_curve
+    from mlx_streaming.predict.machines import MACHINES
+    from mlx_streaming.predict.speed import forecast
+
+    path = _trace(tmp_path / "routing.jsonl")
+    _run(["simulate", "--project", "--trace", str(path), "--policies", "lru"], tmp_path / "p")
+    rows = json.loads((tmp_path / "p" / "projection.json").read_text())["rows"]
+    curve = replay_curve(decode_records(path), "lru", "t", warmup=WARMUP_TOKENS)
+    shapes, macs = _shapes(), {m.name: m for m in MACHINES.values()}
+    streamed = [r for r in rows if r.get("projected_tps") and r["pool"] < 1]
+    assert streamed and {r["model"] for r in rows} == set(shapes)
+    for r in streamed:
+        f = forecast(shapes[r["model"]], macs[r["machine"]], r["slots_per_layer"], curve)
+        assert r["projected_tps"] == pytest.approx(f.tok_s)
+        assert r["hit_rate"] == pytest.approx(f.hit_rate)
+    # A model larger than a machine's memory streams; one that fits is resident.
+    pools = {(r["machine"], r["model"]): r["pool"] for r in rows}
+    assert pools[("MacBook Pro M1 Pro 32 GB", "Qwen3-235B-A22B-4bit")] < 0.25
+    assert pools[("Mac Studio M3 Ultra 256 GB", "Qwen3-30B-A3B-4bit")] == 1
+    # Every model gets the largest budget its machine's loader plans.
+    assert all(r.get("budget_gb") for r in rows if r.get("projected_tps"))
 
 
 def test_simulate_says_which_trace_is_missing(tmp_path, capsys):
@@ -563,264 +580,6 @@ def test_simulate_says_which_trace_is_missing(tmp_path, capsys):
     assert f"--trace: no such file: '{missing}'" in capsys.readouterr().err
     assert bench_main(["simulate", "--project", "--out", str(tmp_path / "p")]) == 1
     assert "--project needs --trace" in capsys.readouterr().err
-
-
-def test_simulator_measures_a_paged_call_without_its_reads():
-    from mlx_streaming.bench.simulate.validate import _call_cost, _host_per_miss
-
-    def reads(stall_seconds, tokens=4, records_read=0, misses=0):
-        return dict(stall_seconds=stall_seconds, tokens=tokens, records_read=records_read,
-                    misses=misses)
-
-    # Resident at 100 tok/s. Per token the paged case adds 2.5 ms (80
-    # tok/s), 10 ms (50) and 0.2 ms, of which it stalled on reads 1.5 ms
-    # (6 ms over 4 tokens), 0 and 0: 1, 10 and 0.2 ms left for two layers'
-    # calls, median 1 ms, so 0.5 ms a call.
-    resident = dict(runs_tps=[100.0] * 3)
-    case = dict(runs_tps=[80.0, 50.0, 1 / 0.0102],
-                runs_reads=[reads(6e-3), reads(0.0), reads(0.0)])
-    assert _call_cost(case, resident, layers=2) == pytest.approx(0.5e-3)
-    # A stall longer than the whole overhead leaves nothing, not less.
-    case["runs_reads"] = [reads(0.1)] * 3
-    assert _call_cost(case, resident, layers=2) == 0
-    # Beyond the disk reads at 1 ms each, per miss (2 of the 5 misses came
-    # from prefetch's staging, not from disk).
-    rounds = [reads(4e-3, records_read=2, misses=3), reads(1.5e-3, records_read=1, misses=2)]
-    assert _host_per_miss(dict(runs_reads=rounds), 1e-3) == pytest.approx((5.5e-3 - 3e-3) / 5)
-    assert _host_per_miss(dict(runs_reads=[reads(0.0)]), 1e-3) == 0
-
-
-def test_simulator_charges_the_host_work_of_each_missed_record():
-    from mlx_streaming.bench.cache import Call
-    from mlx_streaming.bench.simulate import project_case
-
-    rng = np.random.default_rng(0)
-    calls = {0: []}
-    for _ in range(40):
-        ids = rng.choice(16, size=2, replace=False)[None]
-        calls[0].append(Call(np.unique(ids), ids))
-    common = dict(calls=calls, fraction=0.25, policy="lru", prefetch=0, compute_s=0.01,
-                  sync_s=0.0, moe_layers=1, expert_bytes=1e6, top_k=2, ssd_gbps=1.0,
-                  ssd_latency_s=0.0)
-    base = project_case(**common)
-    charged = project_case(**common, miss_s=1e-3)
-    misses_per_call = (1 - base["hit_rate"]) * 2
-    assert charged["seconds"] - base["seconds"] == pytest.approx(misses_per_call * 1e-3)
-
-
-def test_simulator_hides_demand_reads_behind_the_resident_experts_compute():
-    from mlx_streaming.bench.cache import Call
-    from mlx_streaming.bench.simulate import project_case
-
-    # One expert resident and one missing per call (two slots: a fixed
-    # expert and two alternating): each call reads one 2 ms record.
-    calls = {0: [Call(np.array([0, 1 + i % 2]), np.array([[0, 1 + i % 2]]))
-                 for i in range(20)]}
-    common = dict(calls=calls, fraction=2 / 3, policy="lru", prefetch=0, compute_s=0.01,
-                  sync_s=0.0, moe_layers=1, top_k=2, ssd_gbps=1.0, ssd_latency_s=0.0, skip=2)
-    assert project_case(**common, expert_bytes=2e6)["stall_s"] == pytest.approx(2e-3)
-    # The one resident expert's compute hides that much of the read, no more.
-    hidden = project_case(**common, expert_bytes=2e6, hit_compute_s=4e-4)
-    assert hidden["stall_s"] == pytest.approx(1.6e-3)
-    assert project_case(**common, expert_bytes=2e6, hit_compute_s=5e-3)["stall_s"] == 0
-    # Reads under the bar where Paged overlaps (1 ms) are not hidden.
-    short = project_case(**common, expert_bytes=5e5, hit_compute_s=4e-4)
-    assert short["stall_s"] == pytest.approx(5e-4)
-
-
-def _cycling_calls(layers=(0,), tokens=20, ranked=None, ranked2=None, scores=1.0):
-    """Calls that miss both their experts in a pool of two (six experts in
-    turn), with the predictions ``ranked(i)`` / ``ranked2(i)`` of call i,
-    scored ``scores`` (a number, a list by rank, or a function of the
-    prediction)."""
-    from mlx_streaming.bench.cache import Call
-
-    def scored(r):
-        if r is None:
-            return None
-        x = scores(r[0].tolist()) if callable(scores) else scores
-        return np.broadcast_to(np.asarray(x, np.float64), r.shape)
-
-    def call(i):
-        ids = np.array([[2 * i % 6, 2 * i % 6 + 1]])
-        r = None if ranked is None else np.array([ranked(i)])
-        r2 = None if ranked2 is None else np.array([ranked2(i)])
-        return Call(np.unique(ids), ids, None, None if r is None else np.unique(r),
-                    r, scored(r), r2, scored(r2))
-
-    return {layer: [call(i) for i in range(tokens)] for layer in layers}
-
-
-_ONE_MS = dict(policy="lru", sync_s=0.0, expert_bytes=1e6, top_k=2, ssd_gbps=1.0,
-               ssd_latency_s=0.0, skip=2)  # a record reads in 1 ms
-
-
-def test_simulator_reads_ahead_no_more_than_prefetchs_budget():
-    from mlx_streaming.bench.simulate import project_case
-
-    # Every call misses both its experts; the prediction names them at
-    # ranks 1 and 5 of 8. A layer's compute (2 ms) reads 2 records of 1 ms:
-    # prefetch reads ranks 1-2, catching one miss; the other is read on
-    # demand (1 ms stalled). Reading all 8 would outlast the compute and
-    # make the demand read wait behind them.
-    def ranked(i):
-        a, b = 2 * i % 6, 2 * i % 6 + 1
-        return [a, 6, 7, 8, b, 9, 10, 11]
-
-    calls = _cycling_calls(ranked=ranked)
-    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.002, moe_layers=1,
-                  width=8)
-    assert project_case(**common, prefetch=0)["stall_s"] == pytest.approx(2e-3)
-    on = project_case(**common, prefetch=1)
-    assert on["stall_s"] == pytest.approx(1e-3)
-    assert on["wasted"] == pytest.approx(0.5)
-    assert on["cover"] == pytest.approx(2)  # reported: the projection's table shows it
-
-
-def test_simulator_reads_two_layers_ahead_with_the_room_left():
-    from mlx_streaming.bench.simulate import project_case
-
-    # Two layers; each call's own prediction names two experts never
-    # routed, the prediction made two calls early names the right two. A
-    # layer's compute (4 ms) reads 4 records: depth 1 reads the two wrong
-    # ones and stalls 2 ms a call on its misses; depth 2 also reads the
-    # right ones with the room left, two calls early, and never stalls.
-    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7],
-                           ranked2=lambda i: [2 * i % 6, 2 * i % 6 + 1])
-    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
-                  width=4)
-    assert project_case(**common, prefetch=1)["stall_s"] == pytest.approx(4e-3)
-    assert project_case(**common, prefetch=2)["stall_s"] == pytest.approx(0.0)
-
-
-def test_simulator_replays_prefetchs_calibration():
-    from mlx_streaming.bench.simulate import project_case
-
-    # Each call's prediction names its two experts at a score of 8 and two
-    # never routed at 1.5. Read every prediction (precision 0), half the
-    # reads are wasted; held to 0.6, once counted the bar keeps the 8s only
-    # (a calibration that never counts would read nothing, and stall as
-    # much as prefetch off). A layer's compute reads 4 records, the right
-    # ones first: no stall either way.
-    def ranked(i):
-        return [2 * i % 6, 2 * i % 6 + 1, 6, 7]
-
-    calls = _cycling_calls(layers=(0, 1), ranked=ranked, scores=[8.0, 8.0, 1.5, 1.5])
-    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
-                  width=4, prefetch=1)
-    every = project_case(**common, precision=0.0)
-    assert every["wasted"] == pytest.approx(0.5) and every["stall_s"] == 0
-    held = project_case(**common, precision=0.6)
-    assert held["wasted"] == 0 and held["stall_s"] == 0
-    assert project_case(**dict(common, prefetch=0))["stall_s"] == pytest.approx(4e-3)
-
-
-def test_simulator_reads_a_record_the_compute_partly_covers():
-    from mlx_streaming.bench.simulate import project_case
-
-    # A layer's compute (0.8 ms) covers 0.8 of a record's read (1 ms): no
-    # whole record fits. The prediction names the call's two experts at a
-    # score of 8 (always used) first: one is read ahead, ending 0.2 ms into
-    # the next call, whose other miss is read after it: 1.2 ms stalled
-    # where off stalls 2 ms (and a budget of whole records read nothing).
-    def ranked(i):
-        return [2 * i % 6, 2 * i % 6 + 1, 6, 7]
-
-    calls = _cycling_calls(layers=(0, 1), ranked=ranked, scores=[8.0, 8.0, 1.5, 1.5])
-    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.0016, moe_layers=2,
-                  width=4, prefetch=1, precision=0.6)
-    assert project_case(**dict(common, prefetch=0))["stall_s"] == pytest.approx(4e-3)
-    on = project_case(**common)
-    assert on["cover"] == pytest.approx(0.8)
-    assert on["stall_s"] == pytest.approx(2.4e-3) and on["wasted"] == 0
-    # A sigmoid router's layers (no score bins) judge it by its rank's
-    # chance: the first-ranked prediction, always used, is read the same.
-    import dataclasses
-
-    sigmoid = {l: [dataclasses.replace(c, sigmoid_router=True) for c in seq]
-               for l, seq in calls.items()}
-    assert project_case(**dict(common, calls=sigmoid))["stall_s"] == pytest.approx(2.4e-3)
-    # So does every layer at precision 0.
-    assert project_case(**dict(common, precision=0.0))["stall_s"] == pytest.approx(2.4e-3)
-    # A prediction used 3 times in 4 passes the bar (0.6) and is read where
-    # the compute covers 0.8 of it (0.75 >= 0.2), not where it covers 0.2
-    # (0.75 < 0.8): there the stall is off's.
-    def sometimes(i):
-        return [6, 7] if i % 4 == 1 else [2 * i % 6, 2 * i % 6 + 1]
-
-    calls = _cycling_calls(layers=(0, 1), ranked=sometimes, scores=[8.0, 1.5])
-    covered = project_case(**dict(common, calls=calls))
-    assert covered["read_ahead"] > 0 and covered["stall_s"] < 4e-3
-    short = project_case(**dict(common, calls=calls, compute_s=0.0004))
-    assert short["cover"] == pytest.approx(0.2)
-    assert short["read_ahead"] == 0 and short["stall_s"] == pytest.approx(4e-3)
-    # The same with layer 1's router a sigmoid one: its rank 0, used 3 times
-    # in 4, is judged by its rank's chance, beside layer 0's score bins.
-    calls[1] = [dataclasses.replace(c, sigmoid_router=True) for c in calls[1]]
-    assert project_case(**dict(common, calls=calls))["read_ahead"] > 0
-    short = project_case(**dict(common, calls=calls, compute_s=0.0004))
-    assert short["read_ahead"] == 0 and short["stall_s"] == pytest.approx(4e-3)
-
-
-def test_projection_mixes_the_two_whole_pools_around_a_fraction_of_a_slot():
-    from mlx_streaming.bench.simulate.model import project_case, project_pool
-
-    from mlx_streaming.bench.cache import Call
-
-    # Four experts a layer in the trace, called in pairs in turn: a pool of
-    # 3.25 of them projects a quarter of the way from 3 slots (misses) to 4
-    # (none), not as 3 (rounded) or 4.
-    pairs = [np.array([[0, 1]]), np.array([[2, 3]])]
-    calls = {0: [Call(np.unique(p), p) for p in pairs * 15]}
-    common = dict(_ONE_MS, compute_s=0.004, moe_layers=1, prefetch=0)
-    three, four = (project_case(calls, n / 4, **common) for n in (3, 4))
-    assert three["seconds"] > four["seconds"] and four["hit_rate"] == 1
-    between = project_pool(calls, 3.25 / 4, **common)
-    assert between["seconds"] == pytest.approx(0.75 * three["seconds"] + 0.25 * four["seconds"])
-    assert between["tps"] == pytest.approx(1 / between["seconds"])
-    assert between["hit_rate"] == pytest.approx(0.75 * three["hit_rate"] + 0.25)
-    assert project_pool(calls, 3 / 4, **common) == three
-
-
-def test_simulator_reads_every_prediction_of_a_sigmoid_routers_layer():
-    import dataclasses
-
-    from mlx_streaming.bench.common import BenchError
-    from mlx_streaming.bench.simulate import project_case
-
-    # As the calibration test, with layer 1's router a sigmoid one (marked
-    # by the trace): the loader gives such a layer no calibration, so at
-    # 0.6 layer 0 still reads its 8s only, layer 1 all four predictions
-    # (2 of the 6 reads ahead wasted).
-    def ranked(i):
-        return [2 * i % 6, 2 * i % 6 + 1, 6, 7]
-
-    calls = _cycling_calls(layers=(0, 1), ranked=ranked, scores=[8.0, 8.0, 1.5, 1.5])
-    calls[1] = [dataclasses.replace(c, sigmoid_router=True) for c in calls[1]]
-    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
-                  width=4, prefetch=1)
-    held = project_case(**common, precision=0.6)
-    assert held["wasted"] == pytest.approx(1 / 3) and held["stall_s"] == 0
-    # Its predictions need no scores; a calibrated layer's do.
-    calls[1] = [dataclasses.replace(c, scores=None) for c in calls[1]]
-    assert project_case(**common, precision=0.6)["wasted"] == pytest.approx(1 / 3)
-    calls[0] = [dataclasses.replace(c, scores=None) for c in calls[0]]
-    with pytest.raises(BenchError, match="without scores"):
-        project_case(**common, precision=0.6)
-
-    # Two layers ahead: each call's own prediction names two experts never
-    # routed, the one made two calls early the right two first, then four
-    # never routed (all scored 1.5, a third of them used). Calibrated, layer
-    # 0 learns to read none of them and stalls 2 ms a call; so would layer
-    # 1, but reading every prediction it gets its own two layers early (the
-    # room left after the wrong two): half of what it reads ahead is used.
-    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [6, 7],
-                           ranked2=lambda i: [2 * i % 6, 2 * i % 6 + 1, 6, 7, 8, 9], scores=1.5)
-    common.update(calls=calls, prefetch=2)
-    assert project_case(**common, precision=0.6)["stall_s"] == pytest.approx(4e-3)
-    calls[1] = [dataclasses.replace(c, sigmoid_router=True) for c in calls[1]]
-    deep = project_case(**common, precision=0.6)
-    assert deep["stall_s"] == pytest.approx(2e-3) and deep["wasted"] == pytest.approx(0.5)
 
 
 def test_the_trace_marks_a_sigmoid_routers_layer(tmp_path):
@@ -838,45 +597,6 @@ def test_the_trace_marks_a_sigmoid_routers_layer(tmp_path):
     records = list(read_trace_records(str(tmp_path / "t.jsonl")))
     assert ["predicted2" in r for r in records] == [False, True, False]
     assert [r.get("sigmoid_router", False) for r in records] == [False, True, False]
-
-
-def test_simulator_holds_reads_two_layers_ahead_to_a_bar_of_their_own():
-    from mlx_streaming.bench.simulate import project_case
-
-    # The next layer's prediction names one of the call's experts (score 8,
-    # which the calibration learns is used); the prediction two layers
-    # early names the other (8) and one never routed (1.5, below the bar).
-    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [2 * i % 6],
-                           ranked2=lambda i: [2 * i % 6 + 1, 6],
-                           scores=lambda r: [8.0, 1.5][:len(r)])
-    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.008, moe_layers=2,
-                  width=4, prefetch=2)
-    held = project_case(**common, precision=0.6)
-    assert held["stall_s"] == 0 and held["wasted"] == 0
-    every = project_case(**common, precision=0.0)
-    assert every["stall_s"] == 0 and every["wasted"] == pytest.approx(1 / 3)
-    # The same score means less two layers early: the next layer's
-    # prediction (8) is always used, the one made two layers early (all 8)
-    # a quarter of the time. Held to the near bar it would read three
-    # records a call, two wasted; held to its own (0.6) it reads none, and
-    # each call waits 1 ms for the expert it alone named.
-    calls = _cycling_calls(layers=(0, 1), ranked=lambda i: [2 * i % 6],
-                           ranked2=lambda i: [2 * i % 6 + 1, 6, 7, 8], scores=8.0)
-    own = project_case(**dict(common, calls=calls), precision=0.6)
-    assert own["wasted"] == 0 and own["stall_s"] == pytest.approx(2e-3)
-
-
-def test_simulator_scales_the_traced_records_to_the_models_top_k():
-    from mlx_streaming.bench.simulate import project_case
-
-    # A model routing twice the trace's experts reads twice the records per
-    # miss, and its budget counts model records.
-    calls = _cycling_calls()
-    common = dict(_ONE_MS, calls=calls, fraction=1 / 3, compute_s=0.004, moe_layers=1,
-                  prefetch=0)
-    base = project_case(**common)
-    assert base["stall_s"] == pytest.approx(2e-3)
-    assert project_case(**dict(common, top_k=4))["stall_s"] == pytest.approx(4e-3)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -942,3 +662,41 @@ def test_a_bench_run_whose_every_case_fails_is_an_error(qwen, tmp_path, capsys):
                      "0.001", "--out", str(tmp_path)])
     assert rc == 1
     assert "every case failed" in capsys.readouterr().err
+
+
+def test_simulator_measures_a_paged_call_without_its_reads():
+    from mlx_streaming.bench.simulate.validate import _call_cost
+
+    def reads(stall_seconds, tokens=4):
+        return dict(stall_seconds=stall_seconds, tokens=tokens)
+
+    # Resident at 100 tok/s. Per token the paged case adds 2.5 ms (80
+    # tok/s), 10 ms (50) and 0.2 ms, of which it stalled on reads 1.5 ms
+    # (6 ms over 4 tokens), 0 and 0: 1, 10 and 0.2 ms left for two layers'
+    # calls, median 1 ms, so 0.5 ms a call.
+    resident = dict(runs_tps=[100.0] * 3)
+    case = dict(runs_tps=[80.0, 50.0, 1 / 0.0102],
+                runs_reads=[reads(6e-3), reads(0.0), reads(0.0)])
+    assert _call_cost(case, resident, layers=2) == pytest.approx(0.5e-3)
+    # A stall longer than the whole overhead leaves nothing, not less.
+    case["runs_reads"] = [reads(0.1)] * 3
+    assert _call_cost(case, resident, layers=2) == 0
+
+
+def test_the_validation_forecasts_each_case_at_its_measured_hit_rate():
+    """--validate's machine gives the resident decode's measured time per
+    token as compute, and its curve the case's measured hit rate."""
+    from types import SimpleNamespace
+
+    from mlx_streaming.bench.simulate.validate import _machine, _measured_hits
+    from mlx_streaming.predict.speed import SpeedModel, forecast
+
+    shape = SimpleNamespace(active_bytes=2e9, experts=64, top_k=8, moe_layers=4,
+                            record_bytes=1e6)
+    mac = _machine(shape, resident_tps=50.0, ssd_gbps=1.0)
+    f = forecast(shape, mac, 16, _measured_hits(shape, 16, 0.75), SpeedModel(1.0, 1e-3),
+                 paged=True)
+    assert f.compute_s == pytest.approx(1 / 50) and f.hit_rate == pytest.approx(0.75)
+    # 4 layers x 8 experts x a quarter missed, 1 MB each at 1 GB/s; 1 ms a call.
+    assert f.misses_per_token == pytest.approx(8)
+    assert 1 / f.tok_s == pytest.approx(0.02 + 4e-3 + 8e-3)

@@ -13,7 +13,7 @@ from mlx_streaming.predict.__main__ import main as predict_main
 from mlx_streaming.predict.curves import HitCurve, builtin_curve, trace_curve
 from mlx_streaming.predict.headers import read_model
 from mlx_streaming.predict.machines import MACHINES, machine
-from mlx_streaming.predict.plan import fit
+from mlx_streaming.predict.plan import fit, whole_budget_fit
 from mlx_streaming.predict.shape import model_shape
 from mlx_streaming.predict.speed import forecast
 from mlx_streaming.runtime.memory import bytes_per_slot
@@ -86,6 +86,51 @@ def test_more_memory_is_more_slots_and_more_speed(capsys, sparse_235b):
     assert [r["slots_per_layer"] for r in rows] == sorted({r["slots_per_layer"] for r in rows})
     assert rows[0]["decode_tok_s"] < rows[1]["decode_tok_s"] < rows[2]["decode_tok_s"]
     assert rows[0]["fetched_bytes"] == 0  # a local directory
+
+
+def test_approximate_routing_forecasts_misses_only_where_a_token_must_read(capsys,
+                                                                          sparse_235b):
+    """Only the router's own top ``keep`` can miss (cache-aware fills the
+    rest from resident experts, the baselines drop or skip them): misses
+    per token scale by keep / top-k, and the forecast says its output is
+    approximate."""
+    def forecast_of(*flags):
+        _, out, err = run(capsys, str(sparse_235b), "--budget", "70", "--machine",
+                          "m5-max-128gb", "--json", *flags)
+        assert not err
+        return json.loads(out)
+
+    exact = forecast_of()
+    assert exact["routing"]["approximate"] is False and exact["routing"]["keep"] == 8
+    for flags, keep in [(["--routing", "cache-aware"], 4), (["--routing", "top-k-cut",
+                        "--routing-keep", "6"], 6), (["--routing", "skip-misses"], 1)]:
+        r = forecast_of(*flags)
+        assert r["routing"]["approximate"] and r["routing"]["keep"] == keep
+        assert r["misses_per_token"] == pytest.approx(exact["misses_per_token"] * keep / 8)
+        assert r["routing"]["exact_misses_per_token"] == pytest.approx(
+            exact["misses_per_token"])
+        assert r["decode_tok_s"] > exact["decode_tok_s"] == pytest.approx(
+            r["routing"]["exact_decode_tok_s"])
+        assert r["hit_rate"] == exact["hit_rate"]  # the kept ones hit as exact's do
+    assert forecast_of("--routing", "cache-aware")["routing"]["window"] == 16
+    # Keeping all 8 is exact for cache-aware routing.
+    assert forecast_of("--routing", "cache-aware", "--routing-keep", "8")["decode_tok_s"] == \
+        pytest.approx(exact["decode_tok_s"])
+    status, out, _ = run(capsys, str(sparse_235b), "--budget", "70", "--machine",
+                         "m5-max-128gb", "--routing", "skip-misses")
+    assert status == 0 and "APPROXIMATE" in out and "exact routing:" in out
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--routing", "top-k-cut", "--routing-keep", "8"], "changes nothing"),
+    (["--routing-keep", "2"], "routing_keep is a setting of approximate routing"),
+    (["--routing", "skip-misses", "--routing-window", "4"], "routing_window is a setting"),
+])
+def test_a_routing_the_runtime_refuses_is_refused_in_one_line(capsys, sparse_235b, flags,
+                                                               says):
+    status, _, err = run(capsys, str(sparse_235b), "--budget", "70", "--machine",
+                         "m5-max-128gb", *flags)
+    assert status != 0 and says in err and "Traceback" not in err
 
 
 def test_a_budget_below_the_spine_does_not_fit_and_names_the_least(capsys, hub):
@@ -183,12 +228,31 @@ def test_the_forecasts_meet_the_published_m5_max_rows(tmp_path):
         if row["machine"] != "m5-max-128gb":
             continue
         shape, mac = shapes[row["model"]], machine(row["machine"])
-        slots = (fit(shape, mac, row["budget_gb"], 0).plan.slots if "budget_gb" in row
+        slots = (_published_slots(row, shape, mac) if "budget_gb" in row
                  else round(row["resident"] * shape.experts))
         f = forecast(shape, mac, slots, builtin_curve("lru"), paged=True)
         assert 0.75 <= f.tok_s / row["published_tok_s"] <= 1.25, row
         checked += 1
     assert checked == 5
+
+
+def _published_slots(row, shape, mac) -> int:
+    counts = row["budget_counts"]
+    return whole_budget_fit(shape, mac, row["budget_gb"], counts["context"],
+                            counts["headroom_gb"]).plan.slots
+
+
+def test_a_published_budget_counts_what_its_runtime_counted(tmp_path):
+    """boyle's budget holds the spine, the slots, the KV cache at 8192
+    tokens and 4 GB of headroom: Qwen3-30B-A3B at 12 GB keeps 38% of its
+    experts, not the 68% this runtime's --budget 12 would."""
+    m = PUBLISHED["models"]["Qwen3-30B-A3B-4bit"]
+    write_sparse_repo(tmp_path / "q", m["config"])
+    shape, mac = model_shape(read_model(str(tmp_path / "q"))), machine("m1-pro-32gb")
+    (row, *_) = [r for r in PUBLISHED["rows"] if r.get("budget_gb") == 12]
+    assert _published_slots(row, shape, mac) == 49
+    assert fit(shape, mac, 12, 0).plan.slots == 87
+    assert all(r["source"].startswith("https://") for r in PUBLISHED["rows"])
 
 
 def test_here_uses_this_machines_cached_measurement(capsys, sparse_235b, tmp_path, monkeypatch):

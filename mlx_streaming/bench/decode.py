@@ -329,9 +329,8 @@ def _belady_gb_per_token(common, stream_dir, manifest, args) -> dict:
     trace = Path(args.out) / "decode-trace.jsonl"
     spec = manifest.layers[0]
     # With prefetch on, the trace also holds each layer's predictions of the
-    # next two (nothing is read ahead: every expert is resident), which bench
-    # simulate replays for its prefetch cases; the fixed budget leaves room
-    # for the second.
+    # next two (nothing is read ahead: every expert is resident), for offline
+    # replays of prefetch; the fixed budget leaves room for the second.
     case = dict(common, kind="streaming", model=str(stream_dir),
                 load=dict(slots_per_layer=spec.num_experts, trace=str(trace),
                           prefetch="next-layer", prefetch_depth=2,

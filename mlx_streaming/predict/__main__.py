@@ -8,14 +8,14 @@ import re
 from typing import List, Optional
 
 from ..cli import leave, run_main, write_out
-from ..config import DEFAULT_POLICY, StreamConfig
+from ..config import DEFAULT_POLICY, ROUTING_CHOICES, StreamConfig
 from ..errors import ConfigError
 from .curves import builtin_curve, trace_curve
 from .headers import read_model
 from .machines import MACHINES, machine
 from .plan import fit
 from .shape import model_shape, split
-from .speed import SpeedModel, cold_fill_s, forecast, prefill_tok_s
+from .speed import RoutingForecast, SpeedModel, cold_fill_s, forecast, prefill_tok_s
 
 GB = 1e9
 DEFAULT_CONTEXT = 16384
@@ -41,6 +41,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=1,
                    help="Macs splitting the model tensor-parallel (each with --budget)")
     p.add_argument("--policy", default=DEFAULT_POLICY, help="eviction policy of the pools")
+    p.add_argument("--routing", default="exact", choices=ROUTING_CHOICES,
+                   help="approximate routing (load()'s routing): forecast its effect on "
+                        "misses; its output is approximate (docs/routing.md)")
+    p.add_argument("--routing-keep", type=int, default=None,
+                   help="the router's own top experts always taken (default: top-k / 2, "
+                        "skip-misses 1)")
+    p.add_argument("--routing-window", type=int, default=None,
+                   help="cache-aware: the candidates a resident expert may come from "
+                        "(default: 2 x top-k)")
     p.add_argument("--miss-bits", type=int, default=None,
                    help="misses read low-bit copies of this width (convert --miss-bits)")
     p.add_argument("--trace", help="routing trace of your own run (the trace option) for "
@@ -70,7 +79,9 @@ def predict(args) -> dict:
     files = read_model(args.model, args.revision, args.endpoint)
     whole = model_shape(files)
     shape = split(whole, args.ranks)
-    config = StreamConfig(policy=args.policy)
+    config = StreamConfig(policy=args.policy, routing=args.routing,
+                          routing_keep=args.routing_keep, routing_window=args.routing_window)
+    routing = _routing(config, shape.top_k)
     result = fit(shape, mac, args.budget, args.context, config)
     curve = trace_curve(args.trace, args.policy) if args.trace else builtin_curve(args.policy)
     out = dict(model=args.model, machine=mac.name, budget_gb=args.budget, ranks=args.ranks,
@@ -81,7 +92,8 @@ def predict(args) -> dict:
                context=args.context, kv_cache_gb=result.kv_bytes / GB,
                least_budget_gb=result.least_budget_gb, max_context=result.max_context,
                refusal=_for_predict(result.refusal), slots_per_layer=None, decode_tok_s=None,
-               decode_tok_s_band=None, machine_sources=mac.sources)
+               decode_tok_s_band=None, machine_sources=mac.sources,
+               routing=routing.report())
     if not result.fits:
         return out
     plan = result.plan
@@ -89,7 +101,12 @@ def predict(args) -> dict:
     extra = 0.0 if args.ranks == 1 else 2 * shape.moe_layers * ALL_REDUCE_S
     streamed = sum(d.nbytes for d in shape.manifest.dense if d.layer in plan.streamed)
     speed = forecast(shape, mac, plan.slots, curve, SpeedModel(), miss_share, extra,
-                     spine_read_bytes=streamed)
+                     spine_read_bytes=streamed, missable=routing.keep)
+    if routing.approximate:
+        exact = forecast(shape, mac, plan.slots, curve, SpeedModel(), miss_share, extra,
+                         spine_read_bytes=streamed)
+        out["routing"].update(exact_decode_tok_s=exact.tok_s,
+                              exact_misses_per_token=exact.misses_per_token)
     resident = plan.base + plan.pinned_bytes + plan.pool
     rate = mac.ssd_rate(shape.record_bytes * miss_share, SpeedModel().queue_depth)
     out.update(speed.report(), slots_per_layer=plan.slots, plan=plan.report(),
@@ -98,6 +115,22 @@ def predict(args) -> dict:
                cold_fill_s=cold_fill_s(resident, shape.record_bytes, mac),
                prefill_tok_s=prefill_tok_s(shape, mac, plan.slots, plan.prefill_step))
     return out
+
+
+def _routing(config: StreamConfig, top_k: int) -> RoutingForecast:
+    """The routing forecast, refused where the runtime refuses it."""
+    from ..runtime.routing import default_keep, default_window
+
+    if config.routing == "exact":
+        return RoutingForecast("exact", top_k, None)
+    keep = min(top_k, config.routing_keep or default_keep(top_k, config.routing))
+    if config.routing != "cache-aware" and keep >= top_k:
+        raise ConfigError(f"--routing-keep {keep} keeps all {top_k} experts the model routes a "
+                          f"token to, so --routing {config.routing} changes nothing: use a "
+                          f"--routing-keep below {top_k}, or --routing exact")
+    window = (config.routing_window or default_window(top_k)
+              if config.routing == "cache-aware" else None)
+    return RoutingForecast(config.routing, keep, window)
 
 
 def _for_predict(refusal: Optional[str]) -> Optional[str]:
@@ -148,9 +181,20 @@ def render(r: dict) -> str:
         f"token, from the curve {r['curve']}",
         f"  prefill      at most {r['prefill_tok_s']:.0f} tok/s (reads and weight passes; the "
         "arithmetic not counted)",
+        *_routing_lines(r["routing"]),
         "A forecast, not a measurement: docs/predict.md shows how it compares with "
         "published ones."]
     return "\n".join(lines)
+
+
+def _routing_lines(routing: dict) -> List[str]:
+    if not routing["approximate"]:
+        return []
+    return [f"  routing      {routing['mode']}, keep {routing['keep']}: a forecast for APPROXIMATE "
+            f"output (not the model's exact one; bench quality measures its cost)",
+            f"               {routing['assumption']}",
+            f"               exact routing: {routing['exact_decode_tok_s']:.1f} tok/s, "
+            f"{routing['exact_misses_per_token']:.0f} misses per token"]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -90,19 +90,24 @@ def trace_curve(path: str, policy: str) -> HitCurve:
     return replay_curve(calls, policy, Path(path).name)
 
 
-def replay_curve(calls: Dict[int, list], policy: str, name: str) -> HitCurve:
+def replay_curve(calls: Dict[int, list], policy: str, name: str,
+                 warmup: int = WARMUP) -> HitCurve:
     """Every layer's calls replayed at each pool size from top-k slots to
-    all experts; hits count (token, expert) pairs after the warm-up."""
+    all experts; hits count (token, expert) pairs after ``warmup`` tokens."""
     from ..bench.cache import replay_misses
 
     top_k = max(c.ids.shape[-1] for seq in calls.values() for c in seq)
-    experts = max(1 + int(c.experts.max()) for seq in calls.values() for c in seq)
+    # All the router's experts where the trace has its probabilities (the
+    # policies that weigh them need every one), else those routed to.
+    experts = max([1 + int(c.experts.max()) for seq in calls.values() for c in seq]
+                  + [c.probs.shape[-1] for seq in calls.values() for c in seq[:1]
+                     if c.probs is not None])
     fractions, hits = [], []
     for slots in range(top_k, experts, max(1, top_k // 2)):
         hit = total = 0
         for seq in calls.values():
             missed = replay_misses(seq, slots, make_policy(policy, experts))
-            for call, m in list(zip(seq, missed, strict=True))[WARMUP:]:
+            for call, m in list(zip(seq, missed, strict=True))[warmup:]:
                 total += call.ids.size
                 hit += call.ids.size - int(np.isin(call.ids, m).sum())
         fractions.append(round(slots / experts, 4))

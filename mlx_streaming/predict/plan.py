@@ -97,3 +97,41 @@ def _max_context(shape, machine, budget_gb, config) -> int:
         mid = (low + high) // 2
         low, high = (mid, high) if ok(mid) else (low, mid)
     return low
+
+
+def whole_budget_fit(shape: ModelShape, machine: Machine, total_gb: float, context: int,
+                     headroom_gb: float) -> Fit:
+    """The plan of a runtime whose budget counts everything it wires (boyle's
+    and oMLX's: the spine, the slots, the KV cache of ``context`` tokens and
+    ``headroom_gb`` for activations): this runtime's budget is what that
+    leaves for the model, the KV cache kept beside it."""
+    kv = kv_cache_bytes(shape.config, context)
+    return fit(shape, machine, total_gb - headroom_gb - kv / GB, context)
+
+
+def largest_budget(shape: ModelShape, machine: Machine, context: int,
+                   config: Optional[StreamConfig] = None) -> Optional[float]:
+    """The largest budget (to 0.01 GB) the loader plans on ``machine`` with
+    the KV cache of ``context`` tokens beside it; None where none does."""
+    config = config or StreamConfig()
+    kv = kv_cache_bytes(shape.config, context)
+
+    def ok(budget_gb: float) -> bool:
+        try:
+            _with_kv(shape, machine, budget_gb, kv, config)
+            return True
+        except BudgetError:
+            return False
+
+    # Budgets fit from the least one up to a largest one (below the least
+    # the spine does not fit, above the largest the machine's memory).
+    least, high = _least_budget(shape, machine, config), machine.usable_bytes / GB
+    if least is None or not ok(least):
+        return None
+    if ok(high):
+        return round(high, 2)
+    low = least
+    while high - low > 0.005:
+        mid = (low + high) / 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return round(low, 2) if ok(round(low, 2)) else low

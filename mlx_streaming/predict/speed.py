@@ -8,7 +8,8 @@
               reader's queue depth
 
 Misses per token are top-k x MoE layers x (1 - hit rate), the hit rate
-from a curve (``curves``) at the pools' resident fraction. The two free
+from a curve (``curves``) at the pools' resident fraction; with approximate
+routing only the experts a token must take can miss (``missable``). The two free
 parameters are fitted on published measurements (docs/predict.md,
 ``scripts/predict_validation.py``).
 """
@@ -61,13 +62,15 @@ class Forecast:
 def forecast(shape: ModelShape, machine: Machine, slots: int, curve: HitCurve,
              model: SpeedModel = SpeedModel(), miss_share: float = 1.0,
              extra_s: float = 0.0, paged: Optional[bool] = None,
-             spine_read_bytes: int = 0) -> Forecast:
+             spine_read_bytes: int = 0, missable: Optional[int] = None) -> Forecast:
     """Decode speed of ``shape`` with ``slots`` per layer on ``machine``.
     ``miss_share``: bytes a miss reads as a share of a record (low-bit
     copies); ``extra_s``: time per token outside the model (all-reduces);
     ``paged``: whether calls sync (default: unless every expert is resident,
     where this runtime runs mlx-lm's own decode); ``spine_read_bytes``: the
-    spine layers a token reads through the ring (those the plan streams)."""
+    spine layers a token reads through the ring (those the plan streams);
+    ``missable``: the experts per token that can miss (default top-k; fewer
+    with approximate routing, ``routed_misses``)."""
     resident = min(1.0, slots / shape.experts)
     paged = resident < 1 if paged is None else paged
     compute = shape.active_bytes / (model.bandwidth_share * machine.memory_gbps * 1e9)
@@ -77,7 +80,7 @@ def forecast(shape: ModelShape, machine: Machine, slots: int, curve: HitCurve,
 
     def parts(carry: float):
         hit = curve.carried(resident, shape.experts, shape.top_k, carry)
-        misses = shape.moe_layers * shape.top_k * (1 - hit)
+        misses = shape.moe_layers * (missable or shape.top_k) * (1 - hit)
         return hit, misses, misses * record / rate
 
     hit, misses, reads = parts(CARRY)
@@ -107,3 +110,35 @@ def prefill_tok_s(shape: ModelShape, machine: Machine, slots: int, step: int,
     passes = (shape.active_bytes + missing * shape.record_bytes) / (
         model.bandwidth_share * machine.memory_gbps * 1e9)
     return step / (reads + passes + shape.moe_layers * model.call_s)
+
+
+@dataclass(frozen=True)
+class RoutingForecast:
+    """How approximate routing (``StreamConfig.routing``) changes a token's
+    misses: only the router's own top ``keep`` must be read; the others
+    come from resident experts (cache-aware), are dropped (top-k-cut) or
+    are skipped when missing (skip-misses)."""
+
+    mode: str
+    keep: int
+    window: Optional[int]
+
+    @property
+    def approximate(self) -> bool:
+        return self.mode != "exact"
+
+    def assumption(self) -> str:
+        if self.mode == "cache-aware":
+            return (f"misses only among the router's own top {self.keep}; the others are "
+                    f"taken from resident experts in its top {self.window} (assumed always "
+                    "there: a lower bound on misses, and the kept ones hit as exact "
+                    "routing's do)")
+        if self.mode == "top-k-cut":
+            return (f"only the router's top {self.keep} are computed and read; they hit as "
+                    "exact routing's do (compute counted as exact routing's)")
+        return (f"the router's top {self.keep} are always read; the other experts are "
+                "skipped when missing, so never read (compute counted as exact routing's)")
+
+    def report(self) -> dict:
+        return dict(mode=self.mode, keep=self.keep, window=self.window,
+                    approximate=self.approximate, assumption=self.assumption())

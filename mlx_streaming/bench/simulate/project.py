@@ -1,19 +1,28 @@
-"""``bench simulate --project``: Apple Silicon machines x large MoE models,
-projected from a trace's hit rates (projections, not measurements).
+"""``bench simulate --project``: predict's speed model (``predict/speed.py``)
+for Apple Silicon machines x large MoE models, with the hit rates a
+recorded routing trace gives at each machine's pool (projections, not
+measurements).
 """
 
 import itertools
-from dataclasses import asdict, replace
+import json
+import tempfile
 from pathlib import Path
 from typing import Dict, List
-from ...runtime.memory import staging_records
-from ...config import (DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_PRECISION,
-                      StreamConfig)
+
+from ...predict.__main__ import ALL_REDUCE_S, DEFAULT_CONTEXT
+from ...predict.curves import HitCurve, replay_curve
+from ...predict.headers import read_model
+from ...predict.machines import GB, MACHINES, Machine
+from ...predict.plan import fit, largest_budget
+from ...predict.shape import ModelShape, model_shape, split
+from ...predict.speed import forecast
+from ...testing.sparse_repo import write_sparse_repo
 from ..cache import Call, decode_records
 from ..case import WARMUP_TOKENS
 from ..common import BenchError, figure, finish
-from .machines import ModelShape, PROFILES, Profile, SHAPES
-from .model import project_pool
+
+PUBLISHED = Path(__file__).parents[2] / "predict" / "data" / "published.json"
 
 
 def project(args) -> dict:
@@ -23,66 +32,68 @@ def project(args) -> dict:
     if not Path(trace).is_file():
         raise BenchError(f"no routing trace at {trace}: bench cache --model STREAM records one "
                          "(routing-trace-w*.jsonl in its --out)")
+    if args.prefetch != "off":
+        raise BenchError("--project forecasts with predict's speed model, which does not model "
+                         "prefetch: leave --prefetch off (--validate runs prefetch's cases)")
     calls = _read_trace(Path(trace))
     from ..decode import config_values
 
     policies = config_values("--policies", args.policies, "policy", str)
-    settings = _project_prefetch(args, calls)
+    curves = {p: replay_curve(calls, p, Path(trace).name, warmup=WARMUP_TOKENS)
+              for p in policies}
     rows = []
-    for (key, prof), whole, ranks in itertools.product(PROFILES.items(), SHAPES.values(),
-                                                       _ranks(args)):
-        shape = split_shape(whole, ranks)
-        row = dict(machine=prof.name, model=whole.name, ranks=ranks,
-                   spine_gb=shape.spine_bytes() / 1e9,
-                   experts_gb=shape.moe_layers * shape.experts * shape.expert_bytes() / 1e9)
-        fraction = _pool_fraction(prof, shape, prefetch=False)
-        if fraction < shape.top_k / shape.experts:
-            row.update(pool=max(0.0, fraction), note="pool below one token's experts")
-            rows.append(row)
-            continue
-        active = shape.dense_active_params * 4.5 / 8 + \
-            shape.moe_layers * shape.top_k * shape.expert_bytes()
-        compute = active / (prof.weight_gbps * 1e9) + all_reduces_s(shape, ranks)
-        # Every call syncs on a GPU; its resident experts compute while
-        # its misses are read (Paged's overlap).
-        hit_compute = shape.expert_bytes() / (prof.weight_gbps * 1e9)
-        for policy, (prefetch, depth, precision) in itertools.product(policies, settings):
-            case = dict(row, policy=policy, prefetch=prefetch)
-            fraction = _pool_fraction(prof, shape, prefetch=bool(depth))
-            if fraction >= 1:  # every expert resident: mlx-lm's own decode
-                if prefetch == "off":
-                    rows.append(dict(case, pool=1.0, hit_rate=1.0,
-                                     projected_tps=1 / compute, read_share=0.0))
-                continue
-            p = project_pool(calls, fraction, policy=policy, prefetch=depth,
-                              compute_s=compute, sync_s=prof.sync_s,
-                              moe_layers=shape.moe_layers, expert_bytes=shape.expert_bytes(),
-                              top_k=shape.top_k, ssd_gbps=prof.ssd_gbps,
-                              ssd_latency_s=prof.ssd_latency_s, skip=WARMUP_TOKENS,
-                              miss_s=prof.miss_s, hit_compute_s=hit_compute,
-                              precision=precision)
-            rows.append(dict(case, pool=fraction, hit_rate=p["hit_rate"],
-                             projected_tps=p["tps"], read_share=p["stall_s"] / p["seconds"],
-                             read_ahead=p["read_ahead_per_token"],
-                             cover=p["cover"] if depth else None))
+    for (key, mac), (name, whole), ranks in itertools.product(
+            MACHINES.items(), _shapes().items(), _ranks(args)):
+        rows += _rows(mac, name, split(whole, ranks), ranks, curves)
     rows = _with_settings(rows, _quality_settings(args.quality))
-    result = dict(rows=rows, profiles={k: asdict(v) for k, v in PROFILES.items()},
-                  shapes={k: asdict(v) for k, v in SHAPES.items()}, trace=str(trace))
+    result = dict(rows=rows, machines={k: m.name for k, m in MACHINES.items()},
+                  trace=str(trace), context=DEFAULT_CONTEXT,
+                  curves={p: dict(fractions=c.fractions, hits=c.hits) for p, c in curves.items()})
     cols = [("machine", "machine", "s"), ("model", "model", "s"), ("ranks", "Macs", "d"),
-            ("policy", "policy", "s"),
-            ("setting", "routing", "s"),
+            ("policy", "policy", "s"), ("setting", "routing", "s"),
             ("spine_gb", "spine GB", ".1f"), ("experts_gb", "experts GB", ".0f"),
-            ("pool", "pool", ".0%"), ("hit_rate", "hit", ".0%"),
-            ("prefetch", "prefetch", "s"), ("projected_tps", "projected tok/s", ".3g"),
-            ("read_share", "reads", ".0%"), ("read_ahead", "read ahead / token", ".1f"),
-            ("cover", "records a layer's compute reads", ".2f")]
-    title = "bench simulate --project: PROJECTED decode tok/s (not measured), 4-bit models"
+            ("budget_gb", "budget GB", ".1f"), ("pool", "pool", ".0%"),
+            ("hit_rate", "hit", ".0%"), ("projected_tps", "projected tok/s", ".3g"), ("read_share", "reads", ".0%"),
+            ("note", "note", "s")]
+    title = ("bench simulate --project: predict's speed model with this trace's hit rates, "
+             "PROJECTED decode tok/s (not measured)")
     return finish(args.out, "projection", result, rows, cols, title, _plot_project)
 
 
-# One all-reduce of a token's hidden state between Macs (JACCL over
-# Thunderbolt 5 RDMA): ~50 us, an assumption; two per layer (attention, MoE).
-ALL_REDUCE_S = 50e-6
+def _rows(mac: Machine, name: str, shape: ModelShape, ranks: int,
+          curves: Dict[str, HitCurve]) -> List[dict]:
+    """One row per policy: the largest budget the machine holds beside the
+    KV cache of predict's default context, planned as the loader plans it."""
+    row = dict(machine=mac.name, model=name, ranks=ranks, spine_gb=shape.spine_bytes / GB,
+               experts_gb=shape.expert_bytes / GB)
+    budget = largest_budget(shape, mac, DEFAULT_CONTEXT)
+    plan = fit(shape, mac, budget, DEFAULT_CONTEXT).plan if budget else None
+    if plan is None:
+        return [dict(row, pool=0.0, note="does not fit this machine")]
+    extra = 0.0 if ranks == 1 else 2 * shape.moe_layers * ALL_REDUCE_S
+    out = []
+    for policy, curve in curves.items():
+        # The trace's curve, carried to this model's experts and top-k as
+        # predict carries its built-in curves.
+        f = forecast(shape, mac, plan.slots, curve, extra_s=extra)
+        seconds = 1 / f.tok_s
+        out.append(dict(row, policy=policy, pool=f.resident,
+                        hit_rate=f.hit_rate, projected_tps=f.tok_s,
+                        band=list(f.band), read_share=f.reads_s / seconds,
+                        slots_per_layer=plan.slots, budget_gb=budget))
+    return out
+
+
+def _shapes() -> Dict[str, ModelShape]:
+    """The large models of predict's validation, built from their public
+    config.json sizes as sparse repos (headers over holes)."""
+    data = json.loads(PUBLISHED.read_text())
+    shapes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, m in data["models"].items():
+            write_sparse_repo(Path(tmp) / name, m["config"])
+            shapes[name] = model_shape(read_model(str(Path(tmp) / name)))
+    return shapes
 
 
 def _ranks(args) -> List[int]:
@@ -96,29 +107,11 @@ def _ranks(args) -> List[int]:
     return ranks
 
 
-def split_shape(shape: ModelShape, ranks: int) -> ModelShape:
-    """One rank's share of a tensor-parallel model: a slice of every
-    expert and of the spine (the embeddings, in truth replicated, are
-    counted split too: a small part of these models)."""
-    if ranks == 1:
-        return shape
-    return replace(shape, expert_params=shape.expert_params / ranks,
-                   dense_active_params=shape.dense_active_params / ranks,
-                   total_params=shape.total_params / ranks)
-
-
-def all_reduces_s(shape: ModelShape, ranks: int) -> float:
-    """A token's time in all-reduces between ``ranks`` Macs."""
-    return 0.0 if ranks == 1 else 2 * shape.moe_layers * ALL_REDUCE_S
-
-
 def _quality_settings(path) -> List[dict]:
     """The approximate settings a ``bench quality`` JSON measured: per
     setting its misses and bytes read per token as shares of exact's."""
     if path is None:
         return []
-    import json
-
     try:
         rows = json.loads(Path(path).read_text())["rows"]
         exact = next(r for r in rows if r["setting"] == "exact" and r["status"] == "ok")
@@ -136,13 +129,13 @@ def _quality_settings(path) -> List[dict]:
 
 
 def _with_settings(rows: List[dict], settings: List[dict]) -> List[dict]:
-    """``rows`` (exact routing), each streamed one without prefetch followed
-    by a row per approximate setting: its reads scaled by the bytes it read
-    per token against exact's, as measured on the trace's own model."""
+    """``rows`` (exact routing), each streamed one followed by a row per
+    approximate setting: its reads scaled by the bytes it read per token
+    against exact's, as measured on the trace's own model."""
     out = []
     for row in rows:
         out.append(dict(row, setting="exact") if row.get("projected_tps") else row)
-        if not row.get("projected_tps") or row["prefetch"] != "off" or row["pool"] >= 1:
+        if not row.get("projected_tps") or row["pool"] >= 1:
             continue
         for s in settings:
             share = row["read_share"]
@@ -154,25 +147,12 @@ def _with_settings(rows: List[dict], settings: List[dict]) -> List[dict]:
     return out
 
 
-def _pool_fraction(prof: Profile, shape: ModelShape, prefetch: bool) -> float:
-    """The share of each MoE layer's experts its pool holds: memory less a
-    quarter left to the OS and apps, the spine, and with prefetch its
-    staging area, which the loader's memory plan counts only where some
-    experts are not resident."""
-    room = prof.memory_gb * 0.75e9 - shape.spine_bytes()
-    if prefetch and _pool_fraction(prof, shape, prefetch=False) < 1:
-        staging = staging_records(StreamConfig(prefetch="next-layer"), [shape])
-        room -= staging * shape.expert_bytes()
-    return min(1.0, room / shape.expert_bytes() / shape.moe_layers / shape.experts)
-
-
 def _read_trace(trace: Path) -> Dict[int, List[Call]]:
     """A trace's decode calls, with enough tokens to replay past the
     warm-up; a trace cut short or not a trace is refused in one line."""
     try:
         calls = decode_records(trace)
-    except (ValueError, KeyError, TypeError, IndexError, OSError) as e:  # JSONDecodeError
-        # is a ValueError
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
         raise BenchError(f"{trace} is not a routing trace that bench simulate can read "
                          f"({type(e).__name__}: {e}); record it again") from None
     tokens = min((len(seq) for seq in calls.values()), default=0)
@@ -180,40 +160,6 @@ def _read_trace(trace: Path) -> Dict[int, List[Call]]:
         raise BenchError(f"{trace} holds {tokens} decode tokens; the projection needs more "
                          f"than the {WARMUP_TOKENS} that warm the pools (record a longer one)")
     return calls
-
-
-def _project_prefetch(args, calls) -> list:
-    """(label, depth, precision) of each projected setting, checked as
-    bench decode checks them; prefetch needs the predictions of a decode
-    trace."""
-    from ..decode import config_values
-
-    depths = config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
-    precision = config_values("--prefetch-precision", None if args.prefetch_precision is None
-                               else str(args.prefetch_precision), "prefetch_precision", float)[0]
-    if precision is None:
-        precision = DEFAULT_PREFETCH_PRECISION
-    settings = []
-    for prefetch in args.prefetch.split(","):
-        if prefetch == "off":
-            settings.append(("off", 0, 0.0))
-        elif prefetch == "next-layer":
-            for depth in depths:
-                depth = depth or DEFAULT_PREFETCH_DEPTH
-                settings.append((f"next-layer, depth {depth}", depth, precision))
-        else:
-            raise BenchError(f"--prefetch {prefetch!r}: project takes off, next-layer or both "
-                             "comma-separated")
-    predicted = any(c.ranked is not None for seq in calls.values() for c in seq)
-    if any(depth for _, depth, _ in settings) and not predicted:
-        raise BenchError("this trace holds no predictions to read ahead: project prefetch "
-                         "from the decode trace bench decode records (decode-trace.jsonl)")
-    two_ahead = any(c.ranked2 is not None for seq in calls.values() for c in seq)
-    if any(depth == 2 for _, depth, _ in settings) and not two_ahead:
-        raise BenchError("this trace holds no predictions two layers ahead (recorded at "
-                         "prefetch_depth 1, or a model of fewer than 3 MoE layers): project "
-                         "--prefetch-depth 1, or record the trace again with bench decode")
-    return settings
 
 
 def _plot_project(rows, path, title):

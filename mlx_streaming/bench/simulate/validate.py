@@ -1,18 +1,21 @@
-"""``bench simulate --validate``: this machine's profile measured, each case
-projected and run with ``bench decode`` in the same run, and the error
-of each projection.
+"""``bench simulate --validate``: predict's speed model (``predict/speed.py``)
+checked on this machine. Its costs are measured here in the same run (the
+resident decode's time per token, a paged call's cost on each path, the
+reader's rate), each case of ``bench decode`` is forecast at the hit rate
+it measured, and the error of each forecast is reported.
 """
 
 import argparse
-from dataclasses import asdict
+
 import numpy as np
-from ...config import (DEFAULT_POLICY, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFETCH_PRECISION)
+
 from ...format import read_manifest
-from ..cache import decode_records
-from ..case import WARMUP_TOKENS
+from ...predict.curves import HitCurve
+from ...predict.headers import read_model
+from ...predict.machines import Machine
+from ...predict.shape import model_shape
+from ...predict.speed import QUEUE_DEPTH, SpeedModel, forecast
 from ..common import BenchError, figure, finish, paired_ratio, run_case
-from .machines import Profile
-from .model import project_case
 
 
 # The partial pool bench overhead measures the host's per-record work on.
@@ -45,88 +48,77 @@ def validate(args) -> dict:
                                          pool=OVERHEAD_POOL,
                                          prefetch_precision=args.prefetch_precision,
                                          out=args.out / "overhead"))
-    warm = _read_cost(args.model, spec)
-    seconds = {int(n): t for n, t in warm["seconds"].items()}
-    batch = max(seconds)
-    iso = seconds[batch] / batch  # one record read in isolation
-    gbps, latency = warm["gbps"], warm["latency_s"]
-    if args.read_mbps:
-        # A token-bucket throttle lets short bursts through at the disk's own
-        # speed, so single reads overstate it; over a token it holds the rate.
-        gbps, latency = args.read_mbps / 1e3, 0.0
-    elif args.pace_mbps:
-        # The paced reader's device: its rate, one read after another.
-        gbps, latency = min(gbps, args.pace_mbps / 1e3), 0.0
-    d, layers = ov["decode"], ov["moe_layers"]
-    partial = f"paged, pool {OVERHEAD_POOL:.0%}"
-
-    def profile(path, calls_case, misses_case):
-        return Profile(f"this machine, {path}", gbps, latency, 0.0,
-                       _call_cost(d[calls_case], d["resident"], layers),
-                       _host_per_miss(d[misses_case], iso))
-
-    # A resident expert's compute, from the isolated expert call (top-k of them).
-    hit_compute = ov["pieces"]["resident_call"] / 1e6 / spec.top_k
-
-    # A paged call takes one of two paths here, each with its own costs:
-    # inside the graph (the CPU backend's native step, no host sync), or a
-    # host sync per call (prefetch's path, and every call's on a GPU).
-    in_graph = profile(IN_GRAPH, "paged, all hits", partial)
-    synced = profile(SYNCED, f"{partial}, prefetch", f"{partial}, prefetch")
+    shape = model_shape(read_model(str(args.model)))
     resident = measured["rows"][0]
     resident_tps = resident["decode_tps"]
-    calls = decode_records(args.out / "decode" / "decode-trace.jsonl")
+    here = _machine(shape, resident_tps, _disk_gbps(args, spec))
+    d, layers = ov["decode"], ov["moe_layers"]
+    partial = f"paged, pool {OVERHEAD_POOL:.0%}"
+    # A paged call takes one of two paths here, each with its own cost:
+    # inside the graph (the CPU backend's native step, no host sync), or a
+    # host sync per call (prefetch's path, and every call's on a GPU).
+    call_s = {IN_GRAPH: _call_cost(d["paged, all hits"], d["resident"], layers),
+              SYNCED: _call_cost(d[f"{partial}, prefetch"], d["resident"], layers)}
     rows = []
     for row in measured["rows"][2:]:
-        load = row.get("load") or {}
         # The path the case ran, as its own counters say.
         path = SYNCED if (row.get("syncs_per_token") or 0) > 0 else IN_GRAPH
-        here = synced if path == SYNCED else in_graph
-        overlap = path == SYNCED and load.get("overlap", True)
-        p = project_case(calls, row["pool"], load.get("policy") or DEFAULT_POLICY,
-                         _depth(load), 1 / resident_tps, here.sync_s,
-                         len(manifest.layers), spec.expert_nbytes, spec.top_k, here.ssd_gbps,
-                         here.ssd_latency_s, skip=WARMUP_TOKENS, miss_s=here.miss_s,
-                         hit_compute_s=hit_compute if overlap else 0.0,
-                         precision=load.get("prefetch_precision", DEFAULT_PREFETCH_PRECISION),
-                         width=load.get("prefetch_width") or 0)
+        slots = row.get("slots_per_layer") or max(shape.top_k, round(row["pool"] * shape.experts))
+        f = forecast(shape, here, slots, _measured_hits(shape, slots, row.get("hit_rate")),
+                     SpeedModel(1.0, call_s[path], QUEUE_DEPTH), paged=True)
         # Judged as ratios to mlx-lm resident, paired round by round: the
         # machine's speed drifts between rounds by more than the error allowed.
         measured_ratio = paired_ratio(row["runs_tps"], resident["runs_tps"])
-        projected_ratio = p["tps"] / resident_tps
+        projected_ratio = f.tok_s / resident_tps
         rows.append(dict(case=row["case"], pool=row["pool"], path=path,
-                         measured_tps=row.get("decode_tps"),
-                         projected_tps=p["tps"], measured_ratio=measured_ratio,
-                         projected_ratio=projected_ratio, projected_hit=p["hit_rate"],
-                         measured_hit=row.get("hit_rate"),
-                         measured_wasted=row.get("prefetch_wasted_share"),
-                         projected_wasted=p["wasted"],
+                         prefetch=(row.get("load") or {}).get("prefetch", "off"),
+                         measured_tps=row.get("decode_tps"), projected_tps=f.tok_s,
+                         measured_ratio=measured_ratio, projected_ratio=projected_ratio,
+                         hit_rate=row.get("hit_rate"), misses_per_token=f.misses_per_token,
+                         compute_s=f.compute_s, calls_s=f.calls_s, reads_s=f.reads_s,
                          error=projected_ratio / measured_ratio - 1 if measured_ratio else None))
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     if not errors:
         raise BenchError("no streamed case of bench decode ran: nothing to validate")
-    result = dict(rows=rows, profiles=[asdict(in_graph), asdict(synced)],
-                  resident_tps=resident_tps, hit_compute_s=hit_compute,
-                  max_abs_error=max(errors))
-    title = (f"bench simulate --validate: projected vs measured decode on this machine "
-             f"(max error {result['max_abs_error']:.0%})")
+    result = dict(rows=rows, machine=dict(memory_gbps=here.memory_gbps, ssd_gbps=here.ssd_gbps,
+                                          sources=here.sources),
+                  call_s=call_s, resident_tps=resident_tps, max_abs_error=max(errors))
+    title = (f"bench simulate --validate: predict's speed model vs measured decode on this "
+             f"machine (max error {result['max_abs_error']:.0%})")
     cols = [("case", "case", "s"), ("pool", "pool", ".0%"), ("path", "paged calls", "s"),
-            ("measured_tps", "measured", ".3g"),
-            ("projected_tps", "projected", ".3g"),
+            ("measured_tps", "measured", ".3g"), ("projected_tps", "forecast", ".3g"),
             ("measured_ratio", "measured x resident (paired)", ".3f"),
-            ("projected_ratio", "projected x resident", ".3f"), ("error", "error", "+.0%"),
-            ("measured_hit", "hit", ".0%"), ("projected_hit", "proj. hit", ".0%"),
-            ("measured_wasted", "read ahead wasted", ".0%"),
-            ("projected_wasted", "proj. wasted", ".0%")]
+            ("projected_ratio", "forecast x resident", ".3f"), ("error", "error", "+.0%"),
+            ("hit_rate", "hit (measured)", ".0%")]
     return finish(args.out, "simulate", result, rows, cols, title, _plot_validate)
 
 
-def _depth(load: dict) -> int:
-    """MoE layers ahead a case read (0: prefetch off). ``auto`` is replayed
-    as on: its trial is not modelled."""
-    if load.get("prefetch", "off") == "off":
-        return 0
-    return load.get("prefetch_depth") or DEFAULT_PREFETCH_DEPTH
+def _machine(shape, resident_tps: float, ssd_gbps: float) -> Machine:
+    """This machine as predict's model sees it: the bandwidth that gives
+    the resident decode's measured time per token (so with a share of 1),
+    and the reader's measured rate."""
+    return Machine("this machine (measured)", 0.0, shape.active_bytes * resident_tps / 1e9,
+                   ssd_gbps, {"memory_gbps": "the resident decode's time per token, measured",
+                              "ssd_gbps": "the reader's rate, measured"}, ssd_latency_s=0.0)
+
+
+def _measured_hits(shape, slots: int, hit_rate) -> HitCurve:
+    """A curve through the case's measured hit rate at its pool: the check is
+    of the speed model's time per token, not of the hit curves."""
+    fraction = min(1.0, slots / shape.experts)
+    return HitCurve("measured", "measured", shape.experts, shape.top_k, (fraction,),
+                    (hit_rate if hit_rate is not None else 1.0,))
+
+
+def _disk_gbps(args, spec) -> float:
+    """The reader's rate: the throttle's or the pace's where set, else
+    measured from the page cache into a pool's slots."""
+    if args.read_mbps:
+        # A token-bucket throttle lets short bursts through at the disk's own
+        # speed, so single reads overstate it; over a token it holds the rate.
+        return args.read_mbps / 1e3
+    warm = _read_cost(args.model, spec)
+    return min(warm["gbps"], args.pace_mbps / 1e3) if args.pace_mbps else warm["gbps"]
 
 
 def _call_cost(case: dict, resident: dict, layers: int) -> float:
@@ -138,25 +130,8 @@ def _call_cost(case: dict, resident: dict, layers: int) -> float:
     return max(0.0, float(np.median(costs)))
 
 
-def _host_per_miss(case: dict, iso_s: float) -> float:
-    """What a missed record costs beyond its disk read: the stall of
-    ``case``'s rounds less its disk reads, each at ``iso_s`` (a read in
-    isolation), per miss: the host's work (tables, copies, the checksum
-    of an expert's first read), and what makes a read in decode slower
-    than one in isolation (on 3.9 MB records, most of it). Misses served
-    from prefetch's staging are not read from disk, but the wait for a
-    read ahead still in flight is in the stall, so on prefetch's path this
-    counts some disk time that ``project_case`` also charges: small where
-    reads are fast."""
-    reads = case["runs_reads"]
-    misses = sum(r["misses"] for r in reads)
-    stall = sum(r["stall_seconds"] - r["records_read"] * iso_s for r in reads)
-    return max(0.0, stall / misses) if misses else 0.0
-
-
 def _read_cost(model, spec) -> dict:
-    """The reader's latency per call and rate from the page cache, read
-    into a pool's slots."""
+    """The reader's rate from the page cache, read into a pool's slots."""
     rd = run_case(dict(op="reads", kind="streaming", model=model, batch=spec.top_k,
                        load=dict(slots_per_layer=spec.top_k, checksums="off", direct_io=False)))
     if rd["status"] != "ok":
@@ -172,9 +147,9 @@ def _plot_validate(rows, path, title):
     ax.scatter(m, p)
     hi = max(m + p) * 1.1
     ax.plot([0, hi], [0, hi], "k--", lw=1)
-    ax.fill_between([0, hi], [0, hi * 0.85], [0, hi * 1.15], alpha=0.15, label="±15%")
+    ax.fill_between([0, hi], [0, hi * 0.75], [0, hi * 1.25], alpha=0.15, label="±25%")
     ax.set_xlabel("measured tok/s")
-    ax.set_ylabel("projected tok/s")
+    ax.set_ylabel("forecast tok/s (predict's speed model)")
     ax.set_title(title, fontsize=8)
     ax.legend()
     fig.tight_layout()
