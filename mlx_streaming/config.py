@@ -169,6 +169,12 @@ class StreamConfig:
         "docs/routing.md gives the others' units; default: resident first)", type=float,
         bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first",
         same_on_ranks=True)
+    routing_check: bool = _option(
+        False, "tensor-parallel ranks with approximate routing: gather every MoE call's "
+        "choices from every rank and stop all of them at the first pass where a rank chose "
+        "other experts than rank 0 (a collective per MoE layer per pass: for tests and "
+        "debugging; the ranks route alike by construction)", choices=ON_OFF,
+        same_on_ranks=True)
     miss_bits: Optional[int] = _option(
         None, "read a missed expert's low-bit copy of this width (approximate; made by "
         "convert --miss-bits) instead of its full record, for that call only: hits always "
@@ -230,7 +236,7 @@ class StreamConfig:
                               f"got {self.miss_bits!r}")
         if self.miss_bits_weight is not None and self.miss_bits is None:
             raise ConfigError("miss_bits_weight is a setting of miss_bits: set miss_bits too")
-        for name in ("prefetch_affinity", "overlap", "mtp"):
+        for name in ("prefetch_affinity", "overlap", "mtp", "routing_check"):
             _check_bool(name, getattr(self, name))
         if self.trace is not None:
             trace = os.fspath(self.trace) if isinstance(self.trace, os.PathLike) else self.trace
@@ -257,8 +263,8 @@ class StreamConfig:
 def _check_routing_settings(config) -> None:
     """A routing setting the chosen routing does not use is refused, not ignored."""
     if config.routing == "exact":
-        for name in ("routing_keep", "routing_window", "routing_bonus"):
-            if getattr(config, name) is not None:
+        for name in ("routing_keep", "routing_window", "routing_bonus", "routing_check"):
+            if getattr(config, name) not in (None, False):
                 raise ConfigError(f"{name} is a setting of approximate routing: set routing "
                                   "(cache-aware, top-k-cut or skip-misses) too, or leave it unset")
     elif config.routing != "cache-aware":

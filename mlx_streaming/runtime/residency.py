@@ -20,6 +20,7 @@ from .policy import make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
 from .routing import install_routers
+from .rank_routing import routing_check
 from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
 from .policy import LRU
 from .store import ExpertStore
@@ -81,7 +82,11 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
     if config.routing == "top-k-cut" or (runtime.paged and config.routing != "exact"):
         # After the routers' scorers above were found: they score the
         # router's own choice (prefetch, policies).
-        runtime.routers = install_routers(model, runtime.stores, blocks, config)
+        split = runtime.sharding
+        tensor = split.tensor if split is not None else None
+        runtime.routing_check = routing_check(config, tensor)
+        runtime.routers = install_routers(model, runtime.stores, blocks, config, tensor,
+                                          runtime.routing_check)
         for store, router in zip(runtime.stores, runtime.routers):
             # A router whose MoE module holds the selection bias gets it
             # back once the block is called, before prefetch reads it.

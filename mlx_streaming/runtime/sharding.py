@@ -34,26 +34,17 @@ class Sharding:
         return self.tensor if self.tensor is not None else self.pipeline
 
 
-# Routing that every rank of a tensor group computes alike: the others
-# choose by the rank's own residency, which ranks need not share.
-SPLIT_ROUTING = ("exact", "top-k-cut")
-
-
 def check_options(config, pipeline_group, tensor_group) -> None:
     """What a split model cannot run, refused before anything loads.
 
     Raises:
-        ConfigError: MTP, both groups at once, or routing by residency.
+        ConfigError: MTP, or both groups at once.
     """
     if config.mtp:
         raise ConfigError("MTP drafting does not run on a split model; draft with --draft "
                           "ngram or a draft model")
     if pipeline_group is not None and tensor_group is not None:
         raise ConfigError("pass either pipeline_group or tensor_group, not both")
-    if pipeline_group is None and config.routing not in SPLIT_ROUTING:
-        raise ConfigError(f"routing={config.routing!r} chooses by the experts resident on a "
-                          "rank, which tensor-parallel ranks need not share; use "
-                          f"{' or '.join(SPLIT_ROUTING)}, or a pipeline")
 
 
 def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
@@ -101,8 +92,8 @@ def same_on_ranks(config) -> dict:
     """The options every rank must load with alike: those that change what
     the model computes (the ``StreamConfig`` fields marked ``same_on_ranks``).
     The others change only what a rank keeps and reads (its own budget):
-    tensor-parallel ranks route by nothing resident (SPLIT_ROUTING) and have
-    no low-bit copies, so residency never changes their math."""
+    tensor-parallel ranks route by what every rank holds (rank_routing), so
+    no rank's own residency changes their math."""
     return {f.name: getattr(config, f.name) for f in fields(config)
             if f.metadata.get("same_on_ranks")}
 
