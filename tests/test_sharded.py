@@ -206,6 +206,29 @@ def test_ranks_routing_apart_stop_every_rank(split_models, tmp_path):
             "rank(s) 1 routed a token of layer" in result["error"], result
 
 
+def test_tensor_parallel_ranks_read_their_own_low_bit_copies(split_models, tmp_path):
+    src, _, _ = split_models("qwen3_moe")
+    tp = convert(src, tmp_path / "tp-q2", tensor_parallel=2, miss_bits=(2,), progress=False)
+    manifest = read_manifest(tp)
+    (copies,) = manifest.low_bits
+    for rank, (layers, low) in enumerate(zip(manifest.ranks, copies.ranks)):
+        assert [l.file for l in low] == [l.file.replace(".blob", ".q2.blob") for l in layers]
+        assert all(f"rank{rank}of2" in l.file for l in low)
+    assert mlx_streaming.format.damaged_records(tp) == []
+    # Rank 1's pool is larger: the ranks take copies for the misses of either.
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps({"miss_bits": 2}),
+                     "--options-rank1", json.dumps({"slots_per_layer": 6}))
+    pairs = []
+    for result in results:
+        assert "error" not in result, result
+        pool = result["pools"]["4"]
+        assert any("miss_bits=2" in w and "approximate" in w for w in pool["warnings"])
+        pairs.append(pool["stats"]["total"]["low_bit_pairs"])
+    assert pairs[0] == pairs[1] > 0
+    assert results[0]["pools"]["4"]["digest"] == results[1]["pools"]["4"]["digest"]
+
+
 def test_a_rank_that_cannot_load_stops_every_rank(split_models, tmp_path):
     _, _, tp = split_models("qwen3_moe")
     results = launch(tmp_path, "--model", tp, "--model-rank1", tmp_path / "missing",

@@ -1,9 +1,11 @@
-"""Approximate routing on tensor-parallel ranks. Each rank holds a slice of
-every expert and the ranks' outputs are summed, so every rank must route
-each token to the same experts. A router steers by the experts resident on
+"""Approximate routing and low-bit miss reads on tensor-parallel ranks.
+Each rank holds a slice of every expert and the ranks' outputs are summed,
+so every rank must route each token to the same experts, and compute each
+from the same kind of weights. A router steers by the experts resident on
 every rank (``AgreedResidency``: an all-reduce of the layer's resident set
 per call, in the graph), the same input on each rank; ``RoutingCheck``
-compares the choices themselves (``StreamConfig.routing_check``).
+compares the choices themselves (``StreamConfig.routing_check``). Low-bit
+copies are taken by the misses of any rank (``AgreedMisses``).
 
 Every collective here depends on the router's input and the layer's
 output on it, so all ranks run them in one order, whatever each rank
@@ -13,6 +15,7 @@ evaluates early (a rank that syncs on the host, another that does not).
 from typing import List, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import ConfigError, RankError
 
@@ -89,6 +92,35 @@ class RoutingCheck:
                     f"layer {layer} to other experts than rank 0: their summed outputs would "
                     "mix different experts; every rank stops (load every rank with the same "
                     "mlx_streaming, mlx and routing options, or use routing='exact')")
+
+
+class OwnMisses:
+    """One machine (or a pipeline stage): a call's misses are its pool's."""
+
+    def __call__(self, missing: np.ndarray, fits: bool) -> Tuple[np.ndarray, bool]:
+        return missing, fits
+
+
+class AgreedMisses:
+    """Tensor parallel: a call's experts missing on any rank, and whether
+    every rank's pool holds the call's experts (one host-side all-reduce
+    per call, after the call's ids were synced on every rank). Every rank
+    then chooses the same experts to compute from their low-bit copies."""
+
+    def __init__(self, group, num_experts: int):
+        self.group, self.num_experts = group, num_experts
+
+    def __call__(self, missing: np.ndarray, fits: bool) -> Tuple[np.ndarray, bool]:
+        row = np.zeros(self.num_experts + 1, np.int32)
+        row[missing] = 1
+        row[-1] = not fits
+        total = np.array(mx.distributed.all_sum(mx.array(row), group=self.group))
+        return np.nonzero(total[:-1])[0], not total[-1]
+
+
+def misses_of(num_experts: int, tensor_group):
+    """Whose misses a layer's low-bit copies are chosen from."""
+    return OwnMisses() if tensor_group is None else AgreedMisses(tensor_group, num_experts)
 
 
 def residency_of(table: mx.array, tensor_group):

@@ -20,7 +20,7 @@ from .policy import make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
 from .routing import install_routers
-from .rank_routing import routing_check
+from .rank_routing import misses_of, routing_check
 from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
 from .policy import LRU
 from .store import ExpertStore
@@ -102,8 +102,10 @@ def make_low(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMi
     source = RecordSource(runtime.reader, runtime.reader.open(str(blob)), None, blob)
     store = ExpertStore(spec, pool, source, LRU(spec.num_experts), runtime.config.checksums,
                         runtime.events)
+    split = runtime.sharding
+    misses = misses_of(spec.num_experts, split.tensor if split is not None else None)
     return LowBitMisses(store, low_inner(inner, spec, pool, bind_pool),
-                        runtime.config.miss_bits_weight)
+                        runtime.config.miss_bits_weight, misses)
 
 
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,

@@ -114,8 +114,9 @@ def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -
     step = runtime.plan.prefill_step if runtime is not None else 0
     options = same_on_ranks(runtime.config) if runtime is not None else {}
     digest = _checksum(options)
+    copies = runtime is not None and any(r.low is not None for r in runtime.residencies)
     mine = [int(failure is None), identity >> 16, identity & 0xFFFF, step,
-            digest >> 16, digest & 0xFFFF]
+            digest >> 16, digest & 0xFFFF, int(copies)]
     try:
         everyone = all_gather_ints(mine, group)
     except RuntimeError as e:
@@ -138,6 +139,8 @@ def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -
         # Every rank saw the same digests: all gather the options, or none.
         if len({(row[4], row[5]) for row in everyone}) > 1:
             _check_same_options(options, group)
+        if runtime.sharding.tensor is not None:
+            _check_copies_on_every_rank([row[6] for row in everyone])
     except BaseException:
         if runtime is not None:
             runtime.close()
@@ -164,6 +167,23 @@ def _check_same_options(options: dict, group) -> None:
                     f"ranks differ in {name} (rank 0 {value!r}, rank {rank} "
                     f"{theirs.get(name)!r}), which changes what the split model computes: "
                     f"load every rank with the same {name} ({flag})")
+
+
+def _check_copies_on_every_rank(copies: List[int]) -> None:
+    """Tensor-parallel ranks choose together which misses take low-bit
+    copies (a collective per call): all of them read copies, or none.
+
+    Raises:
+        ConfigError: a rank holds every expert (no misses, no copies) while
+            another pages.
+    """
+    if len(set(copies)) > 1:
+        whole = [r for r, c in enumerate(copies) if not c]
+        raise ConfigError(
+            f"miss_bits: rank(s) {', '.join(map(str, whole))} hold every expert and read no "
+            "low-bit copies while the others page: tensor-parallel ranks choose the copies "
+            "together; give every rank a budget below the whole model (--cache-gb or "
+            "--slots-per-layer), or leave miss_bits off")
 
 
 def _checksum(options: dict) -> int:
@@ -196,19 +216,24 @@ def apply_pipeline(model: nn.Module, sharding: Sharding) -> None:
 
 def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manifest:
     """The manifest of what this rank streams: its slices of the experts
-    (tensor parallel), of its stage's layers only (pipeline)."""
-    layers, dense = manifest.layers, manifest.dense
+    and of their low-bit copies (tensor parallel), of its stage's layers
+    only (pipeline)."""
+    layers, dense, low = manifest.layers, manifest.dense, manifest.low_bits
     if sharding.tensor is not None and manifest.ranks:
-        layers = manifest.ranks[sharding.tensor.rank()]
+        rank = sharding.tensor.rank()
+        layers = manifest.ranks[rank]
+        low = tuple(replace(c, layers=c.ranks[rank], ranks=()) for c in low)
     if sharding.pipeline is not None:
         start, end = model.model.start_idx, model.model.end_idx
         layers = tuple(l for l in layers if start <= l.layer < end)
         dense = tuple(d for d in dense if start <= d.layer < end)
+        low = tuple(replace(c, layers=tuple(l for l in c.layers if start <= l.layer < end))
+                    for c in low)
         if not layers:
             raise ConfigError(f"pipeline rank {sharding.pipeline.rank()}'s stage (layers "
                               f"{start} to {end - 1}) holds no MoE layer: use fewer ranks")
     # MTP layers do not run split; their blobs need not be on a rank's disk.
-    return replace(manifest, layers=layers, dense=dense, ranks=(), mtp=None)
+    return replace(manifest, layers=layers, dense=dense, ranks=(), mtp=None, low_bits=low)
 
 
 def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Sharding,
