@@ -215,10 +215,10 @@ def test_tensor_parallel_ranks_read_their_own_low_bit_copies(split_models, tmp_p
         assert [l.file for l in low] == [l.file.replace(".blob", ".q2.blob") for l in layers]
         assert all(f"rank{rank}of2" in l.file for l in low)
     assert mlx_streaming.format.damaged_records(tp) == []
-    # Rank 1's pool is larger: the ranks take copies for the misses of either.
+    # Rank 1's pool is three times larger: the ranks take copies for the misses of either.
     results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
                      "--options", json.dumps({"miss_bits": 2}),
-                     "--options-rank1", json.dumps({"slots_per_layer": 6}))
+                     "--options-rank1", json.dumps({"slots_per_layer": 12}))
     pairs = []
     for result in results:
         assert "error" not in result, result
@@ -227,6 +227,13 @@ def test_tensor_parallel_ranks_read_their_own_low_bit_copies(split_models, tmp_p
         pairs.append(pool["stats"]["total"]["low_bit_pairs"])
     assert pairs[0] == pairs[1] > 0
     assert results[0]["pools"]["4"]["digest"] == results[1]["pools"]["4"]["digest"]
+    # A rank that holds every expert misses nothing, so it could not choose with the others.
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps({"miss_bits": 2}),
+                     "--options-rank1", json.dumps({"slots_per_layer": 16}))
+    for result in results:
+        assert "ConfigError" in result.get("error", "") and \
+            "rank(s) 1 hold every expert" in result["error"], result
 
 
 def test_a_rank_that_cannot_load_stops_every_rank(split_models, tmp_path):
