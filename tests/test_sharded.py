@@ -505,3 +505,22 @@ def test_the_server_serves_a_split_model(split_models):
                            capture_output=True, text=True, timeout=TIMEOUT)
     assert split.returncode == 0, split.stderr
     assert text and split.stdout.strip() == text.strip()
+
+
+def test_bench_runs_the_ranks_with_the_same_settings(split_models, tmp_path):
+    from mlx_streaming.bench.__main__ import main as bench_main
+
+    _, plain, tp = split_models("qwen3_moe")
+    text = tmp_path / "text.txt"
+    text.write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 20)
+    assert bench_main(["quality", "--model", str(plain), "--tp-model", str(tp), "--ranks", "2",
+                       "--text", str(text), "--tokens", "24", "--settings", "cache-aware:1:8",
+                       "--out", str(tmp_path / "q")]) == 0
+    exact, aware = json.loads((tmp_path / "q" / "quality.json").read_text())["rows"]
+    assert exact["status"] == aware["status"] == "ok", (exact, aware)
+    assert exact["kl"] == 0 and aware["route_agreement"] < 1
+    assert bench_main(["decode", "--model", str(plain), "--tp-model", str(tp), "--ranks", "2",
+                       "--cache-gb", "0.002", "--max-tokens", "4", "--prompt-tokens", "8",
+                       "--settings", "cache-aware:1:8", "--out", str(tmp_path / "d")]) == 0
+    rows = json.loads((tmp_path / "d" / "decode-ranks.json").read_text())["rows"]
+    assert rows[-1]["case"].endswith("cache-aware:1:8") and rows[-1]["status"] == "ok", rows

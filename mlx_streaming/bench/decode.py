@@ -100,6 +100,10 @@ def add_arguments(p) -> None:
                         "off, the default policy)")
     p.add_argument("--tp-model", default=None,
                    help="with --ranks: the model converted with --tensor-parallel N")
+    p.add_argument("--settings", default=None,
+                   help="with --ranks: approximate settings (bench quality's forms, e.g. "
+                        "cache-aware:1:16,miss-bits:2), comma-separated: the N ranks also "
+                        "decode with each, every rank alike")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
 
 
