@@ -73,7 +73,7 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
                               "model.pipeline(): it runs on one machine only")
         world = mx.distributed.init()
         pipeline_group, tensor_group = (None, world) if has_shard else (world, None)
-    split = Sharding(pipeline_group, tensor_group, _identity(manifest))
+    split = Sharding(pipeline_group, tensor_group, identity(manifest))
     if tensor_group is None and manifest.ranks:
         raise FormatError(f"{path} is a conversion for {manifest.tensor_parallel} "
                           "tensor-parallel ranks: run it tensor parallel (--tensor-parallel) on "
@@ -190,7 +190,7 @@ def _checksum(options: dict) -> int:
     return zlib.crc32(json.dumps(options, sort_keys=True).encode()) & 0xFFFFFFFF
 
 
-def _identity(manifest: Manifest) -> int:
+def identity(manifest: Manifest) -> int:
     """A checksum of what a conversion holds (its records' and spine's
     checksums among it), not of where it was converted from."""
     text = json.dumps(manifest_to_dict(replace(manifest, source={})), sort_keys=True)
