@@ -168,7 +168,7 @@ def test_the_options_ranks_must_agree_on_change_the_math():
 
     agreed = {f.name for f in fields(StreamConfig) if f.metadata.get("same_on_ranks")}
     assert agreed == {"routing", "routing_keep", "routing_window", "routing_bonus",
-                      "routing_check", "miss_bits", "miss_bits_weight"}
+                      "routing_max_ppl", "routing_check", "miss_bits", "miss_bits_weight"}
 
 
 # Cache-aware routing at small pools, each rank's pool its own (size, policy,
