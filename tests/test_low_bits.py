@@ -333,7 +333,7 @@ def test_which_misses_take_copies():
     assert LowBitMisses(store, None, None).choose(missing, ids, None).tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("damage", ["bits", "layers", "stride", "file"])
+@pytest.mark.parametrize("damage", ["bits", "layers", "stride", "file", "ranks"])
 def test_a_malformed_low_bits_entry_is_refused(models, tmp_path, damage):
     from mlx_streaming.errors import FormatError
 
@@ -348,6 +348,8 @@ def test_a_malformed_low_bits_entry_is_refused(models, tmp_path, damage):
         entry["layers"] = entry["layers"][:-1]
     elif damage == "stride":
         entry["layers"][0]["stride"] += 1
+    elif damage == "ranks":  # per-rank copies of a conversion that is not split
+        entry["ranks"] = [entry["layers"], entry["layers"]]
     else:
         entry["layers"][0]["file"] = manifest["layers"][0]["file"]
     path.write_text(json.dumps(manifest))
