@@ -197,6 +197,17 @@ def test_tensor_parallel_ranks_route_alike_by_residency(split_models, family, tm
     assert routing[0]["substituted"] == routing[1]["substituted"]
 
 
+def test_a_rank_holding_every_expert_routes_with_the_others(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps(ROUTE_ALIKE),
+                     "--options-rank1", json.dumps({"slots_per_layer": 16}))
+    for result in results:
+        assert "error" not in result, result
+        assert result["pools"]["4"]["stats"]["routing"]["substituted"] > 0
+    assert results[0]["pools"]["4"]["digest"] == results[1]["pools"]["4"]["digest"]
+
+
 def test_ranks_routing_apart_stop_every_rank(split_models, tmp_path):
     _, _, tp = split_models("qwen3_moe")
     results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",

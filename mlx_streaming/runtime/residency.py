@@ -78,12 +78,14 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
                             if r.low is not None),
                         f"the scratch pools of {config.miss_bits}-bit copies")
     # A static cut changes the routing at any pool size, a full one too;
-    # the other modes only steer around missing experts.
-    if config.routing == "top-k-cut" or (runtime.paged and config.routing != "exact"):
+    # the other modes only steer around missing experts. A tensor-parallel
+    # rank holding every expert still routes with the others (and meets them).
+    split = runtime.sharding
+    tensor = split.tensor if split is not None else None
+    if config.routing == "top-k-cut" or \
+            ((runtime.paged or tensor is not None) and config.routing != "exact"):
         # After the routers' scorers above were found: they score the
         # router's own choice (prefetch, policies).
-        split = runtime.sharding
-        tensor = split.tensor if split is not None else None
         runtime.routing_check = routing_check(config, tensor)
         runtime.routers = install_routers(model, runtime.stores, blocks, config, tensor,
                                           runtime.routing_check)
