@@ -170,9 +170,9 @@ class StreamConfig:
         bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first",
         same_on_ranks=True)
     routing_max_ppl: Optional[float] = _option(
-        None, "a quality budget instead of knobs: cache-aware routing with the routing_keep "
-        "and routing_window that read least while perplexity rises at most this much "
-        "against exact (0.01 or 1%: +1%), chosen by a short calibration on held-out text "
+        None, "a quality budget instead of knobs: cache-aware routing with the routing_keep, "
+        "routing_window and routing_bonus that read least while perplexity rises at most "
+        "this much against exact (0.01 or 1%: +1%), chosen by a short calibration on held-out text "
         "(bench quality's measurement) at the run's pool size, said at load and cached per "
         "model, pool and budget in disk_cache_dir", type=float, parse="percent",
         bounds=dict(low=0, high=10, optional=True), shown_default="off", same_on_ranks=True)
@@ -273,7 +273,7 @@ def _check_routing_settings(config) -> None:
         if config.routing not in ("exact", "cache-aware"):
             raise ConfigError(f"routing_max_ppl chooses cache-aware routing's settings, not "
                               f"routing={config.routing!r}'s: leave one of them out")
-        for name in ("routing_keep", "routing_window"):
+        for name in ("routing_keep", "routing_window", "routing_bonus"):
             if getattr(config, name) is not None:
                 raise ConfigError(f"routing_max_ppl chooses {name}: leave {name} unset, or "
                                   "routing_max_ppl")

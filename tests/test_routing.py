@@ -462,6 +462,6 @@ def test_a_quality_budget_chooses_the_settings_and_caches_them(models, tmp_path)
     choice = json.loads(cached.read_text())
     assert choice["ppl_change"] <= 0.05 and (choice["keep"] < top_k or choice["ppl_change"] == 0)
     assert percent("1%") == 0.01 and percent("0.02") == 0.02
-    for bad in (dict(routing_keep=2), dict(routing="top-k-cut")):
+    for bad in (dict(routing_keep=2), dict(routing_bonus=0.5), dict(routing="top-k-cut")):
         with pytest.raises(ConfigError, match="routing_max_ppl"):
             StreamConfig(routing_max_ppl=0.01, **bad)
