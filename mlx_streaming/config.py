@@ -169,6 +169,19 @@ class StreamConfig:
         "docs/routing.md gives the others' units; default: resident first)", type=float,
         bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first",
         same_on_ranks=True)
+    routing_max_ppl: Optional[float] = _option(
+        None, "a quality budget instead of knobs: cache-aware routing with the routing_keep, "
+        "routing_window and routing_bonus that read least while perplexity rises at most "
+        "this much against exact (0.01 or 1%: +1%), chosen by a short calibration on held-out text "
+        "(bench quality's measurement) at the run's pool size, said at load and cached per "
+        "model, pool and budget in disk_cache_dir", type=float, parse="percent",
+        bounds=dict(low=0, high=10, optional=True), shown_default="off", same_on_ranks=True)
+    routing_check: bool = _option(
+        False, "tensor-parallel ranks with approximate routing: gather every MoE call's "
+        "choices from every rank and stop all of them at the first pass where a rank chose "
+        "other experts than rank 0 (a collective per MoE layer per pass: for tests and "
+        "debugging; the ranks route alike by construction)", choices=ON_OFF,
+        same_on_ranks=True)
     miss_bits: Optional[int] = _option(
         None, "read a missed expert's low-bit copy of this width (approximate; made by "
         "convert --miss-bits) instead of its full record, for that call only: hits always "
@@ -230,7 +243,7 @@ class StreamConfig:
                               f"got {self.miss_bits!r}")
         if self.miss_bits_weight is not None and self.miss_bits is None:
             raise ConfigError("miss_bits_weight is a setting of miss_bits: set miss_bits too")
-        for name in ("prefetch_affinity", "overlap", "mtp"):
+        for name in ("prefetch_affinity", "overlap", "mtp", "routing_check"):
             _check_bool(name, getattr(self, name))
         if self.trace is not None:
             trace = os.fspath(self.trace) if isinstance(self.trace, os.PathLike) else self.trace
@@ -256,9 +269,18 @@ class StreamConfig:
 
 def _check_routing_settings(config) -> None:
     """A routing setting the chosen routing does not use is refused, not ignored."""
-    if config.routing == "exact":
+    if config.routing_max_ppl is not None:
+        if config.routing not in ("exact", "cache-aware"):
+            raise ConfigError(f"routing_max_ppl chooses cache-aware routing's settings, not "
+                              f"routing={config.routing!r}'s: leave one of them out")
         for name in ("routing_keep", "routing_window", "routing_bonus"):
             if getattr(config, name) is not None:
+                raise ConfigError(f"routing_max_ppl chooses {name}: leave {name} unset, or "
+                                  "routing_max_ppl")
+        object.__setattr__(config, "routing", "cache-aware")
+    if config.routing == "exact":
+        for name in ("routing_keep", "routing_window", "routing_bonus", "routing_check"):
+            if getattr(config, name) not in (None, False):
                 raise ConfigError(f"{name} is a setting of approximate routing: set routing "
                                   "(cache-aware, top-k-cut or skip-misses) too, or leave it unset")
     elif config.routing != "cache-aware":
@@ -266,6 +288,14 @@ def _check_routing_settings(config) -> None:
             if getattr(config, name) is not None:
                 raise ConfigError(f"{name} is a setting of cache-aware routing, unused by "
                                   f"routing={config.routing!r}: leave it unset")
+
+
+def percent(text: str) -> float:
+    """``1%`` as 0.01; a plain number as it is."""
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a share such as 1% or 0.01, got {text!r}") from None
 
 
 def _check_bool(name, value, also=""):
@@ -336,6 +366,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         meta.pop("bounds", None)
         meta.pop("shown_default", None)
         meta.pop("same_on_ranks", None)
+        if meta.pop("parse", None) == "percent":
+            meta["type"] = percent
         flag = "--" + f.name.replace("_", "-")
         choices = meta.pop("choices", None)
         if isinstance(choices, dict):

@@ -3,6 +3,7 @@ keeps its own top experts, prefers resident ones, is exact when it keeps
 them all, and runs deterministically on every family whose router it can
 steer (the others are refused at load, naming the router)."""
 
+import json
 import subprocess
 import sys
 
@@ -437,3 +438,27 @@ def test_generate_and_the_server_refuse_routing_settings_that_change_nothing(mod
             proc = subprocess.run([sys.executable, "-m", *command, "--model", str(stream_dir),
                                    *flags], capture_output=True, text=True, timeout=300)
             assert_one_line_error(proc, message)
+
+
+def test_a_quality_budget_chooses_the_settings_and_caches_them(models, tmp_path):
+    from mlx_streaming.config import StreamConfig, percent
+
+    _, stream_dir = models.get("qwen3_moe", True)
+    options = dict(slots_per_layer=6, routing_max_ppl=0.05, disk_cache_dir=str(tmp_path))
+    said = []
+    for _ in range(2):
+        with pytest.warns(UserWarning) as caught:
+            model, _ = mlx_streaming.load(stream_dir, **options)
+        said.append(next(str(w.message) for w in caught if "routing_max_ppl" in str(w.message)))
+        top_k, keep, window, _ = model.streaming.routers[0].shape
+        assert model.streaming.config.routing == "cache-aware"
+        assert f"routing_keep={keep}, routing_window={window}" in said[-1]
+        model.streaming.close()
+    assert "measured on 256 tokens" in said[0] and "cached in" in said[1], said
+    (cached,) = (tmp_path / "routing-budget").glob("*-s6-p0.05.json")
+    choice = json.loads(cached.read_text())
+    assert choice["ppl_change"] <= 0.05 and (choice["keep"] < top_k or choice["ppl_change"] == 0)
+    assert percent("1%") == 0.01 and percent("0.02") == 0.02
+    for bad in (dict(routing_keep=2), dict(routing_bonus=0.5), dict(routing="top-k-cut")):
+        with pytest.raises(ConfigError, match="routing_max_ppl"):
+            StreamConfig(routing_max_ppl=0.01, **bad)

@@ -168,7 +168,83 @@ def test_the_options_ranks_must_agree_on_change_the_math():
 
     agreed = {f.name for f in fields(StreamConfig) if f.metadata.get("same_on_ranks")}
     assert agreed == {"routing", "routing_keep", "routing_window", "routing_bonus",
-                      "miss_bits", "miss_bits_weight"}
+                      "routing_max_ppl", "routing_check", "miss_bits", "miss_bits_weight"}
+
+
+# Cache-aware routing at small pools, each rank's pool its own (size, policy,
+# reader): the ranks route by what all of them hold, and check it.
+ROUTE_ALIKE = dict(routing="cache-aware", routing_keep=1, routing_check=True)
+RANK1_POOL = dict(slots_per_layer=6, policy="lru", io="python", overlap=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_tensor_parallel_ranks_route_alike_by_residency(split_models, family, tmp_path):
+    _, _, tp = split_models(family)
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps(ROUTE_ALIKE),
+                     "--options-rank1", json.dumps(RANK1_POOL))
+    for result in results:
+        assert "error" not in result, result
+        pool = result["pools"]["4"]
+        assert any("approximate" in w for w in pool["warnings"]), pool["warnings"]
+        # The tiny deepseek_v3 routes to few experts, all resident: nothing to substitute.
+        if family == "qwen3_moe":
+            assert pool["stats"]["routing"]["substituted"] > 0, pool["stats"]["routing"]
+    # Both ranks hold the same summed outputs: the same logits to the bit.
+    assert results[0]["pools"]["4"]["digest"] == results[1]["pools"]["4"]["digest"]
+    # Each rank's own pool differs; the routing did not.
+    routing = [r["pools"]["4"]["stats"]["routing"] for r in results]
+    assert routing[0]["substituted"] == routing[1]["substituted"]
+
+
+def test_a_rank_holding_every_expert_routes_with_the_others(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps(ROUTE_ALIKE),
+                     "--options-rank1", json.dumps({"slots_per_layer": 16}))
+    for result in results:
+        assert "error" not in result, result
+        assert result["pools"]["4"]["stats"]["routing"]["substituted"] > 0
+    assert results[0]["pools"]["4"]["digest"] == results[1]["pools"]["4"]["digest"]
+
+
+def test_ranks_routing_apart_stop_every_rank(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps(ROUTE_ALIKE), "--desync")
+    for result in results:
+        assert "RankError" in result.get("error", "") and \
+            "rank(s) 1 routed a token of layer" in result["error"], result
+
+
+def test_tensor_parallel_ranks_read_their_own_low_bit_copies(split_models, tmp_path):
+    src, _, _ = split_models("qwen3_moe")
+    tp = convert(src, tmp_path / "tp-q2", tensor_parallel=2, miss_bits=(2,), progress=False)
+    manifest = read_manifest(tp)
+    (copies,) = manifest.low_bits
+    for rank, (layers, low) in enumerate(zip(manifest.ranks, copies.ranks)):
+        assert [l.file for l in low] == [l.file.replace(".blob", ".q2.blob") for l in layers]
+        assert all(f"rank{rank}of2" in l.file for l in low)
+    assert mlx_streaming.format.damaged_records(tp) == []
+    # Rank 1's pool is three times larger: the ranks take copies for the misses of either.
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps({"miss_bits": 2}),
+                     "--options-rank1", json.dumps({"slots_per_layer": 12}))
+    pairs = []
+    for result in results:
+        assert "error" not in result, result
+        pool = result["pools"]["4"]
+        assert any("miss_bits=2" in w and "approximate" in w for w in pool["warnings"])
+        pairs.append(pool["stats"]["total"]["low_bit_pairs"])
+    assert pairs[0] == pairs[1] > 0
+    assert results[0]["pools"]["4"]["digest"] == results[1]["pools"]["4"]["digest"]
+    # A rank that holds every expert misses nothing, so it could not choose with the others.
+    results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",
+                     "--options", json.dumps({"miss_bits": 2}),
+                     "--options-rank1", json.dumps({"slots_per_layer": 16}))
+    for result in results:
+        assert "ConfigError" in result.get("error", "") and \
+            "rank(s) 1 hold every expert" in result["error"], result
 
 
 def test_a_rank_that_cannot_load_stops_every_rank(split_models, tmp_path):
@@ -213,9 +289,6 @@ def test_what_cannot_split_is_refused_clearly(split_models, models, tmp_path):
     with pytest.raises(ConfigError, match="gpt_oss's mlx-lm model has no model.pipeline.*"
                                           "--tensor-parallel"):
         mlx_streaming.sharded_load(gpt_oss, pipeline_group=alone)
-    with pytest.raises(ConfigError, match="routing='cache-aware' chooses by the experts "
-                                          "resident on a rank"):
-        mlx_streaming.sharded_load(tp, tensor_group=alone, routing="cache-aware")
     with pytest.raises(ConfigError, match="either pipeline_group or tensor_group"):
         mlx_streaming.sharded_load(tp, pipeline_group=alone, tensor_group=alone)
     src, mixtral = models.get("mixtral", True)
@@ -443,3 +516,22 @@ def test_the_server_serves_a_split_model(split_models):
                            capture_output=True, text=True, timeout=TIMEOUT)
     assert split.returncode == 0, split.stderr
     assert text and split.stdout.strip() == text.strip()
+
+
+def test_bench_runs_the_ranks_with_the_same_settings(split_models, tmp_path):
+    from mlx_streaming.bench.__main__ import main as bench_main
+
+    _, plain, tp = split_models("qwen3_moe")
+    text = tmp_path / "text.txt"
+    text.write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 20)
+    assert bench_main(["quality", "--model", str(plain), "--tp-model", str(tp), "--ranks", "2",
+                       "--text", str(text), "--tokens", "24", "--settings", "cache-aware:1:8",
+                       "--out", str(tmp_path / "q")]) == 0
+    exact, aware = json.loads((tmp_path / "q" / "quality.json").read_text())["rows"]
+    assert exact["status"] == aware["status"] == "ok", (exact, aware)
+    assert exact["kl"] == 0 and aware["route_agreement"] < 1
+    assert bench_main(["decode", "--model", str(plain), "--tp-model", str(tp), "--ranks", "2",
+                       "--cache-gb", "0.002", "--max-tokens", "4", "--prompt-tokens", "8",
+                       "--settings", "cache-aware:1:8", "--out", str(tmp_path / "d")]) == 0
+    rows = json.loads((tmp_path / "d" / "decode-ranks.json").read_text())["rows"]
+    assert rows[-1]["case"].endswith("cache-aware:1:8") and rows[-1]["status"] == "ok", rows

@@ -272,7 +272,7 @@ def quality(case, model, tokenizer) -> dict:
     out = dict(tokens=len(logp), ppl=float(np.exp(nll.mean())), stats=_streaming_totals(model))
     if start is not None:
         out["decode_tps"] = batch * (length - 1 - WARMUP_TOKENS) / (end - start)
-    if case.get("save"):
+    if case.get("save") and mx.distributed.init().rank() == 0:  # ranks hold the same logits
         np.save(case["save"], logp)
     if case.get("reference"):
         ref = np.load(case["reference"]).astype(np.float32)

@@ -105,6 +105,10 @@ def add_arguments(p) -> None:
     p.add_argument("--forecast", default=None,
                    help="`mlx_streaming predict --json` output: where each case's speed fell "
                         "against its band")
+    p.add_argument("--settings", default=None,
+                   help="with --ranks: approximate settings (bench quality's forms, e.g. "
+                        "cache-aware:1:16,miss-bits:2), comma-separated: the N ranks also "
+                        "decode with each, every rank alike")
     p.add_argument("--out", type=Path, default=Path("bench-results/decode"))
 
 

@@ -29,6 +29,7 @@ from ..format import LOW_BITS, read_manifest
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, text_file
 from ..runtime.low_bits import scratch_slots
 from .common import BenchError, figure, finish, paired_ratio, pool_slots, run_case
+from .ranks import run_ranks
 
 # scripts/train_moe.py trains on the first 4,000,000 characters of the corpus.
 HELD_OUT_FROM = 4_000_000
@@ -71,6 +72,12 @@ def add_arguments(p) -> None:
                         "of each per call (as batched serving decodes)")
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
                    help="rounds of all cases, interleaved; speeds are paired per round")
+    p.add_argument("--ranks", type=count(1, 8), default=1,
+                   help="run every setting (exact too) tensor parallel over N local ranks "
+                        "(ring backend), each with the --pool pool and, with --read-mbps, a "
+                        "throttle of its own (needs --tp-model)")
+    p.add_argument("--tp-model", default=None,
+                   help="with --ranks: --model converted with --tensor-parallel N")
     p.add_argument("--out", type=Path, default=Path("bench-results/quality"))
 
 
@@ -220,6 +227,7 @@ def run(args) -> dict:
     reference = out / "exact-logprobs.npy"
     reference.unlink(missing_ok=True)  # never another run's
     rounds = {s["name"]: [] for s in settings}
+    ranks = _ranks(args)
     for r in range(args.repeats):
         for s in settings:
             case = dict(op="quality", kind="streaming", model=str(args.model),
@@ -227,7 +235,11 @@ def run(args) -> dict:
                         load=dict(base, **s["load"], slots_per_layer=s["slots"]))
             if r == 0:
                 case["save" if s["name"] == "exact" else "reference"] = str(reference)
-            rounds[s["name"]].append(run_case(case, read_mbps=args.read_mbps))
+            if ranks > 1:  # the same settings on every rank
+                case.update(kind="sharded", model=str(args.tp_model))
+                rounds[s["name"]].append(run_ranks(case, ranks, None, False, args.read_mbps))
+            else:
+                rounds[s["name"]].append(run_case(case, read_mbps=args.read_mbps))
     if rounds["exact"][0]["status"] != "ok":
         raise BenchError(f"the exact case failed ({rounds['exact'][0].get('error', 'see above')})"
                          ": nothing to measure the settings against")
@@ -240,12 +252,27 @@ def run(args) -> dict:
     disk = (f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else "") + \
         (f", reads paced at {args.pace_mbps:g} MB/s" if args.pace_mbps else "")
     streams = f" in {args.batch} streams decoded together" if args.batch > 1 else ""
+    if ranks > 1:
+        streams += f", {ranks} tensor-parallel ranks"
     title = (f"bench quality: {Path(args.model).name}, {args.tokens} tokens of {Path(text).name}"
              f"{streams}, pool {slots}/{spec.num_experts} experts per layer{disk}")
     result = dict(model=str(args.model), text=str(text), tokens=args.tokens, slots=slots,
-                  batch=args.batch,
+                  batch=args.batch, ranks=ranks, tp_model=args.tp_model,
                   read_mbps=args.read_mbps, pace_mbps=args.pace_mbps, rows=rows)
     return finish(out, "quality", result, rows, COLUMNS, title, _plot)
+
+
+def _ranks(args) -> int:
+    """The ranks every case runs on (1: this machine's one process)."""
+    if args.ranks == 1 and args.tp_model is None:
+        return 1
+    if args.tp_model is None:
+        raise BenchError("--ranks needs --tp-model (--model converted with --tensor-parallel N)")
+    have = read_manifest(args.tp_model).tensor_parallel
+    if have != args.ranks:
+        raise BenchError(f"{args.tp_model} is converted for {have} tensor-parallel ranks, "
+                         f"not --ranks {args.ranks}")
+    return args.ranks
 
 
 def _row(name: str, runs: List[dict], exact: List[dict]) -> dict:

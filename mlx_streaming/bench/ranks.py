@@ -8,6 +8,8 @@ Three cases, interleaved over --repeats rounds:
                    ranks (ring backend on 127.0.0.1), each with budget B,
                    in a memory cgroup of its own and, with --read-mbps, a
                    blkio throttle of its own: N emulated disks
+  ... SETTING      the N ranks again with each --settings entry
+                   (approximate routing, low-bit miss reads), every rank alike
 
 Reported: decode tok/s (rank 0's; every rank decodes each token), the hit
 rate, and the bytes each rank reads per token.
@@ -37,6 +39,9 @@ COLUMNS = [
 
 
 def check(args) -> None:
+    if args.settings and args.ranks == 1:
+        raise BenchError("--settings runs the ranks of --ranks N with approximate settings; "
+                         "on one machine, bench quality compares them")
     if args.tp_model is None or args.cache_gb is None:
         raise BenchError("--ranks needs --tp-model (the model converted with --tensor-parallel "
                          "N) and --cache-gb (each rank's budget)")
@@ -63,6 +68,10 @@ def run(args) -> dict:
         (f"{n} ranks tensor parallel, {budget:g} GB each", n,
          dict(common, kind="sharded", model=str(args.tp_model), load=dict(load, cache_gb=budget))),
     ]
+    for name, options in _settings(args):
+        cases.append((f"{n} ranks tensor parallel, {budget:g} GB each, {name}", n,
+                      dict(common, kind="sharded", model=str(args.tp_model),
+                           load=dict(load, cache_gb=budget, **options))))
     runs = [[] for _ in cases]
     for _ in range(args.repeats):
         for i, (_, ranks, case) in enumerate(cases):
@@ -87,6 +96,18 @@ def run(args) -> dict:
     title = (f"bench decode --ranks {n}: experts {manifest.expert_nbytes / 1e9:.4f} GB, "
              f"budget {budget:g} GB per rank{disk}")
     return finish(args.out, "decode-ranks", result, rows, COLUMNS, title, _plot)
+
+
+def _settings(args) -> List[tuple]:
+    """``(name, load() options)`` of each --settings entry (none without it)."""
+    from .quality import setting_options
+
+    if not args.settings:
+        return []
+    spec = read_manifest(args.tp_model).layers[0]
+    names = [n.strip() for n in args.settings.split(",")]
+    return [(name, setting_options(name, spec.top_k, spec.num_experts)) for name in names
+            if name != "exact"]
 
 
 def _plot(rows, path, title):

@@ -142,7 +142,7 @@ def convert(
     if quantize:
         check_quantization(q_bits, q_group_size, q_mode)
     check_ranks(tensor_parallel)
-    miss_bits = check_low_bits(miss_bits, tensor_parallel, q_bits if quantize else None)
+    miss_bits = check_low_bits(miss_bits, q_bits if quantize else None)
     options = dict(
         quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, q_mode=q_mode, dtype=dtype
     )

@@ -135,8 +135,8 @@ def add_low_bits(path, bits: int, progress: Callable[[int], None] = lambda n: No
     them already, whole (``force``: write them again all the same).
 
     Raises:
-        ConversionError: a width mlx does not quantize to, a tensor-parallel
-            conversion, or experts already as narrow.
+        ConversionError: a width mlx does not quantize to, or experts
+            already as narrow.
     """
     if bits not in LOW_BITS:
         raise ConversionError(f"--miss-bits must be one of {', '.join(map(str, LOW_BITS))}, "
@@ -150,22 +150,21 @@ def add_low_bits(path, bits: int, progress: Callable[[int], None] = lambda n: No
         if not force and _whole(path, held):
             return False
         manifest = replace(manifest, low_bits=tuple(c for c in manifest.low_bits if c is not held))
-    if manifest.ranks:
-        raise ConversionError("--miss-bits: a tensor-parallel conversion has no low-bit "
-                              "copies (each rank would need its own); convert without "
-                              "--tensor-parallel for them")
-    entries, groups = [], set()
-    for spec in manifest.layers:
-        entry, group = _layer_copy(Path(path), spec, bits, progress)
-        entries.append(entry)
-        groups.add(group)
-    copies = LowBits(bits, max(groups), tuple(entries))
+    # A tensor-parallel conversion: each rank's copies of its own slices.
+    per_rank, groups = [], set()
+    for layers in manifest.ranks or (manifest.layers,):
+        entries = []
+        for spec in layers:
+            entry, group = _layer_copy(Path(path), spec, bits, progress)
+            entries.append(entry)
+            groups.add(group)
+        per_rank.append(tuple(entries))
+    copies = LowBits(bits, max(groups), per_rank[0], tuple(per_rank) if manifest.ranks else ())
     write_manifest(path, replace(manifest, low_bits=manifest.low_bits + (copies,)))
     return True
 
 
-def check_low_bits(miss_bits, tensor_parallel: int = 1,
-                   record_bits: Optional[int] = None) -> Tuple[int, ...]:
+def check_low_bits(miss_bits, record_bits: Optional[int] = None) -> Tuple[int, ...]:
     """``miss_bits`` (a width or several) as distinct widths, refused
     before any converting: widths mlx does not quantize to, or not
     narrower than the records' ``record_bits``."""
@@ -179,9 +178,6 @@ def check_low_bits(miss_bits, tensor_parallel: int = 1,
         if record_bits is not None and b >= record_bits:
             raise ConversionError(f"--miss-bits {b}: the experts are quantized to "
                                   f"{record_bits} bits; a low-bit copy must be narrower")
-    if widths and tensor_parallel > 1:
-        raise ConversionError("--miss-bits and --tensor-parallel: low-bit copies are not "
-                              "made for tensor-parallel slices; convert without one of them")
     return widths
 
 
@@ -201,7 +197,8 @@ def write_copies(dst, miss_bits, progress: bool = True,
     written, present = [], []
     for bits in check_low_bits(miss_bits):
         manifest = read_manifest(dst, blobs=False, dense=False)
-        with tqdm(total=sum(l.num_experts for l in manifest.layers), unit="expert",
+        layers = [l for rank in manifest.ranks or (manifest.layers,) for l in rank]
+        with tqdm(total=sum(l.num_experts for l in layers), unit="expert",
                   desc=f"{bits}-bit copies", file=sys.stderr, disable=not progress) as bar:
             (written if add_low_bits(dst, bits, bar.update, force=force) else present).append(bits)
     if present:

@@ -43,9 +43,10 @@ def checked_layers(path, rank=None):
     if not 0 <= rank < len(manifest.ranks):
         raise FormatError(f"{path} holds no tensor-parallel rank {rank} (it was converted for "
                           f"{manifest.tensor_parallel} rank(s))")
-    for spec in manifest.ranks[rank]:
+    own = manifest.ranks[rank] + tuple(l for c in manifest.low_bits for l in c.ranks[rank])
+    for spec in own:
         check_blob_size(path, spec)
-    return manifest.ranks[rank]
+    return own
 
 
 def damaged_records(path, progress=None, rank=None) -> List[Tuple[int, int]]:

@@ -187,6 +187,14 @@ class LowBits:
     bits: int
     group_size: int
     layers: Tuple[LayerSpec, ...]
+    # A tensor-parallel conversion: each rank's copies of its own slices
+    # (``layers`` are rank 0's). Empty: not split.
+    ranks: Tuple[Tuple[LayerSpec, ...], ...] = ()
+
+    @property
+    def all_layers(self) -> Tuple[LayerSpec, ...]:
+        """Every blob's layer entry: all ranks' copies."""
+        return tuple(l for rank in self.ranks for l in rank) if self.ranks else self.layers
 
 
 @dataclass(frozen=True)
@@ -222,7 +230,7 @@ class Manifest:
 
     def low_layers(self, bits: Optional[int] = None) -> Tuple[LayerSpec, ...]:
         """The layers of the low-bit copies: of every width, or of ``bits``."""
-        return tuple(l for c in self.low_bits if bits in (None, c.bits) for l in c.layers)
+        return tuple(l for c in self.low_bits if bits in (None, c.bits) for l in c.all_layers)
 
     @property
     def dense_nbytes(self) -> int:

@@ -177,7 +177,7 @@ def manifest_from_dict(d) -> Manifest:
                 raise Malformed(f"dense record of layer {spec.layer} holds {full}, a "
                                  "streamed expert tensor")
     ranks = _ranks_from_dict(d["tensor_parallel"], specs) if "tensor_parallel" in d else ()
-    low_bits = _low_bits_from_list(d["low_bits"], specs) if "low_bits" in d else ()
+    low_bits = _low_bits_from_list(d["low_bits"], specs, ranks) if "low_bits" in d else ()
     return Manifest(version=d["version"], layers=specs,
                     source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp,
                     dense=dense, ranks=ranks, low_bits=low_bits)
@@ -204,9 +204,25 @@ def _check_low_layer(low: LayerSpec, full: LayerSpec, bits: int, where: str) -> 
             raise Malformed(f"{where}: {proj}'s copy does not match its record's shape")
 
 
-def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...]) -> Tuple[LowBits, ...]:
+def _low_copies(entries, w: str, bits: int, main: Tuple[LayerSpec, ...]):
+    """One width's copies of ``main``'s layers, each checked against its layer."""
+    if not isinstance(entries, list):
+        raise Malformed(f"{w} is not a list")
+    specs = tuple(replace(layer_from_dict(l, f"{w}[{j}]", LOW_RECORD_ALIGNMENT), copy_bits=bits)
+                  for j, l in enumerate(entries))
+    if [(s.layer, s.module, s.num_experts, s.top_k) for s in specs] != \
+            [(s.layer, s.module, s.num_experts, s.top_k) for s in main]:
+        raise Malformed(f"{w} are not the manifest's layers")
+    for j, (low, full) in enumerate(zip(specs, main)):
+        _check_low_layer(low, full, bits, f"{w}[{j}]")
+    return specs
+
+
+def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...],
+                        ranks: Tuple[Tuple[LayerSpec, ...], ...] = ()) -> Tuple[LowBits, ...]:
     """The low-bit copies of the experts: per width, the manifest's layers
-    quantized, each in a file of its own."""
+    quantized (of a tensor-parallel conversion, each rank's slices), each
+    in a file of its own."""
     if not isinstance(entries, list):
         raise Malformed("low_bits is not a list")
     out = []
@@ -217,18 +233,23 @@ def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...]) -> Tuple[LowBits, 
         if bits not in LOW_BITS or group not in LOW_GROUP_SIZES:
             raise Malformed(f"{w}: bits {bits} / group_size {group} are not a width mlx "
                             "quantizes to")
-        specs = tuple(replace(layer_from_dict(l, f"{w}.layers[{j}]", LOW_RECORD_ALIGNMENT),
-                              copy_bits=bits)
-                      for j, l in enumerate(get_field(e, "layers", list, w)))
-        if [(s.layer, s.module, s.num_experts, s.top_k) for s in specs] != \
-                [(s.layer, s.module, s.num_experts, s.top_k) for s in main]:
-            raise Malformed(f"{w}.layers are not the manifest's layers")
-        for j, (low, full) in enumerate(zip(specs, main)):
-            _check_low_layer(low, full, bits, f"{w}.layers[{j}]")
-        out.append(LowBits(bits, group, specs))
+        specs = _low_copies(get_field(e, "layers", list, w), f"{w}.layers", bits, main)
+        per_rank = ()
+        if ranks:
+            lists = get_field(e, "ranks", list, w)
+            if len(lists) != len(ranks):
+                raise Malformed(f"{w}.ranks holds {len(lists)} ranks' copies, not {len(ranks)}")
+            per_rank = tuple(_low_copies(l, f"{w}.ranks[{r}]", bits, rank)
+                             for r, (l, rank) in enumerate(zip(lists, ranks)))
+            if per_rank[0] != specs:
+                raise Malformed(f"{w}.ranks[0] are not its layers")
+        elif "ranks" in e:
+            raise Malformed(f"{w}.ranks: the conversion is not tensor parallel")
+        out.append(LowBits(bits, group, specs, per_rank))
     if len({c.bits for c in out}) != len(out):
         raise Malformed("low_bits lists a width twice")
-    files = [s.file for s in main] + [s.file for c in out for s in c.layers]
+    files = [s.file for s in (tuple(l for r in ranks for l in r) if ranks else main)] + \
+        [s.file for c in out for s in c.all_layers]
     if len(set(files)) != len(files):
         raise Malformed("a low-bit blob shares a file with another layer")
     return tuple(out)
@@ -307,6 +328,14 @@ def _mtp_from_dict(d, main: Tuple[LayerSpec, ...]) -> "MtpSpec":
     return MtpSpec(spine, layers)
 
 
+def _low_bits_to_dict(copies: LowBits) -> dict:
+    d = {"bits": copies.bits, "group_size": copies.group_size,
+         "layers": [layer_to_dict(l) for l in copies.layers]}
+    if copies.ranks:
+        d["ranks"] = [[layer_to_dict(l) for l in rank] for rank in copies.ranks]
+    return d
+
+
 def manifest_to_dict(manifest: Manifest) -> dict:
     return {
         "format": FORMAT_NAME,
@@ -324,7 +353,6 @@ def manifest_to_dict(manifest: Manifest) -> dict:
         **({"tensor_parallel": {"ranks": len(manifest.ranks),
                                 "layers": [[layer_to_dict(l) for l in rank] for rank in manifest.ranks]}}
            if manifest.ranks else {}),
-        **({"low_bits": [{"bits": c.bits, "group_size": c.group_size,
-                          "layers": [layer_to_dict(l) for l in c.layers]} for c in manifest.low_bits]}
+        **({"low_bits": [_low_bits_to_dict(c) for c in manifest.low_bits]}
            if manifest.low_bits else {}),
     }

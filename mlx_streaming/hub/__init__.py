@@ -3,6 +3,7 @@ with a disk cache, and plain mlx-lm repos converted shard by shard."""
 
 from .repo import (  # noqa: F401
     HubRepo,
+    cache_root,
     check_remote_blobs,
     check_revision_use,
     download_dense,

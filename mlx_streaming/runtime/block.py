@@ -194,11 +194,12 @@ class Paged:
     def _low_bit_misses(self, ids, experts, probs) -> np.ndarray:
         """The missed experts this call computes from low-bit copies (none
         without them, or when the call's experts outnumber the pool)."""
-        if self.low is None or len(experts) > self.store.pool.slots:
+        if self.low is None:
             return experts[:0]
-        missing = experts[~self.store.resident(experts)]
-        if not len(missing):
-            return missing
+        missing, fits = self.low.misses(experts[~self.store.resident(experts)],
+                                        len(experts) <= self.store.pool.slots)
+        if not fits or not len(missing):
+            return experts[:0]
         rows = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
         return self.low.choose(missing, rows, probs)
 

@@ -4,13 +4,14 @@ experts are streamed from SSD through per-layer slot pools.
 
 import warnings
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
 from .. import hub
-from . import sharding, spine
+from . import quality_budget, sharding, spine
 from ..config import StreamConfig, config_fields, renamed_options
 from ..errors import ConfigError, FormatError, StreamingError, first_line
 from ..format import (check_blob_size, check_dense_size, check_spine_files, has_vocabulary,
@@ -227,6 +228,8 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
     if split is not None and split.tensor is not None:
         manifest, base = sharding.load_spine_sliced(model, path, manifest, split,
                                                     config.checksums)
+    if config.routing_max_ppl is not None:
+        config = _within_budget(path, manifest, config, model_config, base, repo, split)
     runtime = _build_runtime(path, manifest, config, model_config, repo, base)
     runtime.sharding = split
     try:
@@ -306,6 +309,20 @@ def _make_config(config: Optional[StreamConfig], options: dict) -> StreamConfig:
         return config
     # None means "the default" for every option, as on the command line.
     return StreamConfig(**{k: v for k, v in options.items() if v is not None})
+
+
+def _within_budget(path, manifest, config, model_config, base, repo, split) -> StreamConfig:
+    """``config`` with the cache-aware settings ``routing_max_ppl`` allows
+    (``quality_budget``); a pool of every expert changes nothing."""
+    if repo is not None or split is not None:
+        raise ConfigError("routing_max_ppl calibrates a local directory on one machine: run "
+                          "it there (or bench quality), then give routing_keep and "
+                          "routing_window")
+    slots = plan_memory(manifest, config, base, model_config=model_config).slots
+    if slots >= min(l.num_experts for l in manifest.layers):
+        return replace(config, routing_max_ppl=None)
+    return quality_budget.resolve(path, manifest, config, slots, sharding.identity(manifest),
+                                  hub.cache_root(config))
 
 
 def _build_runtime(path: Path, manifest: Manifest, config: StreamConfig, model_config: dict,

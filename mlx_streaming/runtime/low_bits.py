@@ -14,6 +14,7 @@ from ..errors import ConfigError, CorruptExpertError
 from ..format import LayerSpec, write_copies_command
 from ..models.discover import projections
 from .pool import SlotPool
+from .rank_routing import OwnMisses
 
 
 def low_inner(inner: nn.Module, spec: LayerSpec, pool: SlotPool, bind) -> nn.Module:
@@ -39,10 +40,12 @@ class LowBitMisses:
     decode call's copies, LRU), the expert module that computes with them,
     and which misses of a call take them (``choose``)."""
 
-    def __init__(self, store, inner: nn.Module, weight: Optional[float]):
+    def __init__(self, store, inner: nn.Module, weight: Optional[float], misses=OwnMisses()):
         self.store = store
         self.inner = inner
         self.weight = weight
+        # Whose misses count: this pool's, or any tensor-parallel rank's (rank_routing).
+        self.misses = misses
 
     def choose(self, missing: np.ndarray, ids: np.ndarray,
                probs: Optional[np.ndarray]) -> np.ndarray:
@@ -110,9 +113,9 @@ def check_low_bits(manifest, config, runtime):
             f"miss_bits={config.miss_bits}: this directory holds no {config.miss_bits}-bit "
             f"copies (it holds: {have}); add them with `python -m mlx_streaming.convert "
             f"--out DIR --miss-bits {config.miss_bits}`")
-    if runtime.sharding is not None or not runtime.reader.local:
-        raise ConfigError(f"miss_bits={config.miss_bits}: low-bit miss reads run on one "
-                          "machine from a local directory (not split runs, not Hub repos)")
+    if not runtime.reader.local:
+        raise ConfigError(f"miss_bits={config.miss_bits}: low-bit miss reads run from a local "
+                          "directory (not a Hub repo): download it, or leave miss_bits off")
     if not runtime.paged:
         return None  # every expert resident: nothing is ever missed
     return copies

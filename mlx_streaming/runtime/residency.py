@@ -20,6 +20,7 @@ from .policy import make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
 from .routing import install_routers
+from .rank_routing import misses_of, routing_check
 from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
 from .policy import LRU
 from .store import ExpertStore
@@ -77,11 +78,17 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
                             if r.low is not None),
                         f"the scratch pools of {config.miss_bits}-bit copies")
     # A static cut changes the routing at any pool size, a full one too;
-    # the other modes only steer around missing experts.
-    if config.routing == "top-k-cut" or (runtime.paged and config.routing != "exact"):
+    # the other modes only steer around missing experts. A tensor-parallel
+    # rank holding every expert still routes with the others (and meets them).
+    split = runtime.sharding
+    tensor = split.tensor if split is not None else None
+    if config.routing == "top-k-cut" or \
+            ((runtime.paged or tensor is not None) and config.routing != "exact"):
         # After the routers' scorers above were found: they score the
         # router's own choice (prefetch, policies).
-        runtime.routers = install_routers(model, runtime.stores, blocks, config)
+        runtime.routing_check = routing_check(config, tensor)
+        runtime.routers = install_routers(model, runtime.stores, blocks, config, tensor,
+                                          runtime.routing_check)
         for store, router in zip(runtime.stores, runtime.routers):
             # A router whose MoE module holds the selection bias gets it
             # back once the block is called, before prefetch reads it.
@@ -97,8 +104,10 @@ def make_low(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMi
     source = RecordSource(runtime.reader, runtime.reader.open(str(blob)), None, blob)
     store = ExpertStore(spec, pool, source, LRU(spec.num_experts), runtime.config.checksums,
                         runtime.events)
+    split = runtime.sharding
+    misses = misses_of(spec.num_experts, split.tensor if split is not None else None)
     return LowBitMisses(store, low_inner(inner, spec, pool, bind_pool),
-                        runtime.config.miss_bits_weight)
+                        runtime.config.miss_bits_weight, misses)
 
 
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,

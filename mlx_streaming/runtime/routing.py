@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
+from .rank_routing import NoRoutingCheck, residency_of
 from ..models.discover import (Routed, RoutingProbe, get_module, input_dims_of, is_router,
                                 parent_path, router_paths)
 
@@ -203,16 +204,19 @@ class CacheAwareRouter(nn.Module):
     """Stands in for a MoE layer's router: the router's output with the
     passed-over candidates masked (``choose``)."""
 
-    def __init__(self, gate: nn.Module, owner: Optional[nn.Module], table: mx.array,
+    def __init__(self, gate: nn.Module, owner: Optional[nn.Module], residency,
                  top_k: int, keep: int, window: int, groups: Tuple[int, int],
                  bonus: Optional[float] = None, mode: str = "cache-aware",
-                 sigmoid: bool = False):
+                 sigmoid: bool = False, layer: int = 0):
         super().__init__()
         self.gate = gate
         # Plain attributes, not module members (parameters, state).
         state = dict(
             # Holds the selection bias (a name of BIASES), or None.
-            owner=owner, table=table, sigmoid=sigmoid,
+            owner=owner, sigmoid=sigmoid, layer=layer,
+            # The resident set it steers by, and the ranks' comparison of
+            # its choices (rank_routing).
+            residency=residency, check=NoRoutingCheck(),
             bias_name=next((b for b in BIASES if owner is not None and b in owner), None),
             shape=(top_k, keep, window, groups), bonus=bonus, mode=mode,
             counts=[],  # per call, summed by the runtime after each pass
@@ -242,9 +246,10 @@ class CacheAwareRouter(nn.Module):
         logits = self.gate(x) if self.linear else x @ self.gate["weight"].T
         scores = self.scores(logits)
         # What another sequence of a batched call keeps is read once for all.
-        resident = batch_free(self.table >= 0, scores, keep)
+        resident = batch_free(self.residency(x), scores, keep)
         chosen, changed, passed = choose(scores, resident, top_k, keep, window,
                                          bonus=self.bonus, mode=self.mode)
+        chosen = self.check(self.layer, chosen)
         self._count(passed)
         self.routed += scores.size // scores.shape[-1] * top_k
         if self.owner is None:
@@ -320,9 +325,12 @@ def _find_gate(model, spec, inner):
     return None
 
 
-def install_routers(model: nn.Module, stores, blocks: dict, config) -> list:
+def install_routers(model: nn.Module, stores, blocks: dict, config, tensor_group=None,
+                    check=NoRoutingCheck()) -> list:
     """Wrap the router of every paged layer for ``config.routing``; returns
-    the wrappers. Raises ConfigError for a router it cannot steer."""
+    the wrappers. Tensor parallel (``tensor_group``), they steer by what
+    every rank holds, and ``check`` compares their choices across ranks.
+    Raises ConfigError for a router it cannot steer."""
     routers = []
     for store in stores:
         spec = store.spec
@@ -356,16 +364,17 @@ def install_routers(model: nn.Module, stores, blocks: dict, config) -> list:
             raise ConfigError(
                 f"routing={config.routing!r}: {type(parent).__name__}'s router scores with "
                 f"{activation!r}, which cache-aware routing does not rank; use routing='exact'")
-        router = CacheAwareRouter(gate, owner, store.pool.table, top_k, keep,
-                                  min(window, spec.num_experts), groups,
+        router = CacheAwareRouter(gate, owner, residency_of(store.pool.table, tensor_group),
+                                  top_k, keep, min(window, spec.num_experts), groups,
                                   config.routing_bonus, config.routing,
-                                  activation == "sigmoid")
+                                  activation == "sigmoid", spec.layer)
         setattr(holder, name, router)
         if owner is not None and not _takes_token_biases(parent, spec, router):
             setattr(holder, name, gate)
             raise ConfigError(
                 f"routing={config.routing!r}: {type(parent).__name__} reshapes its router's selection "
                 "bias, which cache-aware routing steers per token; use routing='exact'")
+        object.__setattr__(router, "check", check)  # after the probe: it compares passes only
         routers.append(router)
     return routers
 

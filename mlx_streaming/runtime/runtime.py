@@ -15,6 +15,7 @@ from .memory import MemoryPlan, max_slots, reserved_plan
 from ..errors import BudgetError
 from .store import NativeStore
 from .pressure import NoWatch
+from .rank_routing import NoRoutingCheck
 from .stats import SpecStats, Stats
 from .store import ExpertStore
 from .trace import TraceWriter
@@ -50,6 +51,8 @@ class Runtime:
         self.residencies: List[Paged] = []
         # routing.CacheAwareRouter of each layer: paged ones when not exact, all for top-k-cut.
         self.routers = []
+        # Compares the routers' choices across tensor-parallel ranks (rank_routing).
+        self.routing_check = NoRoutingCheck()
         self.ring = None  # the SpineRing of streamed spine layers, if any
         self.sharding = None  # sharding.Sharding of a model split over ranks, if any
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
@@ -194,3 +197,4 @@ class Runtime:
                     failure = failure or e
         if failure is not None and report:
             raise failure
+        self.routing_check.finish(report)

@@ -34,26 +34,17 @@ class Sharding:
         return self.tensor if self.tensor is not None else self.pipeline
 
 
-# Routing that every rank of a tensor group computes alike: the others
-# choose by the rank's own residency, which ranks need not share.
-SPLIT_ROUTING = ("exact", "top-k-cut")
-
-
 def check_options(config, pipeline_group, tensor_group) -> None:
     """What a split model cannot run, refused before anything loads.
 
     Raises:
-        ConfigError: MTP, both groups at once, or routing by residency.
+        ConfigError: MTP, or both groups at once.
     """
     if config.mtp:
         raise ConfigError("MTP drafting does not run on a split model; draft with --draft "
                           "ngram or a draft model")
     if pipeline_group is not None and tensor_group is not None:
         raise ConfigError("pass either pipeline_group or tensor_group, not both")
-    if pipeline_group is None and config.routing not in SPLIT_ROUTING:
-        raise ConfigError(f"routing={config.routing!r} chooses by the experts resident on a "
-                          "rank, which tensor-parallel ranks need not share; use "
-                          f"{' or '.join(SPLIT_ROUTING)}, or a pipeline")
 
 
 def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
@@ -82,7 +73,7 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
                               "model.pipeline(): it runs on one machine only")
         world = mx.distributed.init()
         pipeline_group, tensor_group = (None, world) if has_shard else (world, None)
-    split = Sharding(pipeline_group, tensor_group, _identity(manifest))
+    split = Sharding(pipeline_group, tensor_group, identity(manifest))
     if tensor_group is None and manifest.ranks:
         raise FormatError(f"{path} is a conversion for {manifest.tensor_parallel} "
                           "tensor-parallel ranks: run it tensor parallel (--tensor-parallel) on "
@@ -101,8 +92,8 @@ def same_on_ranks(config) -> dict:
     """The options every rank must load with alike: those that change what
     the model computes (the ``StreamConfig`` fields marked ``same_on_ranks``).
     The others change only what a rank keeps and reads (its own budget):
-    tensor-parallel ranks route by nothing resident (SPLIT_ROUTING) and have
-    no low-bit copies, so residency never changes their math."""
+    tensor-parallel ranks route by what every rank holds (rank_routing), so
+    no rank's own residency changes their math."""
     return {f.name: getattr(config, f.name) for f in fields(config)
             if f.metadata.get("same_on_ranks")}
 
@@ -123,8 +114,9 @@ def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -
     step = runtime.plan.prefill_step if runtime is not None else 0
     options = same_on_ranks(runtime.config) if runtime is not None else {}
     digest = _checksum(options)
+    copies = runtime is not None and any(r.low is not None for r in runtime.residencies)
     mine = [int(failure is None), identity >> 16, identity & 0xFFFF, step,
-            digest >> 16, digest & 0xFFFF]
+            digest >> 16, digest & 0xFFFF, int(copies)]
     try:
         everyone = all_gather_ints(mine, group)
     except RuntimeError as e:
@@ -147,6 +139,8 @@ def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -
         # Every rank saw the same digests: all gather the options, or none.
         if len({(row[4], row[5]) for row in everyone}) > 1:
             _check_same_options(options, group)
+        if runtime.sharding.tensor is not None:
+            _check_copies_on_every_rank([row[6] for row in everyone])
     except BaseException:
         if runtime is not None:
             runtime.close()
@@ -175,11 +169,28 @@ def _check_same_options(options: dict, group) -> None:
                     f"load every rank with the same {name} ({flag})")
 
 
+def _check_copies_on_every_rank(copies: List[int]) -> None:
+    """Tensor-parallel ranks choose together which misses take low-bit
+    copies (a collective per call): all of them read copies, or none.
+
+    Raises:
+        ConfigError: a rank holds every expert (no misses, no copies) while
+            another pages.
+    """
+    if len(set(copies)) > 1:
+        whole = [r for r, c in enumerate(copies) if not c]
+        raise ConfigError(
+            f"miss_bits: rank(s) {', '.join(map(str, whole))} hold every expert and read no "
+            "low-bit copies while the others page: tensor-parallel ranks choose the copies "
+            "together; give every rank a budget below the whole model (--cache-gb or "
+            "--slots-per-layer), or leave miss_bits off")
+
+
 def _checksum(options: dict) -> int:
     return zlib.crc32(json.dumps(options, sort_keys=True).encode()) & 0xFFFFFFFF
 
 
-def _identity(manifest: Manifest) -> int:
+def identity(manifest: Manifest) -> int:
     """A checksum of what a conversion holds (its records' and spine's
     checksums among it), not of where it was converted from."""
     text = json.dumps(manifest_to_dict(replace(manifest, source={})), sort_keys=True)
@@ -205,19 +216,24 @@ def apply_pipeline(model: nn.Module, sharding: Sharding) -> None:
 
 def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manifest:
     """The manifest of what this rank streams: its slices of the experts
-    (tensor parallel), of its stage's layers only (pipeline)."""
-    layers, dense = manifest.layers, manifest.dense
+    and of their low-bit copies (tensor parallel), of its stage's layers
+    only (pipeline)."""
+    layers, dense, low = manifest.layers, manifest.dense, manifest.low_bits
     if sharding.tensor is not None and manifest.ranks:
-        layers = manifest.ranks[sharding.tensor.rank()]
+        rank = sharding.tensor.rank()
+        layers = manifest.ranks[rank]
+        low = tuple(replace(c, layers=c.ranks[rank], ranks=()) for c in low)
     if sharding.pipeline is not None:
         start, end = model.model.start_idx, model.model.end_idx
         layers = tuple(l for l in layers if start <= l.layer < end)
         dense = tuple(d for d in dense if start <= d.layer < end)
+        low = tuple(replace(c, layers=tuple(l for l in c.layers if start <= l.layer < end))
+                    for c in low)
         if not layers:
             raise ConfigError(f"pipeline rank {sharding.pipeline.rank()}'s stage (layers "
                               f"{start} to {end - 1}) holds no MoE layer: use fewer ranks")
     # MTP layers do not run split; their blobs need not be on a rank's disk.
-    return replace(manifest, layers=layers, dense=dense, ranks=(), mtp=None)
+    return replace(manifest, layers=layers, dense=dense, ranks=(), mtp=None, low_bits=low)
 
 
 def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Sharding,

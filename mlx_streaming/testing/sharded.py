@@ -12,6 +12,8 @@ bit-identical, and its stats; or the error it stopped with.
 import argparse
 import json
 import sys
+import warnings
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,6 +30,19 @@ def logits_trace(model):
 
 def same(a, b) -> bool:
     return len(a) == len(b) and all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def digest(trace) -> int:
+    """A checksum of a logits trace's bytes (ranks compare theirs)."""
+    return zlib.crc32(b"".join(bytes(memoryview(x.astype(mx.float32))) for x in trace))
+
+
+def desync(model) -> None:
+    """Make this rank's routers steer by the opposite of the resident set
+    the ranks agreed on (the agreement still runs: its collective is kept)."""
+    for router in model.streaming.routers:
+        agreed = router.residency
+        object.__setattr__(router, "residency", lambda x, agreed=agreed: ~agreed(x))
 
 
 def groups(mode: str, world):
@@ -59,10 +74,17 @@ def check(args, world) -> dict:
         options = {k: v.format(rank=world.rank()) if isinstance(v, str) else v
                    for k, v in options.items()}
         if slots:  # 0: the budget in --options sizes the pools
-            options["slots_per_layer"] = slots
-        model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world), **options)
+            options.setdefault("slots_per_layer", slots)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            model, _ = mlx_streaming.sharded_load(model_dir, *groups(args.mode, world),
+                                                  **options)
+        if args.desync and world.rank() == 1:
+            desync(model)
         got = logits_trace(model)
         result["pools"][slots] = {"same": want is not None and same(want, got),
+                                  "digest": digest(got),
+                                  "warnings": [str(w.message) for w in said],
                                   "stats": mlx_streaming.sharded_stats(model)[world.rank()]}
         model.streaming.close()
     return result
@@ -79,6 +101,8 @@ def main(argv=None) -> int:
                    help="more load options, as JSON; {rank} in a string is the rank")
     p.add_argument("--options-rank1", default="{}",
                    help="options rank 1 loads with instead, as JSON")
+    p.add_argument("--desync", action="store_true",
+                   help="rank 1 routes by another resident set than rank 0")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     world = mx.distributed.init()
