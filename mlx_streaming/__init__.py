@@ -41,7 +41,6 @@ from .errors import (
     StreamingError,
 )
 from .runtime.stats import reset_stats, stats
-
 from .version import __version__
 
 # name -> (module, attribute); None: the module itself.

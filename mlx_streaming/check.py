@@ -41,14 +41,14 @@ def main(argv=None) -> int:
                 f"{len(spine)} damaged or missing spine files ({', '.join(spine)}); "
                 "re-convert the model"
             )
-        total = sum(l.num_experts for l in layers)
+        total = sum(spec.num_experts for spec in layers)
         with tqdm(total=total, unit="expert", file=sys.stderr,
                   disable=not sys.stderr.isatty()) as bar:
             bad = damaged_experts(args.model, progress=bar.update, rank=args.rank)
         if bad:
             raise FormatError("; ".join(_damage(args.model, bad)))
-        records = sum(l.num_experts for l in layers if l.copy_bits is None)
-        widths = sorted({l.copy_bits for l in layers} - {None})
+        records = sum(spec.num_experts for spec in layers if spec.copy_bits is None)
+        widths = sorted({spec.copy_bits for spec in layers} - {None})
         copies = (f" and their {','.join(map(str, widths))}-bit copies ({total - records})"
                   if widths else "")
         spine_note = (f"{len(manifest.spine)} spine files and " if manifest.spine else

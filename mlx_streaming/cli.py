@@ -16,8 +16,8 @@ import logging
 import os
 import signal
 import sys
-import warnings
 import threading
+import warnings
 from typing import Callable, List, NoReturn, Optional
 
 from .errors import StreamingError

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from .cli import run_main
-from .format import manifest_path
 from .flags import MAX_TOKENS, Parser, count, number
+from .format import manifest_path
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlx_streaming" / "demo-v2"
 DEFAULT_PROMPT = "Beautiful is better than"
@@ -51,8 +51,8 @@ WHAT_IT_IS = (
 
 def build_demo_model(cache_dir: Path, steps: int = DEMO_TRAIN_STEPS, log=print) -> Path:
     """Train, quantize and convert the demo model; returns its stream dir."""
-    from .testing import tiny
     from .conversion.local import convert
+    from .testing import tiny
 
     work = cache_dir / "build"
     shutil.rmtree(work, ignore_errors=True)

@@ -17,9 +17,8 @@ from pathlib import Path
 from .cli import log_to_stderr, run_main, write_out
 from .config import add_config_flags, config_from_args
 from .errors import ConfigError, first_line
-from .flags import Parser
+from .flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, Parser, count, number, temperature
 from .predict.against import against, describe, read_forecast
-from .flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count, number, temperature
 from .split import add_split_flags, load_split, lost, watch
 
 # Heavy imports (mlx, mlx-lm) happen inside main's body, where an

@@ -10,8 +10,8 @@ import time
 from typing import Optional
 
 from .errors import ConfigError, RankError, first_line
-from .runtime.events import Observer
 from .flags import number
+from .runtime.events import Observer
 
 # Seconds a rank waits for the next token before it gives its peers up.
 DEFAULT_RANK_TIMEOUT = 300.0

@@ -14,7 +14,7 @@ def available_memory_bytes() -> int:
     reclaimable inactive file pages counted as available)."""
     try:
         with open("/proc/meminfo") as f:
-            info = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
         available = info.get("MemAvailable", info.get("MemFree", 0))
     except FileNotFoundError:
         return _macos_available_bytes()
@@ -70,8 +70,8 @@ def _cgroup_inactive_file(proc: str = "/proc/self/cgroup",
                 key = "inactive_file"
             else:
                 continue
-            for l in stat.read_text().splitlines():
-                name, value = l.split()
+            for line in stat.read_text().splitlines():
+                name, value = line.split()
                 if name == key:
                     return int(value)
     except (OSError, ValueError):

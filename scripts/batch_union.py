@@ -17,9 +17,9 @@ import numpy as np
 
 
 def unions(model_dir: str, text: str, tokens: int, batch: int) -> dict:
-    import mlx_streaming
     from mlx_lm.models.cache import make_prompt_cache
 
+    import mlx_streaming
     from mlx_streaming.format import read_manifest
     from mlx_streaming.runtime.trace import read_trace
 

@@ -8,10 +8,10 @@ prints the table docs/predict.md shows (the other rows out of sample).
 """
 
 import argparse
-import sys
 import itertools
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 

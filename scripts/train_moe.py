@@ -29,8 +29,8 @@ import mlx.optimizers as optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_streaming.testing import tiny  # noqa: E402
 from mlx_streaming.conversion.local import convert  # noqa: E402
+from mlx_streaming.testing import tiny  # noqa: E402
 
 DEFAULTS = dict(
     hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -9,10 +9,10 @@ import mlx_lm
 import numpy as np
 
 import mlx_streaming
+from mlx_streaming.conversion.local import convert
 from mlx_streaming.io.native import load_extension
 from mlx_streaming.testing import tiny
 from mlx_streaming.testing.logits import logits_trace as trace_of
-from mlx_streaming.conversion.local import convert
 
 # The native extension, when built; the reader paths to test with it.
 EXT, WHY = load_extension()
@@ -125,8 +125,14 @@ def downgrade_to_v1(stream_dir: Path, out: Path) -> Path:
     import json
     import shutil
 
-    from mlx_streaming.format import (dense_path, dtype_from_name, manifest_path,
-                                      manifest_to_dict, read_manifest, spine_manifest)
+    from mlx_streaming.format import (
+        dense_path,
+        dtype_from_name,
+        manifest_path,
+        manifest_to_dict,
+        read_manifest,
+        spine_manifest,
+    )
 
     stream_dir, out = Path(stream_dir), Path(out)
     shutil.copytree(stream_dir, out, ignore=shutil.ignore_patterns("spine"))

@@ -69,7 +69,7 @@ def test_global_allocation_gives_slots_where_they_gain_most():
     assert bench_cache.allocate(curves, 5, [1, 1]) == [2, 3]
     # A layer that repeats one expert needs one slot; the other gets the rest.
     calls = {0: [np.array([0])] * 40, 1: [np.array([i % 3]) for i in range(40)]}
-    calls = {l: bench_cache._as_calls(c) for l, c in calls.items()}
+    calls = {layer: bench_cache._as_calls(c) for layer, c in calls.items()}
     assert bench_cache.global_allocation(calls, 2, 4, lambda: LRU(4)) > \
         np.mean([bench_cache.simulate(c, 2, LRU(4)) for c in calls.values()])
 
@@ -83,7 +83,7 @@ def test_routing_stats_of_a_known_trace(tmp_path):
     trace = tmp_path / "t.jsonl"
     lines = [{"layer": 0, "ids": [[0, 1]]}, {"layer": 0, "ids": [[1, 2]]},
              {"layer": 0, "ids": [[1, 2]]}, {"layer": 0, "ids": [[3, 4], [5, 6]]}]
-    trace.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    trace.write_text("".join(json.dumps(record) + "\n" for record in lines))
     r = routing_stats(trace, top=1)
     assert r["temporal_reuse"] == pytest.approx((0.5 + 1.0) / 2)
     assert r["top8_share"] == pytest.approx(3 / 6)  # expert 1: 3 of 6 uses
@@ -99,13 +99,13 @@ def test_bench_decode_records_what_the_others_replay(models, tmp_path, capsys):
     _run(["decode", *common, "--mlx-model", str(src), "--pools", "0.25,1.0", "--max-tokens",
           "4", "--routing-tokens", "8"], tmp_path / "decode")
     # A line per case as it finishes, on stderr (the table is on stdout).
-    progress = [l for l in capsys.readouterr().err.splitlines() if l.startswith("bench: decode")]
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bench: decode")]
     # Four cases, and the run that records the trace Belady's MIN replays.
-    assert len(progress) == 5 and all(": ok in " in l for l in progress)
+    assert len(progress) == 5 and all(": ok in " in line for line in progress)
     assert "slots_per_layer=" in progress[2]
     # The decode trace (Belady's replay, simulate's) holds the predictions
     # that simulate's prefetch cases replay.
-    records = [json.loads(l) for l in (tmp_path / "decode" / "decode-trace.jsonl").open()]
+    records = [json.loads(record) for record in (tmp_path / "decode" / "decode-trace.jsonl").open()]
     assert any("predicted" in r for r in records)
     # Two layers ahead too (the third MoE layer, from the first's input),
     # with the scores the calibration bins.
@@ -450,7 +450,7 @@ def test_a_failed_case_says_why_as_it_ends(tmp_path, capsys):
     result = run_case(dict(op="decode", kind="streaming", model=str(tmp_path / "none"),
                            max_tokens=2, prompt_tokens=4, temp=0.0, load=dict(io="python")))
     assert result["status"] == "error"
-    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.startswith("bench: ")]
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bench: ")]
     assert line.startswith("bench: decode streaming io=python: error (") and "none" in line
 
 

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 
-
 from mlx_streaming.format import read_manifest
 
 
@@ -22,7 +21,7 @@ def assert_one_line_error(proc, pattern):
 
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: "), proc.stderr
     assert re.search(pattern, lines[-1]), lines[-1]
 
@@ -179,8 +178,8 @@ def test_warnings_are_one_line(models, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mlx_streaming.convert", "--model", str(src),
                            "--out", str(tmp_path / "a" / "b"), "--no-progress", "--dtype",
                            "float16"], capture_output=True, text=True, timeout=300)
-    lines = [l for l in proc.stderr.splitlines() if "Warning" in l or "warning:" in l]
-    assert lines and all(l.startswith("warning: ") and ".py:" not in l for l in lines), \
+    lines = [line for line in proc.stderr.splitlines() if "Warning" in line or "warning:" in line]
+    assert lines and all(line.startswith("warning: ") and ".py:" not in line for line in lines), \
         proc.stderr
 
 

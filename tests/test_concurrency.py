@@ -10,14 +10,13 @@ import gc
 import os
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 
 import pytest
 
 import mlx_streaming
 from helpers import IO_PATHS
-
 
 THREADED = textwrap.dedent("""
     import os, sys, threading

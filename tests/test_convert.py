@@ -11,11 +11,11 @@ import mlx.core as mx
 import pytest
 
 import mlx_streaming
-from mlx_streaming.testing import tiny
+from helpers import VOCAB, check_matches_resident
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConversionError, FormatError
 from mlx_streaming.format import CONVERT_STATE_NAME, manifest_path, read_manifest
-from helpers import VOCAB, check_matches_resident
+from mlx_streaming.testing import tiny
 
 
 def test_package_exports_the_convert_function():
@@ -140,10 +140,10 @@ def test_synthetic_model_written_directly_equals_its_conversion(tmp_path, tokeni
     converted = convert(mlx_dir, tmp_path / "converted", progress=False)
 
     a, b = read_manifest(direct), read_manifest(converted)
-    assert [l.file for l in a.layers] == [l.file for l in b.layers]
+    assert [spec.file for spec in a.layers] == [spec.file for spec in b.layers]
     for la, lb in zip(a.layers, b.layers):
         assert (la.stride, la.segments, la.checksums) == (lb.stride, lb.segments, lb.checksums)
-        blob = lambda d, l: (d / "experts" / l.file).read_bytes()  # noqa: E731
+        blob = lambda d, spec: (d / "experts" / spec.file).read_bytes()  # noqa: E731
         assert blob(direct, la) == blob(converted, lb)
     check_matches_resident(mlx_dir, converted, slots_per_layer=2)
 

@@ -7,15 +7,17 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+
 import mlx.core as mx
 import pytest
+from test_cli import assert_one_line_error, run
+
+from helpers import check_matches_resident
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import (
     ConversionError,
 )
 from mlx_streaming.format import manifest_path, read_manifest
-from helpers import check_matches_resident
-from test_cli import assert_one_line_error, run
 
 
 def tree_digest(path: Path) -> dict:
@@ -66,7 +68,7 @@ def test_force_over_a_stream_dir_leaves_nothing_stale(tmp_path, models, tokenize
     small = models.get("mixtral", quantized=True)[0]
     convert(small, dst, force=True, progress=False)
     blobs = sorted(p.name for p in (dst / "experts").iterdir() if p.suffix == ".blob")
-    assert blobs == [l.file for l in read_manifest(dst).layers]
+    assert blobs == [spec.file for spec in read_manifest(dst).layers]
     assert not (dst / "chat_template.jinja").exists()
     check_matches_resident(small, dst, slots_per_layer=2)
 

@@ -5,17 +5,19 @@ checksum is an error, never wrong output."""
 import json
 import os
 from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_cli import assert_one_line_error, run
+
 import mlx_streaming
+from helpers import PROMPT, check_matches_resident, logits_trace
 from mlx_streaming.errors import (
     CorruptExpertError,
     FormatError,
 )
 from mlx_streaming.format import manifest_path, read_manifest
-from helpers import PROMPT, check_matches_resident, logits_trace
-from test_cli import assert_one_line_error, run
 
 
 def edit_manifest(stream_dir: Path, edit) -> None:
@@ -46,8 +48,8 @@ def test_stride_smaller_than_an_expert_is_refused(stream_copy):
 
 
 def test_native_reader_refuses_segments_outside_the_record(tmp_path):
-    from mlx_streaming.io.native import NativeReader, load_extension
     from mlx_streaming.errors import ExpertReadError
+    from mlx_streaming.io.native import NativeReader, load_extension
 
     ext, why = load_extension()
     assert ext is not None, why

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 
 import mlx_streaming
+from helpers import PROMPT, record_bytes
 from mlx_streaming.errors import CorruptExpertError, FormatError
 from mlx_streaming.format import (
     RECORD_ALIGNMENT,
     SEGMENT_ALIGNMENT,
+    damaged_records,
     layout_record,
     manifest_path,
     read_manifest,
     record_checksum,
-    damaged_records,
 )
-from helpers import PROMPT, record_bytes
 
 
 def test_layout_aligns_segments_and_stride():

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from mlx_streaming.hub import repo as hub
+from helpers import assert_same_logits, greedy_text, logits_trace, reshard
 from mlx_streaming.errors import ConfigError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
-from mlx_streaming.testing.hubserver import HubServer
+from mlx_streaming.hub import repo as hub
 from mlx_streaming.hub.disk_cache import DiskCache
 from mlx_streaming.hub.fetch import ExpertFetchError
 from mlx_streaming.runtime.stats import stats
-from helpers import logits_trace, assert_same_logits, greedy_text, reshard
+from mlx_streaming.testing.hubserver import HubServer
 
 REPO = "org/tiny-stream"
 
@@ -278,6 +278,7 @@ def test_a_repo_without_an_index_loads_as_mlx_lm_loads_its_directory(tokenizer_d
     reads every model*.safetensors of the directory, and so does a load of
     the repo id."""
     import mlx_lm
+
     from mlx_streaming.testing.synthetic import make_synthetic
 
     src = make_synthetic(tmp_path / "src", tokenizer_dir, fmt="mlx-lm")

@@ -1,7 +1,9 @@
 """Without the native extension, the package installs and reads in Python."""
 
 from pathlib import Path
+
 import pytest
+
 import mlx_streaming
 from helpers import check_matches_resident
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import mlx_streaming
+from helpers import assert_same_logits, logits_trace
 from mlx_streaming.conversion.low_bits import add_low_bits, full_weight
 from mlx_streaming.errors import ConfigError, ConversionError, CorruptExpertError
 from mlx_streaming.format import blob_path, damaged_records, read_manifest
 from mlx_streaming.testing.families import FAMILIES
-from helpers import assert_same_logits, logits_trace
 
 
 def _with_copies(stream_dir, tmp_path, bits=(2,)):
@@ -297,8 +297,9 @@ def test_mtp_layers_run_with_miss_bits(models, tmp_path):
 
 
 def test_reservations_add_up():
-    from mlx_streaming.runtime.memory import MemoryPlan, reserved_plan
     from types import SimpleNamespace
+
+    from mlx_streaming.runtime.memory import MemoryPlan, reserved_plan
 
     spec = SimpleNamespace(expert_nbytes=100, num_experts=8, top_k=2, module="m")
     manifest = SimpleNamespace(layers=(spec,), mtp=None)
@@ -313,6 +314,7 @@ def test_reservations_add_up():
 
 def test_which_misses_take_copies():
     from types import SimpleNamespace
+
     from mlx_streaming.runtime.low_bits import LowBitMisses
 
     store = SimpleNamespace(pool=SimpleNamespace(slots=2))

@@ -1,20 +1,22 @@
 """The memory plan against the memory there is: what does not fit is refused
 at load with the number that fits, and what loads, runs."""
 
-import math
-from pathlib import Path
 import json
+import math
 import subprocess
 import sys
+from pathlib import Path
+
 import pytest
+from test_cli import assert_one_line_error
+
 import mlx_streaming
-from mlx_streaming.runtime import memory as budget
 from mlx_streaming.config import StreamConfig
 from mlx_streaming.errors import (
     BudgetError,
 )
 from mlx_streaming.format import read_manifest
-from test_cli import assert_one_line_error
+from mlx_streaming.runtime import memory as budget
 
 
 def test_explicit_pool_beyond_available_memory_is_refused(qwen):
@@ -88,8 +90,8 @@ def test_what_loads_in_a_small_cgroup_runs(tmp_path, tokenizer_dir):
     killed); the sizes advised, and the defaults, load and run without a
     kill and without the pools shrinking at once (the advice left nothing
     for the pressure bar)."""
-    from mlx_streaming.testing import synthetic
     from mlx_streaming.bench.common import BenchError, MemoryLimit
+    from mlx_streaming.testing import synthetic
 
     stream = synthetic.make_synthetic(
         tmp_path / "big", tokenizer_dir, hidden_size=1024, num_hidden_layers=2,

@@ -132,9 +132,9 @@ def test_subclasses_override_hooks_not_mlx_lms_private_methods():
 
 
 def test_an_mlx_lm_outside_the_range_is_one_line_at_import(tmp_path):
-    from mlx_streaming.supported import check_mlx_lm, mlx_lm_range
-
     import re
+
+    from mlx_streaming.supported import check_mlx_lm, mlx_lm_range
 
     supported = mlx_lm_range()  # from the installed metadata: pyproject's
     pyproject = (PACKAGE.parent / "pyproject.toml").read_text()

@@ -10,14 +10,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from mlx_streaming.runtime import residency
-from mlx_streaming.runtime.block import Paged
-from mlx_streaming.runtime.block import NativePaged
+from helpers import PROMPT, check_matches_resident, count_splits
 from mlx_streaming.errors import CorruptExpertError
 from mlx_streaming.format import read_manifest
+from mlx_streaming.runtime import residency
+from mlx_streaming.runtime.block import NativePaged, Paged
 from mlx_streaming.runtime.store import NativeStore
-
-from helpers import PROMPT, check_matches_resident, count_splits
 
 
 def _residencies(model):

@@ -8,7 +8,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 import pytest
+from test_cli import assert_one_line_error, run
+
 import mlx_streaming
 from mlx_streaming.config import StreamConfig
 from mlx_streaming.conversion.local import convert
@@ -18,7 +21,6 @@ from mlx_streaming.errors import (
     FormatError,
 )
 from mlx_streaming.format import manifest_path, read_manifest
-from test_cli import assert_one_line_error, run
 
 
 @pytest.mark.parametrize("flags, message", [

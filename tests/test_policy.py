@@ -95,7 +95,6 @@ def test_adaptive_eviction_keeps_the_output_mlx_lms_at_a_quarter_pool(qwen, kwar
 
     sys.path.insert(0, str(Path(__file__).parent))
     from helpers import check_matches_resident
-
     from mlx_streaming.format import read_manifest
 
     src, stream_dir = qwen

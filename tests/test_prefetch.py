@@ -5,9 +5,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+
 import mlx_streaming
-from mlx_streaming.runtime.prefetch.predict import rank_order
 from helpers import IO_PATHS, PROMPT, check_matches_resident, pool_sizes
+from mlx_streaming.runtime.prefetch.predict import rank_order
 
 
 def test_prefetch_order_puts_shared_experts_first():

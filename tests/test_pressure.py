@@ -12,9 +12,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
+from helpers import PROMPT, assert_same_logits, logits_trace
 from mlx_streaming.runtime.pressure import PressureWatch
 from mlx_streaming.runtime.stats import stats
-from helpers import PROMPT, assert_same_logits, logits_trace
 
 CGROUP = Path("/sys/fs/cgroup/memory")
 
@@ -126,9 +126,9 @@ def test_lowering_a_cgroup_limit_mid_run_shrinks_the_pools(qwen, tmp_path):
 
 
 def test_the_default_budget_is_what_the_os_says_is_available(qwen):
-    from mlx_streaming.runtime import memory as budget
     from mlx_streaming.errors import BudgetError
     from mlx_streaming.format import read_manifest
+    from mlx_streaming.runtime import memory as budget
 
     manifest = read_manifest(qwen[1])
     per_slot = budget.bytes_per_slot(manifest)
@@ -163,7 +163,7 @@ def test_a_shrink_warning_starts_its_own_line_in_generate(qwen, monkeypatch, cap
     out, err = capsys.readouterr()
     assert out.strip()  # text was streaming
     lines = err.splitlines()
-    warned = [i for i, l in enumerate(lines) if "pools shrink" in l]
+    warned = [i for i, line in enumerate(lines) if "pools shrink" in line]
     assert warned and all(lines[i].startswith("[mlx_streaming] WARNING: available memory")
                           for i in warned)
     assert "\n[mlx_streaming] WARNING: available memory" in err

@@ -5,15 +5,16 @@ and say which file and offset failed."""
 import threading
 import time
 import zlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
+
 import mlx_streaming
+from helpers import EXT, WHY, check_matches_resident
 from mlx_streaming.errors import ExpertReadError
 from mlx_streaming.io.native import NativeReader
 from mlx_streaming.io.python import PythonReader, direct_io_works
-from helpers import EXT, WHY, check_matches_resident
-
 
 STRIDE = 16384
 

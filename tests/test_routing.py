@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import mlx_streaming
+from helpers import assert_same_logits, logits_trace
 from mlx_streaming.errors import ConfigError
+from mlx_streaming.models.discover import get_module
 from mlx_streaming.runtime import routing
 from mlx_streaming.testing.families import FAMILIES
-from mlx_streaming.models.discover import get_module
-from helpers import assert_same_logits, logits_trace
 
 
 def _softmax_top_k(logits, top_k):

@@ -15,13 +15,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_streaming
+from helpers import pool_sizes
+from mlx_streaming.bench.ranks import free_ports
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConfigError, ConversionError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
-from mlx_streaming.bench.ranks import free_ports
 from mlx_streaming.testing import sharded
-
-from helpers import pool_sizes
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 # Expert widths that split into two ranks' 4-bit groups of 64.
@@ -223,8 +222,8 @@ def test_tensor_parallel_ranks_read_their_own_low_bit_copies(split_models, tmp_p
     manifest = read_manifest(tp)
     (copies,) = manifest.low_bits
     for rank, (layers, low) in enumerate(zip(manifest.ranks, copies.ranks)):
-        assert [l.file for l in low] == [l.file.replace(".blob", ".q2.blob") for l in layers]
-        assert all(f"rank{rank}of2" in l.file for l in low)
+        assert [spec.file for spec in low] == [spec.file.replace(".blob", ".q2.blob") for spec in layers]
+        assert all(f"rank{rank}of2" in spec.file for spec in low)
     assert mlx_streaming.format.damaged_records(tp) == []
     # Rank 1's pool is three times larger: the ranks take copies for the misses of either.
     results = launch(tmp_path, "--model", tp, "--mode", "tensor", "--slots", "4",

@@ -4,6 +4,7 @@ and the sampling rule keeps the target's distribution."""
 
 import itertools
 import json
+
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlx_streaming
-from mlx_streaming.errors import ConfigError
+from helpers import PROMPT
 from mlx_streaming.decode.mtp import MtpDraft
 from mlx_streaming.decode.speculative import (
     ModelDraft,
@@ -20,8 +21,8 @@ from mlx_streaming.decode.speculative import (
     accept_sampled,
     speculative_generate_step,
 )
+from mlx_streaming.errors import ConfigError
 from mlx_streaming.runtime.stats import stats
-from helpers import PROMPT
 
 STEPS = 24
 FAMILIES = ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_k3"]
@@ -147,7 +148,7 @@ def test_verify_calls_prefetch_and_chunk_when_the_union_exceeds_the_pool(models)
     assert speculative_tokens(model, ModelDraft(reference), k=4, spec=spec) == want
     total = stats(model)["total"]
     assert total["prefetch_issued"] > 0 and spec.accepted > 0
-    assert max(l["experts_per_call"] or 0 for l in stats(model)["layers"].values()) > top_k
+    assert max(layer["experts_per_call"] or 0 for layer in stats(model)["layers"].values()) > top_k
 
 
 class OracleMtp(MtpDraft):
@@ -302,8 +303,8 @@ def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
 
 
 def test_families_without_deepseek_style_mtp_convert_without_it(tmp_path, tokenizer_dir):
-    from mlx_streaming.testing import tiny
     from mlx_streaming.conversion.local import convert
+    from mlx_streaming.testing import tiny
 
     config = tiny.tiny_config("kimi_vl", 512)
     config["text_config"] = dict(config["text_config"], num_nextn_predict_layers=1)

@@ -13,14 +13,20 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from mlx_streaming.runtime import memory as budget, spine
-from mlx_streaming.runtime.model_spine import spine_bytes
+from helpers import (
+    PROMPT,
+    assert_same_logits,
+    check_matches_resident,
+    downgrade_to_v1,
+    logits_trace,
+)
 from mlx_streaming.config import StreamConfig
 from mlx_streaming.errors import BudgetError, FormatError
 from mlx_streaming.format import dense_path, read_manifest
+from mlx_streaming.runtime import memory as budget
+from mlx_streaming.runtime import spine
+from mlx_streaming.runtime.model_spine import spine_bytes
 from mlx_streaming.testing.families import FAMILIES
-from helpers import (PROMPT, assert_same_logits, check_matches_resident, downgrade_to_v1,
-                     logits_trace)
 
 MIB = 1 << 20
 
@@ -32,7 +38,7 @@ def test_every_family_streams_its_spine_exactly(models, family, quantized):
     src, stream_dir = models.get(family, quantized)
     manifest = read_manifest(stream_dir)
     assert manifest.version == 2 and manifest.dense, "the converter wrote no dense records"
-    top_k = max(l.top_k for l in manifest.layers)
+    top_k = max(spec.top_k for spec in manifest.layers)
     model = check_matches_resident(src, stream_dir, slots_per_layer=top_k, pinned_layers=0)
     report = mlx_streaming.stats(model)
     assert report["memory"]["pinned_layers"] == 0

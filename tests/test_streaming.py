@@ -8,14 +8,20 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from mlx_streaming.io.native import load_extension
+from helpers import (
+    PROMPT,
+    check_matches_resident,
+    count_splits,
+    logits_trace,
+    pool_bytes,
+    record_bytes,
+)
+from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.errors import BudgetError
 from mlx_streaming.format import read_manifest
+from mlx_streaming.io.native import load_extension
 from mlx_streaming.runtime.model_spine import spine_bytes
-from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.runtime.policy import LRU, make_policy
-from helpers import (PROMPT, check_matches_resident, count_splits, logits_trace, pool_bytes,
-                     record_bytes)
 
 
 @pytest.mark.parametrize("name", POLICY_CHOICES)
@@ -148,7 +154,7 @@ def test_cache_gb_sizes_the_pools(qwen):
     """The budget covers the spine first (it fits here), the pools the rest."""
     _, stream_dir = qwen
     manifest = read_manifest(stream_dir)
-    per_slot = sum(l.expert_nbytes for l in manifest.layers)
+    per_slot = sum(spec.expert_nbytes for spec in manifest.layers)
     spine = spine_bytes(stream_dir) + sum(d.nbytes for d in manifest.dense)
     model, _ = mlx_streaming.load(stream_dir, cache_gb=(spine + 7.5 * per_slot) / 1e9)
     s = mlx_streaming.stats(model)
@@ -355,8 +361,8 @@ def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):
 
 
 def test_a_closed_model_with_overlap_is_a_clear_error(qwen, monkeypatch):
-    from mlx_streaming.runtime import block
     from mlx_streaming.errors import ExpertReadError
+    from mlx_streaming.runtime import block
 
     monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", 0.0)
     _, stream_dir = qwen

@@ -19,13 +19,12 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from ..flags import MAX_TOKENS, count, existing_file, fractions
 from ..format import read_manifest
-from ..runtime.policy import (ARC, LFU, LRU, LRUK, Adaptive, DecayedLFU, Policy, Predicted,
-                              RouterEMA)
+from ..runtime.policy import ARC, LFU, LRU, LRUK, Adaptive, DecayedLFU, Policy, Predicted, RouterEMA
 from ..runtime.trace import read_trace_records
 from . import routing
 from .common import figure, finish
-from ..flags import MAX_TOKENS, count, existing_file, fractions
 
 
 def add_arguments(p) -> None:
@@ -199,11 +198,11 @@ def allocate(curves: List[np.ndarray], total: int, floor: List[int]) -> List[int
     left = total - sum(alloc)
     while left > 0:
         best = None  # (gain per slot, layer, slots to add)
-        for l, c in enumerate(alloc):
-            for add in range(1, min(left, len(curves[l]) - 1 - c) + 1):
-                rate = (curves[l][c + add] - curves[l][c]) / add
+        for layer, c in enumerate(alloc):
+            for add in range(1, min(left, len(curves[layer]) - 1 - c) + 1):
+                rate = (curves[layer][c + add] - curves[layer][c]) / add
                 if best is None or rate > best[0]:
-                    best = (rate, l, add)
+                    best = (rate, layer, add)
         if best is None or best[0] <= 0:
             break
         alloc[best[1]] += best[2]
@@ -217,19 +216,19 @@ def global_allocation(calls: Dict[int, List[Call]], capacity: int, num_experts: 
     the marginal gains measured on the first quarter of the trace (a
     profiling prefix) with the policy ``factory`` makes."""
     layers = list(calls)
-    floor = [max(len(c.experts) for c in calls[l]) for l in layers]
+    floor = [max(len(c.experts) for c in calls[layer]) for layer in layers]
     curves = []
-    for l in layers:
-        prefix = calls[l][: max(1, len(calls[l]) // 4)]
+    for layer in layers:
+        prefix = calls[layer][: max(1, len(calls[layer]) // 4)]
         lookups = sum(c.ids.size for c in prefix)
         curves.append(np.array([0.0] + [
             simulate(prefix, c, factory()) * lookups if c >= floor[len(curves)] else 0.0
             for c in range(1, num_experts + 1)]))
     alloc = allocate(curves, capacity * len(layers), floor)
     hits = total = 0
-    for l, slots in zip(layers, alloc):
-        lookups = sum(c.ids.size for c in calls[l])
-        hits += simulate(calls[l], slots, factory()) * lookups
+    for layer, slots in zip(layers, alloc):
+        lookups = sum(c.ids.size for c in calls[layer])
+        hits += simulate(calls[layer], slots, factory()) * lookups
         total += lookups
     return hits / total
 

@@ -115,7 +115,8 @@ def speculative(case, model, tokenizer) -> dict:
     at each ``ks``; the time of a run includes its prompt. With an mlx-lm model and a
     model draft, mlx-lm's own speculative decoding runs too."""
     import mlx_lm
-    from mlx_lm.generate import generate_step, speculative_generate_step as mlx_spec
+    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import speculative_generate_step as mlx_spec
 
     from ..decode.speculative import SpecStats, speculative_generate_step
 

@@ -257,7 +257,7 @@ def _run_case(case, memory_limit_gb, cold, timeout, read_mbps) -> dict:
 def case_outcome(returncode: int, stdout: str, stderr: str, oom: bool = False) -> dict:
     """What a case's process printed (its last JSON line) with ``status``
     ok, or ``status`` oom or error (with the last line it wrote to stderr)."""
-    lines = [l for l in stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if returncode == 0 and lines:
         return dict(json.loads(lines[-1]), status="ok")
     if oom or returncode in (-9, 137):

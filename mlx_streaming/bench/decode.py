@@ -13,25 +13,33 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 import itertools
 from pathlib import Path
 
-from ..config import (CHECKSUM_CHOICES, DIRECT_IO_CHOICES, IO_CHOICES, MAX_GB, ON_OFF,
-                      POLICY_CHOICES, PREFETCH_CHOICES, StreamConfig)
+from ..config import (
+    CHECKSUM_CHOICES,
+    DIRECT_IO_CHOICES,
+    IO_CHOICES,
+    MAX_GB,
+    ON_OFF,
+    POLICY_CHOICES,
+    PREFETCH_CHOICES,
+    StreamConfig,
+)
 from ..errors import ConfigError
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, temperature
 from ..format import blob_path, read_manifest
+from ..predict.against import against, read_forecast
 from . import ranks, routing
 from .common import (
     BenchError,
-    on_off,
-    paired_ratio,
     disk_read_gbps,
     drop_page_cache,
     figure,
     finish,
     median_run,
+    on_off,
+    paired_ratio,
     pool_slots,
     run_case,
 )
-from ..predict.against import against, read_forecast
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, temperature
 
 COLUMNS = [
     ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),

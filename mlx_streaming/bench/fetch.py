@@ -21,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number, temperature
 from ..format import read_manifest
 from ..hub.repo import records_nbytes
 from .common import BenchError, figure, finish, median_run, pool_slots, run_case
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number, temperature
 
 REPO = "bench/model"
 COLUMNS = [

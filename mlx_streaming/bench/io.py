@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DIRECT_IO_CHOICES
+from ..config import DIRECT_IO_CHOICES, MAX_BUDGET, MAX_COUNT, MAX_IO_THREADS
+from ..flags import MAX_ROUNDS, MAX_TOKENS, count, fractions, listed, number, size, temperature
 from ..io.native import NativeReader, load_extension
 from ..io.python import PythonReader, aligned_empty
 from .common import (
@@ -28,10 +29,6 @@ from .common import (
     run_case,
     save_json,
 )
-from ..flags import (MAX_ROUNDS, MAX_TOKENS, count, fractions, listed, number, size,
-                     temperature)
-from ..config import MAX_BUDGET, MAX_COUNT, MAX_IO_THREADS
-
 
 
 def add_arguments(p) -> None:

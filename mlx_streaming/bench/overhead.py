@@ -38,10 +38,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import DEFAULT_POLICY
-from ..models.discover import find_router, input_dims_of
-from ..format import read_manifest
-from .common import figure, finish, paired_ratio, prompt_tokens
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number
+from ..format import read_manifest
+from ..models.discover import find_router, input_dims_of
+from .common import figure, finish, paired_ratio, prompt_tokens
 
 
 def add_arguments(p) -> None:
@@ -129,7 +129,7 @@ def _decode(model, tokenizer, tokens: int):
 
     prompt = mx.array(prompt_tokens(tokenizer, 16))
     steps = generate_step(prompt, model, max_tokens=tokens + 2,
-                          sampler=lambda l: mx.argmax(l, axis=-1))
+                          sampler=lambda logits: mx.argmax(logits, axis=-1))
     next(steps)
     next(steps)
     before = _reads(model)
@@ -223,7 +223,7 @@ def run(args) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(args.model)
     spec = manifest.layers[0]
-    experts = max(l.num_experts for l in manifest.layers)
+    experts = max(spec.num_experts for spec in manifest.layers)
     paged, tok = load(args.model, slots_per_layer=experts, policy=args.policy)
     _force_paged(paged)
     timings = pieces(paged, args.repeats)

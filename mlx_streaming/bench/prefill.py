@@ -3,10 +3,10 @@ resident, and the expert bytes read per prompt token."""
 
 from pathlib import Path
 
+from ..flags import MAX_TOKENS, count, listed, number
 from ..format import read_manifest
 from . import routing
 from .common import figure, finish, pool_slots, run_case
-from ..flags import MAX_TOKENS, count, listed, number
 
 
 def add_arguments(p) -> None:

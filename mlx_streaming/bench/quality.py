@@ -25,8 +25,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..format import LOW_BITS, read_manifest
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, text_file
+from ..format import LOW_BITS, read_manifest
 from ..runtime.low_bits import scratch_slots
 from .common import BenchError, figure, finish, paired_ratio, pool_slots, run_case
 from .ranks import run_ranks

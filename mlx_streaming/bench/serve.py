@@ -26,10 +26,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..format import read_manifest
-from .common import BenchError, ReadLimit, figure, finish, pool_slots, print_table
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
+from ..format import read_manifest
 from .clients import APIS, streamed
+from .common import BenchError, ReadLimit, figure, finish, pool_slots, print_table
 from .quality import equal_memory_slots, setting_options
 
 # A different prompt per request: clients share no prompt cache.

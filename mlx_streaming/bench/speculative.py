@@ -12,11 +12,10 @@ at K = 1. Draft cost is not counted.
 from pathlib import Path
 
 from ..config import DIRECT_IO_CHOICES, ON_OFF
+from ..flags import MAX_NUM_DRAFT, MAX_ROUNDS, MAX_TOKENS, count, draft, fractions, listed, number
 from ..format import read_manifest
 from . import routing
 from .common import BenchError, figure, finish, on_off, pool_slots, run_case
-from ..flags import MAX_ROUNDS, MAX_TOKENS, count, draft, fractions, listed, number
-from ..flags import MAX_NUM_DRAFT
 
 ACCEPTANCE = (0.5, 0.7, 0.9)
 
@@ -63,7 +62,7 @@ def _rows(result, label):
                    if r["bytes_read_per_call"] is not None else None)
         s = r.get("stats")
         if s:
-            per_call = [l["experts_per_call"] for l in s["layers"].values() if l["experts_per_call"]]
+            per_call = [layer["experts_per_call"] for layer in s["layers"].values() if layer["experts_per_call"]]
             row["experts_per_layer"] = sum(per_call) / len(per_call) if per_call else None
         for a in ACCEPTANCE:
             row[f"speedup@{a}"] = expected_tokens(r["k"], a) * base / r["call_s"]

@@ -10,14 +10,15 @@ import sys
 import urllib.parse
 from pathlib import Path
 from typing import Optional
+
 from ..errors import ConversionError, first_line
+from ..flags import Parser
 from ..format import (
     CONVERT_STATE_NAME,
     manifest_path,
 )
 from .local import DTYPES, QUANTIZATION, convert, quantization_defaults
 from .low_bits import write_copies
-from ..flags import Parser
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -7,10 +7,21 @@ import os
 import shutil
 from pathlib import Path
 from typing import Dict, Tuple
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import make_shards
+
+from ..errors import ConversionError
+from ..format import (
+    DenseSpec,
+    dtype_name,
+    fsync_path,
+    layout_record,
+    record_checksum,
+    spine_dir,
+)
 from ..models.discover import (
     get_module,
     input_dims_of,
@@ -19,16 +30,6 @@ from ..models.discover import (
     parent_path,
     router_paths,
 )
-from ..errors import ConversionError
-from ..format import (
-    DenseSpec,
-    spine_dir,
-    dtype_name,
-    fsync_path,
-    layout_record,
-    record_checksum,
-)
-
 
 SPINE_SHARD_GB = 1
 

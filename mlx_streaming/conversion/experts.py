@@ -4,15 +4,11 @@
 import os
 from pathlib import Path
 from typing import List
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from ..models.discover import (
-    input_dims_of,
-    num_experts,
-    probe_top_k,
-    quantization_of,
-)
+
 from ..errors import ConversionError
 from ..format import (
     LayerSpec,
@@ -21,7 +17,12 @@ from ..format import (
     layout_record,
     record_checksum,
 )
-
+from ..models.discover import (
+    input_dims_of,
+    num_experts,
+    probe_top_k,
+    quantization_of,
+)
 
 # Fallback only: the number is read off the model itself (probe_top_k).
 TOP_K_KEYS = (

@@ -10,48 +10,57 @@ the layers that were finished and redoes the rest.
 import json
 import os
 import shutil
-import warnings
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load_model, quantize_model, save_config
+
+from ..errors import ConversionError, FormatError
+from ..format import (
+    FORMAT_VERSION,
+    TOKENIZER_PATTERNS,
+    VOCABULARY_FILES,
+    LayerSpec,
+    Manifest,
+    MtpSpec,
+    SpineFile,
+    check_safetensors,
+    experts_dir,
+    file_crc32,
+    fsync_path,
+    has_vocabulary,
+    manifest_path,
+    spine_manifest,
+    write_manifest,
+)
+from ..models import mtp
 from ..models.discover import (
     find_expert_blocks,
     get_module,
     layer_index,
     num_experts,
+    projections,
 )
-from ..models import mtp
-from ..errors import ConversionError, FormatError
-from ..format import (
-    MtpSpec,
-    SpineFile,
-    file_crc32,
-    FORMAT_VERSION,
-    LayerSpec,
-    Manifest,
-    experts_dir,
-    fsync_path,
-    VOCABULARY_FILES,
-    has_vocabulary,
-    manifest_path,
-    check_safetensors,
-    spine_manifest,
-    write_manifest,
-)
-from .dense import convert_dense, write_spine, resident_modules
-from .experts import convert_layer, release_experts, find_top_k
-from .tensor_parallel import check_ranks, rank_file, rank_models
+from .dense import convert_dense, resident_modules, write_spine
+from .experts import convert_layer, find_top_k, release_experts
 from .low_bits import add_copies, check_low_bits
-from .resume import SKIP_FILES, State, check_dst, check_not_source, clear_dst, dst_state, conversion_fingerprint, fsync_written, os_error
-from ..format import TOKENIZER_PATTERNS
-from ..models.discover import projections
-
-
-
+from .resume import (
+    SKIP_FILES,
+    State,
+    check_dst,
+    check_not_source,
+    clear_dst,
+    conversion_fingerprint,
+    dst_state,
+    fsync_written,
+    os_error,
+)
+from .tensor_parallel import check_ranks, rank_file, rank_models
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -309,7 +318,7 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
     for ordinal, (path, block) in enumerate(blocks):
         layer = layer_index(path, ordinal)
         file = f"layer{layer:03d}.blob"
-        if any(l.file == file for l in layers):
+        if any(spec.file == file for spec in layers):
             file = f"block{ordinal:03d}.blob"
         top_k = None
         sources = [(file, block)] if not ranks else \

@@ -8,12 +8,26 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
+
 import mlx.core as mx
 import numpy as np
+
 from ..errors import ConversionError, FormatError
-from ..format import (LOW_BITS, LOW_RECORD_ALIGNMENT, LayerSpec, LowBits, blob_path,
-                      check_blob_size, dtype_from_name, dtype_name, experts_dir, layout_record, read_manifest,
-                      write_copies_command, write_manifest)
+from ..format import (
+    LOW_BITS,
+    LOW_RECORD_ALIGNMENT,
+    LayerSpec,
+    LowBits,
+    blob_path,
+    check_blob_size,
+    dtype_from_name,
+    dtype_name,
+    experts_dir,
+    layout_record,
+    read_manifest,
+    write_copies_command,
+    write_manifest,
+)
 from .experts import write_blob
 
 # Experts dequantized at a time: bounds the float copy of a large layer.
@@ -197,8 +211,8 @@ def write_copies(dst, miss_bits, progress: bool = True,
     written, present = [], []
     for bits in check_low_bits(miss_bits):
         manifest = read_manifest(dst, blobs=False, dense=False)
-        layers = [l for rank in manifest.ranks or (manifest.layers,) for l in rank]
-        with tqdm(total=sum(l.num_experts for l in layers), unit="expert",
+        layers = [spec for rank in manifest.ranks or (manifest.layers,) for spec in rank]
+        with tqdm(total=sum(spec.num_experts for spec in layers), unit="expert",
                   desc=f"{bits}-bit copies", file=sys.stderr, disable=not progress) as bar:
             (written if add_low_bits(dst, bits, bar.update, force=force) else present).append(bits)
     if present:

@@ -10,21 +10,21 @@ import os
 import shutil
 from pathlib import Path
 from typing import Dict, Optional
+
 from ..errors import ConversionError
 from ..format import (
-    spine_dir,
     CONVERT_STATE_NAME,
     MANIFEST_NAME,
+    TOKENIZER_PATTERNS,
     LayerSpec,
     experts_dir,
     fsync_path,
     layer_from_dict,
     layer_to_dict,
     manifest_path,
+    spine_dir,
     write_json_atomic,
 )
-from ..format import TOKENIZER_PATTERNS
-
 
 SKIP_FILES = {"config.json", "model.safetensors.index.json", CONVERT_STATE_NAME}
 

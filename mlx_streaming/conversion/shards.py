@@ -28,11 +28,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.utils import infer_quant_config, load_model, save_config
 
-
-from ..models.discover import find_expert_blocks, layer_index, num_experts
 from ..errors import ConversionError
 from ..format import (
     FORMAT_VERSION,
+    TOKENIZER_PATTERNS,
     LayerSpec,
     Manifest,
     dtype_name,
@@ -42,8 +41,8 @@ from ..format import (
     spine_manifest,
     write_manifest,
 )
+from ..models.discover import find_expert_blocks, layer_index, num_experts
 from .experts import expert_tensors, find_top_k, write_layer
-from ..format import TOKENIZER_PATTERNS
 
 INDEX = "model.safetensors.index.json"
 # Headers of weight files read at once.
@@ -117,6 +116,7 @@ def _headers(repo) -> Tuple[Dict[str, str], Dict[str, Tuple[str, tuple]]]:
     headers, read by range request, of the files mlx_lm.load reads
     (``HubRepo.weight_files``: an index need not list them, nor exist)."""
     from concurrent.futures import ThreadPoolExecutor
+
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=repo.endpoint)
@@ -213,7 +213,7 @@ def _convert(repo, work: Path, on_shard) -> None:
     weight_map, tensors = _headers(repo)
     model, config = _skeleton(download, tensors)
     layers = _plan(model, config, weight_map)
-    streamed = {l.full(n) for l in layers for n in l.names}
+    streamed = {spec.full(n) for spec in layers for n in spec.names}
     experts_dir(work).mkdir(parents=True, exist_ok=True)
     (work / ".pending").mkdir()
     shards = sorted(set(weight_map.values()))
@@ -242,7 +242,7 @@ def _convert(repo, work: Path, on_shard) -> None:
         _say(f"{repo.repo_id}: shard {i + 1}/{len(shards)} ({shard}) converted and deleted")
     if len(specs) != len(layers):
         raise ConversionError(f"{repo.repo_id}: the shards did not hold every expert tensor")
-    _finish(repo, work, download, config, [specs[l.file] for l in layers], spine_map)
+    _finish(repo, work, download, config, [specs[spec.file] for spec in layers], spine_map)
 
 
 def _load_shard(path: Path, repo) -> Dict[str, mx.array]:

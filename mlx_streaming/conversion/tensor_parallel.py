@@ -6,7 +6,9 @@ of the other ranks' slices; its disk needs only its own files.
 """
 
 from typing import Callable, List
+
 import mlx.nn as nn
+
 from ..errors import ConversionError
 
 # More ranks than this is a typo, not a cluster of Macs.

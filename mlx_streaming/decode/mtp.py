@@ -2,11 +2,12 @@
 """
 
 from typing import List, Optional, Sequence, Tuple
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from ..errors import ConfigError
 
+from ..errors import ConfigError
 
 PREFILL_STEP = 512
 

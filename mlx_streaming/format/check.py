@@ -4,10 +4,17 @@
 
 from pathlib import Path
 from typing import List, Tuple
+
 from ..errors import FormatError
-from .files import (blob_path, check_blob_size, crc_or_none, dense_checksum, read_dense,
-                    read_manifest)
-from .layout import LayerSpec, Manifest, SPINE_DIR, record_checksum
+from .files import (
+    blob_path,
+    check_blob_size,
+    crc_or_none,
+    dense_checksum,
+    read_dense,
+    read_manifest,
+)
+from .layout import SPINE_DIR, LayerSpec, Manifest, record_checksum
 
 
 def damaged_spine(path, manifest: Manifest) -> List[str]:
@@ -43,7 +50,7 @@ def checked_layers(path, rank=None):
     if not 0 <= rank < len(manifest.ranks):
         raise FormatError(f"{path} holds no tensor-parallel rank {rank} (it was converted for "
                           f"{manifest.tensor_parallel} rank(s))")
-    own = manifest.ranks[rank] + tuple(l for c in manifest.low_bits for l in c.ranks[rank])
+    own = manifest.ranks[rank] + tuple(spec for c in manifest.low_bits for spec in c.ranks[rank])
     for spec in own:
         check_blob_size(path, spec)
     return own

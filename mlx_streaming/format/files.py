@@ -9,8 +9,22 @@ import struct
 import zlib
 from pathlib import Path
 from typing import List, Optional, Tuple
+
 from ..errors import CorruptExpertError, FormatError
-from .layout import CONVERT_STATE_NAME, DenseSpec, EXPERTS_DIR, FORMAT_NAME, LayerSpec, MANIFEST_NAME, MAX_DIM, Manifest, READ_VERSIONS, SPINE_DIR, SpineFile, record_checksum
+from .layout import (
+    CONVERT_STATE_NAME,
+    EXPERTS_DIR,
+    FORMAT_NAME,
+    MANIFEST_NAME,
+    MAX_DIM,
+    READ_VERSIONS,
+    SPINE_DIR,
+    DenseSpec,
+    LayerSpec,
+    Manifest,
+    SpineFile,
+    record_checksum,
+)
 from .parse import Malformed, get_field, manifest_from_dict, manifest_to_dict
 
 

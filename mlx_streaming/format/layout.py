@@ -6,9 +6,10 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
-import mlx.core as mx
-from ..errors import FormatError
 
+import mlx.core as mx
+
+from ..errors import FormatError
 
 FORMAT_NAME = "mlx_streaming.experts"
 
@@ -194,7 +195,7 @@ class LowBits:
     @property
     def all_layers(self) -> Tuple[LayerSpec, ...]:
         """Every blob's layer entry: all ranks' copies."""
-        return tuple(l for rank in self.ranks for l in rank) if self.ranks else self.layers
+        return tuple(spec for rank in self.ranks for spec in rank) if self.ranks else self.layers
 
 
 @dataclass(frozen=True)
@@ -225,12 +226,12 @@ class Manifest:
     def expert_layers(self) -> Tuple[LayerSpec, ...]:
         """Every expert layer with a blob: all ranks' and the MTP layers (the
         low-bit copies apart: ``low_layers``)."""
-        main = tuple(l for rank in self.ranks for l in rank) if self.ranks else self.layers
+        main = tuple(spec for rank in self.ranks for spec in rank) if self.ranks else self.layers
         return main + (self.mtp.layers if self.mtp else ())
 
     def low_layers(self, bits: Optional[int] = None) -> Tuple[LayerSpec, ...]:
         """The layers of the low-bit copies: of every width, or of ``bits``."""
-        return tuple(l for c in self.low_bits if bits in (None, c.bits) for l in c.all_layers)
+        return tuple(spec for c in self.low_bits if bits in (None, c.bits) for spec in c.all_layers)
 
     @property
     def dense_nbytes(self) -> int:
@@ -240,7 +241,7 @@ class Manifest:
     @property
     def expert_nbytes(self) -> int:
         """Bytes of all routed experts of the model."""
-        return sum(l.expert_nbytes * l.num_experts for l in self.layers)
+        return sum(spec.expert_nbytes * spec.num_experts for spec in self.layers)
 
 
 def layout_record(tensors: List[Tuple[str, str, Tuple[int, ...], int]],

@@ -5,10 +5,25 @@ import math
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Dict, Optional, Tuple
-from .layout import (DTYPES, DenseSpec, FORMAT_NAME, LOW_BITS, LOW_GROUP_SIZES, LOW_RECORD_ALIGNMENT,
-                     LayerSpec,
-                     LowBits, MAX_DIM, Manifest, MtpSpec, RECORD_ALIGNMENT, SEGMENT_ALIGNMENT,
-                     Segment, SpineFile, layer_in_path)
+
+from .layout import (
+    DTYPES,
+    FORMAT_NAME,
+    LOW_BITS,
+    LOW_GROUP_SIZES,
+    LOW_RECORD_ALIGNMENT,
+    MAX_DIM,
+    RECORD_ALIGNMENT,
+    SEGMENT_ALIGNMENT,
+    DenseSpec,
+    LayerSpec,
+    LowBits,
+    Manifest,
+    MtpSpec,
+    Segment,
+    SpineFile,
+    layer_in_path,
+)
 
 
 class Malformed(Exception):
@@ -160,7 +175,7 @@ def manifest_from_dict(d) -> Manifest:
     layers = get_field(d, "layers", list, "manifest")
     if not layers:
         raise Malformed("the manifest lists no layers")
-    specs = tuple(layer_from_dict(l, f"layers[{i}]") for i, l in enumerate(layers))
+    specs = tuple(layer_from_dict(spec, f"layers[{i}]") for i, spec in enumerate(layers))
     for what in ("layer", "module", "file"):
         values = [getattr(s, what) for s in specs]
         if len(set(values)) != len(values):
@@ -169,7 +184,7 @@ def manifest_from_dict(d) -> Manifest:
     spine = _spine_from_list(d["spine"]) if "spine" in d else ()
     mtp = _mtp_from_dict(d["mtp"], specs) if d.get("mtp") is not None else None
     dense = _dense_from_list(d["dense"]) if d.get("version") >= 2 and "dense" in d else ()
-    experts = {l.module for l in specs}
+    experts = {spec.module for spec in specs}
     for spec in dense:
         for seg in spec.segments:
             full = f"{spec.prefix}.{seg.name}"
@@ -208,8 +223,8 @@ def _low_copies(entries, w: str, bits: int, main: Tuple[LayerSpec, ...]):
     """One width's copies of ``main``'s layers, each checked against its layer."""
     if not isinstance(entries, list):
         raise Malformed(f"{w} is not a list")
-    specs = tuple(replace(layer_from_dict(l, f"{w}[{j}]", LOW_RECORD_ALIGNMENT), copy_bits=bits)
-                  for j, l in enumerate(entries))
+    specs = tuple(replace(layer_from_dict(spec, f"{w}[{j}]", LOW_RECORD_ALIGNMENT), copy_bits=bits)
+                  for j, spec in enumerate(entries))
     if [(s.layer, s.module, s.num_experts, s.top_k) for s in specs] != \
             [(s.layer, s.module, s.num_experts, s.top_k) for s in main]:
         raise Malformed(f"{w} are not the manifest's layers")
@@ -239,8 +254,8 @@ def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...],
             lists = get_field(e, "ranks", list, w)
             if len(lists) != len(ranks):
                 raise Malformed(f"{w}.ranks holds {len(lists)} ranks' copies, not {len(ranks)}")
-            per_rank = tuple(_low_copies(l, f"{w}.ranks[{r}]", bits, rank)
-                             for r, (l, rank) in enumerate(zip(lists, ranks)))
+            per_rank = tuple(_low_copies(listed, f"{w}.ranks[{r}]", bits, rank)
+                             for r, (listed, rank) in enumerate(zip(lists, ranks)))
             if per_rank[0] != specs:
                 raise Malformed(f"{w}.ranks[0] are not its layers")
         elif "ranks" in e:
@@ -248,7 +263,7 @@ def _low_bits_from_list(entries, main: Tuple[LayerSpec, ...],
         out.append(LowBits(bits, group, specs, per_rank))
     if len({c.bits for c in out}) != len(out):
         raise Malformed("low_bits lists a width twice")
-    files = [s.file for s in (tuple(l for r in ranks for l in r) if ranks else main)] + \
+    files = [s.file for s in (tuple(spec for r in ranks for spec in r) if ranks else main)] + \
         [s.file for c in out for s in c.all_layers]
     if len(set(files)) != len(files):
         raise Malformed("a low-bit blob shares a file with another layer")
@@ -266,8 +281,8 @@ def _ranks_from_dict(d, main: Tuple[LayerSpec, ...]) -> Tuple[Tuple[LayerSpec, .
     for r, entries in enumerate(lists):
         if not isinstance(entries, list):
             raise Malformed(f"tensor_parallel.layers[{r}] is not a list")
-        specs = tuple(layer_from_dict(l, f"tensor_parallel.layers[{r}][{i}]")
-                      for i, l in enumerate(entries))
+        specs = tuple(layer_from_dict(spec, f"tensor_parallel.layers[{r}][{i}]")
+                      for i, spec in enumerate(entries))
         same = [(s.layer, s.module, s.num_experts, s.top_k) for s in specs] == \
             [(s.layer, s.module, s.num_experts, s.top_k) for s in main]
         if not same:
@@ -319,8 +334,8 @@ def _mtp_from_dict(d, main: Tuple[LayerSpec, ...]) -> "MtpSpec":
     if not isinstance(d, dict):
         raise Malformed("mtp is not an object")
     (spine,) = _spine_from_list([get_field(d, "spine", dict, "mtp")])
-    layers = tuple(layer_from_dict(l, f"mtp.layers[{i}]")
-                   for i, l in enumerate(get_field(d, "layers", list, "mtp")))
+    layers = tuple(layer_from_dict(spec, f"mtp.layers[{i}]")
+                   for i, spec in enumerate(get_field(d, "layers", list, "mtp")))
     for what in ("layer", "module", "file"):
         values = [getattr(s, what) for s in main + layers]
         if len(set(values)) != len(values):
@@ -330,9 +345,9 @@ def _mtp_from_dict(d, main: Tuple[LayerSpec, ...]) -> "MtpSpec":
 
 def _low_bits_to_dict(copies: LowBits) -> dict:
     d = {"bits": copies.bits, "group_size": copies.group_size,
-         "layers": [layer_to_dict(l) for l in copies.layers]}
+         "layers": [layer_to_dict(spec) for spec in copies.layers]}
     if copies.ranks:
-        d["ranks"] = [[layer_to_dict(l) for l in rank] for rank in copies.ranks]
+        d["ranks"] = [[layer_to_dict(spec) for spec in rank] for rank in copies.ranks]
     return d
 
 
@@ -345,13 +360,13 @@ def manifest_to_dict(manifest: Manifest) -> dict:
         "checksum": "crc32",
         "source": manifest.source,
         "spine": [asdict(s) for s in manifest.spine],
-        "layers": [layer_to_dict(l) for l in manifest.layers],
+        "layers": [layer_to_dict(spec) for spec in manifest.layers],
         **({"mtp": {"spine": asdict(manifest.mtp.spine),
-                    "layers": [layer_to_dict(l) for l in manifest.mtp.layers]}}
+                    "layers": [layer_to_dict(spec) for spec in manifest.mtp.layers]}}
            if manifest.mtp is not None else {}),
         **({"dense": [asdict(d) for d in manifest.dense]} if manifest.version >= 2 else {}),
         **({"tensor_parallel": {"ranks": len(manifest.ranks),
-                                "layers": [[layer_to_dict(l) for l in rank] for rank in manifest.ranks]}}
+                                "layers": [[layer_to_dict(spec) for spec in rank] for rank in manifest.ranks]}}
            if manifest.ranks else {}),
         **({"low_bits": [_low_bits_to_dict(c) for c in manifest.low_bits]}
            if manifest.low_bits else {}),

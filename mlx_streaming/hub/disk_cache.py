@@ -6,14 +6,16 @@ nothing; the total never exceeds the cap (least recently used records go
 first, across runs: the order is the files' mtime).
 """
 
-import logging
 import fcntl
+import logging
 import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Dict
+
 import numpy as np
+
 from .fetch import ExpertFetchError
 
 log = logging.getLogger(__name__)

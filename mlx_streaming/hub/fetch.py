@@ -7,9 +7,8 @@ import threading
 import time
 from typing import Optional
 from urllib.parse import urlparse
+
 from ..errors import ExpertReadError, first_line
-
-
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,14 @@ checked again each time.
 import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
 import numpy as np
+
 from ..errors import ExpertReadError
 from ..format import LayerSpec, record_checksum
-from .disk_cache import DiskCache
-from .fetch import ExpertFetchError, MAX_REQUEST_BYTES, RangeFetcher
 from ..io.python import PythonReader, aligned_empty, scatter_record
+from .disk_cache import DiskCache
+from .fetch import MAX_REQUEST_BYTES, ExpertFetchError, RangeFetcher
 
 log = logging.getLogger(__name__)
 

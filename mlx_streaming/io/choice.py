@@ -4,13 +4,13 @@
 import warnings
 from pathlib import Path
 from typing import Tuple
+
 from ..config import StreamConfig
 from ..errors import StreamingError
-from ..format import blob_path
-from ..format import Manifest
+from ..format import Manifest, blob_path
+from ..system import total_memory_bytes
 from .native import NativeReader, load_extension
 from .python import PythonReader, direct_io_works
-from ..system import total_memory_bytes
 
 
 def make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:

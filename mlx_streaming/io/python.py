@@ -15,10 +15,11 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
+
 import numpy as np
+
 from ..errors import ExpertReadError
 from .meters import BusyMeter, ReadPace
-
 
 # Direct (uncached) reads need buffers aligned to the device's logical block.
 DIRECT_ALIGNMENT = 4096

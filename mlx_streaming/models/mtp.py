@@ -16,13 +16,14 @@ so nothing of the model's code is copied here.
 
 import re
 from typing import Dict, List, Optional, Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import infer_quant_config
-from ..errors import ConversionError
 
+from ..errors import ConversionError
 
 MTP_FILE = "mtp.safetensors"
 

@@ -11,8 +11,17 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from ..errors import FormatError, StreamingError, first_line
-from ..format import (MANIFEST_NAME, EXPERTS_DIR, MAX_DIM, MAX_SAFETENSORS_HEADER, Malformed,
-                      Manifest, manifest_from_dict, read_manifest, spine_files)
+from ..format import (
+    EXPERTS_DIR,
+    MANIFEST_NAME,
+    MAX_DIM,
+    MAX_SAFETENSORS_HEADER,
+    Malformed,
+    Manifest,
+    manifest_from_dict,
+    read_manifest,
+    spine_files,
+)
 from ..hub.repo import WEIGHT_FILES, HubRepo, is_repo_id, resolve
 
 MANIFEST_FILE = f"{EXPERTS_DIR}/{MANIFEST_NAME}"
@@ -130,6 +139,7 @@ class _HubFiles:
 
     def __init__(self, repo: HubRepo):
         from huggingface_hub.utils import build_hf_headers
+
         from ..hub.fetch import RangeFetcher
 
         self.repo, self.label, self.root = repo, repo.repo_id, None

@@ -11,8 +11,18 @@ from typing import Dict, List, Tuple
 
 from ..conversion.experts import TOP_K_KEYS
 from ..errors import FormatError
-from ..format import (FORMAT_VERSION, RECORD_ALIGNMENT, Segment, align, SAFETENSORS_ITEMSIZE, DenseSpec, LayerSpec, Manifest,
-                      layer_in_path, layout_record)
+from ..format import (
+    FORMAT_VERSION,
+    RECORD_ALIGNMENT,
+    SAFETENSORS_ITEMSIZE,
+    DenseSpec,
+    LayerSpec,
+    Manifest,
+    Segment,
+    align,
+    layer_in_path,
+    layout_record,
+)
 from ..models.discover import layers_path
 from .headers import ModelFiles
 
@@ -32,7 +42,7 @@ class ModelShape:
 
     @property
     def record_bytes(self) -> int:
-        return max(l.stride for l in self.manifest.layers)
+        return max(spec.stride for spec in self.manifest.layers)
 
     @property
     def moe_layers(self) -> int:
@@ -40,11 +50,11 @@ class ModelShape:
 
     @property
     def top_k(self) -> int:
-        return max(l.top_k for l in self.manifest.layers)
+        return max(spec.top_k for spec in self.manifest.layers)
 
     @property
     def experts(self) -> int:
-        return max(l.num_experts for l in self.manifest.layers)
+        return max(spec.num_experts for spec in self.manifest.layers)
 
     @property
     def expert_bytes(self) -> int:
@@ -70,7 +80,7 @@ def model_shape(files: ModelFiles) -> ModelShape:
     if files.manifest is not None:
         m = files.manifest
         active = (files.spine_bytes + sum(d.nbytes for d in m.dense)
-                  + sum(l.top_k * l.expert_nbytes for l in m.layers))
+                  + sum(spec.top_k * spec.expert_nbytes for spec in m.layers))
         return ModelShape(m, files.spine_bytes, active, files.config)
     return _from_tensors(files)
 
@@ -105,7 +115,7 @@ def _from_tensors(files: ModelFiles) -> ModelShape:
     base = sum(rest.values()) - sum(d.nbytes_unpadded for d in dense)
     manifest = Manifest(FORMAT_VERSION, layers, dense=tuple(d.spec for d in dense))
     active = (sum(rest.values()) - _unread_embedding(files.config, rest)
-              + sum(l.top_k * l.expert_nbytes for l in layers))
+              + sum(spec.top_k * spec.expert_nbytes for spec in layers))
     return ModelShape(manifest, base, active, files.config)
 
 
@@ -192,9 +202,9 @@ def split(shape: ModelShape, ranks: int) -> ModelShape:
         return (Segment("slice", "uint8", (part,), 0, part),), align(part, RECORD_ALIGNMENT)
 
     layers = []
-    for l in shape.manifest.layers:
-        segments, stride = sliced(l.expert_nbytes)
-        layers.append(replace(l, segments=segments, stride=stride))
+    for spec in shape.manifest.layers:
+        segments, stride = sliced(spec.expert_nbytes)
+        layers.append(replace(spec, segments=segments, stride=stride))
     dense = []
     for d in shape.manifest.dense:
         segments, nbytes = sliced(d.tensor_nbytes)

@@ -21,14 +21,15 @@ How ids become slots is a residency strategy chosen at load:
 import math
 import time
 from concurrent.futures import wait
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
 from .events import Events
 from .pool import distinct
 from .prefetch.control import NoPrefetch
 from .store import ExpertStore
-
 
 # An overlapped call costs the host more than a plain one (a hand-off to the
 # read worker, a second sync, a second expert call; docs/results.md,

@@ -4,6 +4,7 @@ the arithmetic of a forward pass.
 """
 
 from __future__ import annotations
+
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:  # numpy is imported where used: the package imports this module

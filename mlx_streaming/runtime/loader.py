@@ -7,19 +7,26 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
+
 from .. import hub
-from . import quality_budget, sharding, spine
 from ..config import StreamConfig, config_fields, renamed_options
 from ..errors import ConfigError, FormatError, StreamingError, first_line
-from ..format import (check_blob_size, check_dense_size, check_spine_files, has_vocabulary,
-                      read_manifest)
-from ..format import Manifest
-from ..io.choice import make_reader, choose_direct_io
+from ..format import (
+    Manifest,
+    check_blob_size,
+    check_dense_size,
+    check_spine_files,
+    has_vocabulary,
+    read_manifest,
+)
+from ..io.choice import choose_direct_io, make_reader
 from ..io.python import PythonReader
 from ..models.discover import get_module
+from . import quality_budget, sharding, spine
 from .memory import GB, bytes_per_slot, min_slots, plan_memory
 from .model_spine import attach_mtp, check_experts_compute_here, load_spine, spine_bytes
 from .pressure import PressureWatch
@@ -319,7 +326,7 @@ def _within_budget(path, manifest, config, model_config, base, repo, split) -> S
                           "it there (or bench quality), then give routing_keep and "
                           "routing_window")
     slots = plan_memory(manifest, config, base, model_config=model_config).slots
-    if slots >= min(l.num_experts for l in manifest.layers):
+    if slots >= min(spec.num_experts for spec in manifest.layers):
         return replace(config, routing_max_ppl=None)
     return quality_budget.resolve(path, manifest, config, slots, sharding.identity(manifest),
                                   hub.cache_root(config))

@@ -6,10 +6,12 @@ full record into the main pool. Hits always compute with the full weights.
 
 import copy
 from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
 from ..errors import ConfigError, CorruptExpertError
 from ..format import LayerSpec, write_copies_command
 from ..models.discover import projections

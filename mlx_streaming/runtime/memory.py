@@ -7,28 +7,28 @@ cannot be.
 import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple
+
 from ..config import DEFAULT_SPINE_RING, StreamConfig
 from ..errors import BudgetError
 from ..format import DenseSpec, Manifest
 from ..system import available_memory_bytes
 from .prefill import MIN_PREFILL_STEP, PREFILL_STEP, bytes_per_token, prefill_step, room_for
 
-
 GB = 1e9
 
 
 def bytes_per_slot(manifest: Manifest) -> int:
     """Bytes one slot costs summed over all layers (uniform slots)."""
-    return sum(l.expert_nbytes for l in manifest.layers)
+    return sum(spec.expert_nbytes for spec in manifest.layers)
 
 
 def min_slots(manifest: Manifest) -> int:
     """Slots one call needs: a decode token's experts in every layer."""
-    return max(l.top_k for l in manifest.layers)
+    return max(spec.top_k for spec in manifest.layers)
 
 
 def max_slots(manifest: Manifest) -> int:
-    return max(l.num_experts for l in manifest.layers)
+    return max(spec.num_experts for spec in manifest.layers)
 
 
 def prefetch_width(cfg: StreamConfig, spec) -> int:

@@ -5,15 +5,16 @@ checked against the manifest, its MTP layers attached.
 import json
 from dataclasses import replace
 from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
-from ..models import mtp
+
 from ..config import StreamConfig
 from ..errors import ConfigError, FormatError
-from ..format import check_safetensors, file_crc32, spine_files
-from ..format import Manifest
+from ..format import Manifest, check_safetensors, file_crc32, spine_files
+from ..models import mtp
 from ..models.discover import find_expert_blocks, num_experts
 
 
@@ -71,7 +72,7 @@ def _dense_quantization(path: Path, manifest: Manifest, model_config: dict):
 
 
 def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> None:
-    streamed = {f"{l.module}.{s.name}" for l in manifest.layers for s in l.segments}
+    streamed = {f"{spec.module}.{s.name}" for spec in manifest.layers for s in spec.segments}
     streamed |= {f"{d.prefix}.{s.name}" for d in manifest.dense for s in d.segments}
     weights = {}
     for f in spine_files(path):

@@ -11,10 +11,10 @@ no copy of the pool. The price is the rule the store enforces before every
 write: no pending or in-flight computation may still read the slot.
 """
 
-import numpy as np
 import mlx.core as mx
-from ..format import LayerSpec, dtype_from_name
+import numpy as np
 
+from ..format import LayerSpec, dtype_from_name
 
 
 def distinct(ids: np.ndarray) -> np.ndarray:

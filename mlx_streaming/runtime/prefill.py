@@ -29,8 +29,8 @@ def bytes_per_token(config: Optional[dict], manifest: Manifest) -> Callable[[int
     heads = config.get("num_attention_heads") or 0
     if not hidden:
         return lambda step: 0
-    top_k = max(l.top_k for l in manifest.layers)
-    experts = max(l.num_experts for l in manifest.layers)
+    top_k = max(spec.top_k for spec in manifest.layers)
+    experts = max(spec.num_experts for spec in manifest.layers)
     # Each (token, expert) pair's gate, up and product rows, its input and
     # output rows, twice (a gathered copy); the hidden states; router scores.
     fixed = 2 * top_k * (3 * inner + 2 * hidden) + 8 * hidden + 2 * experts

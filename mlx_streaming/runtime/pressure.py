@@ -14,9 +14,9 @@ pool only misses more.
 
 import logging
 import math
-from .memory import GB
-from ..system import available_memory_bytes
 
+from ..system import available_memory_bytes
+from .memory import GB
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import tempfile
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 from ..errors import ConfigError
 from ..format import Manifest

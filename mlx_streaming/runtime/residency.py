@@ -3,28 +3,31 @@ resident, paged through Python, or paged with the native step.
 """
 
 from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
 from ..errors import ConfigError, FormatError
-from ..format import blob_path
-from ..format import LayerSpec, Manifest
-from ..models.discover import (find_expert_blocks, find_router, get_module, input_dims_of,
-                               projections, set_module)
-from .block import Paged, Resident, StreamingExperts
+from ..format import LayerSpec, Manifest, blob_path
+from ..models.discover import (
+    find_expert_blocks,
+    find_router,
+    get_module,
+    input_dims_of,
+    projections,
+    set_module,
+)
+from .block import NativePaged, Paged, Resident, StreamingExperts, calls_in_graph
+from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
 from .memory import staging_shape
-from .block import NativePaged, calls_in_graph
-from .store import NativeStore, native_store_fits
-from .policy import make_policy
+from .policy import LRU, make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
-from .routing import install_routers
 from .rank_routing import misses_of, routing_check
-from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
-from .policy import LRU
-from .store import ExpertStore
-from .store import RecordSource
+from .routing import install_routers
+from .store import ExpertStore, NativeStore, RecordSource, native_store_fits
 
 
 def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) -> None:

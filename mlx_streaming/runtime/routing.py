@@ -26,9 +26,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
+from ..models.discover import (
+    Routed,
+    RoutingProbe,
+    get_module,
+    input_dims_of,
+    is_router,
+    parent_path,
+    router_paths,
+)
 from .rank_routing import NoRoutingCheck, residency_of
-from ..models.discover import (Routed, RoutingProbe, get_module, input_dims_of, is_router,
-                                parent_path, router_paths)
 
 # Added to the logit (or selection score) of a masked candidate: exp and
 # sigmoid of it are exactly 0 in float32, and it fits float16.

@@ -1,26 +1,26 @@
 """What a streaming model carries besides its modules (``model.streaming``).
 """
 
-from concurrent.futures import ThreadPoolExecutor
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import List, Optional, Tuple
+
 import mlx.core as mx
+
 from ..config import StreamConfig
+from ..errors import BudgetError
 from ..format import Manifest
 from .block import Paged
 from .events import Events
 from .memory import MemoryPlan, max_slots, reserved_plan
-from ..errors import BudgetError
-from .store import NativeStore
+from .prefetch.factory import make_prefetch
 from .pressure import NoWatch
 from .rank_routing import NoRoutingCheck
 from .stats import SpecStats, Stats
-from .store import ExpertStore
+from .store import ExpertStore, NativeStore
 from .trace import TraceWriter
-from .prefetch.factory import make_prefetch
-
 
 # Every Runtime not yet closed (the tests close what a test left open).
 OPEN: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
@@ -58,7 +58,7 @@ class Runtime:
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
         self._overlap = None  # the thread that reads misses while experts compute
         self._cache_limit = None  # MLX's buffer cache limit before cap_buffer_cache
-        self.stats = Stats([l.layer for l in manifest.layers])
+        self.stats = Stats([spec.layer for spec in manifest.layers])
         self.speculative = SpecStats()  # drafts through this model
         self.trace = TraceWriter(config.trace) if config.trace else None
         self.events = Events([self.stats] + ([self.trace] if self.trace else []))

@@ -8,11 +8,13 @@ import json
 import zlib
 from dataclasses import dataclass, fields, replace
 from typing import List, Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from ..errors import ConfigError, FormatError, RankError, first_line
 from mlx_lm.generate import generation_stream
+
+from ..errors import ConfigError, FormatError, RankError, first_line
 from ..format import Manifest, manifest_to_dict
 from ..io.python import PythonReader
 from . import spine
@@ -225,9 +227,9 @@ def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manif
         low = tuple(replace(c, layers=c.ranks[rank], ranks=()) for c in low)
     if sharding.pipeline is not None:
         start, end = model.model.start_idx, model.model.end_idx
-        layers = tuple(l for l in layers if start <= l.layer < end)
+        layers = tuple(spec for spec in layers if start <= spec.layer < end)
         dense = tuple(d for d in dense if start <= d.layer < end)
-        low = tuple(replace(c, layers=tuple(l for l in c.layers if start <= l.layer < end))
+        low = tuple(replace(c, layers=tuple(spec for spec in c.layers if start <= spec.layer < end))
                     for c in low)
         if not layers:
             raise ConfigError(f"pipeline rank {sharding.pipeline.rank()}'s stage (layers "
@@ -249,7 +251,7 @@ def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Shar
     finally:
         reader.close()
     model.shard(sharding.tensor)
-    experts = tuple(f"{l.module}." for l in manifest.layers)
+    experts = tuple(f"{spec.module}." for spec in manifest.layers)
     kept = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith(experts)]
     # x * 1 is x to the bit, in arrays of their own: views of a whole
     # record would keep it all resident.

@@ -22,14 +22,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+
 from ..errors import ExpertReadError, FormatError
-from ..format import dense_checksum, dense_path
-from ..format import DenseSpec, dtype_from_name
+from ..format import DenseSpec, dense_checksum, dense_path, dtype_from_name
 from ..io.python import buffer_at
 from ..models.discover import get_module, parent_path
 from .store import BlobWatch
 from .wrap import route_calls
-
 
 
 def typed_views(raw: mx.array, spec: DenseSpec) -> Dict[str, mx.array]:

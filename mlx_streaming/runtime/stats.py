@@ -3,8 +3,10 @@ them from outside the forward pass.
 """
 
 from __future__ import annotations
+
 from dataclasses import dataclass, fields
 from typing import Dict, List, Optional
+
 from .events import Observer
 
 
@@ -78,7 +80,7 @@ class Stats(Observer):
         self.reset()
 
     def reset(self) -> None:
-        self.counters: Dict[int, LayerCounters] = {l: LayerCounters() for l in self.layers}
+        self.counters: Dict[int, LayerCounters] = {layer: LayerCounters() for layer in self.layers}
         self._predicted: Dict[int, set] = {}
 
     def on_call(self, layer, tokens):
@@ -161,7 +163,7 @@ class Stats(Observer):
             total.add(c)
         return {
             "total": total.to_dict(),
-            "layers": {l: c.to_dict() for l, c in self.counters.items()},
+            "layers": {layer: c.to_dict() for layer, c in self.counters.items()},
         }
 
 
@@ -208,8 +210,8 @@ def _report(runtime) -> dict:
         direct_io_reason=runtime.direct_io_reason,
         io_threads=config.io_threads,
         slots_per_layer=runtime.slots,
-        num_experts=max(l.num_experts for l in runtime.manifest.layers),
-        moe_layers=sum(not l.module.startswith("mtp.") for l in runtime.manifest.layers),
+        num_experts=max(spec.num_experts for spec in runtime.manifest.layers),
+        moe_layers=sum(not spec.module.startswith("mtp.") for spec in runtime.manifest.layers),
         pool_bytes=runtime.pool_bytes,
         residency="paged" if runtime.paged else "resident",
         prefetch=config.prefetch,

@@ -13,13 +13,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import CorruptExpertError
+from ..errors import CorruptExpertError, ExpertReadError
 from ..format import LayerSpec
 from .events import Events
 from .policy import LRU, Adaptive, DecayedLFU, Policy
 from .pool import SlotPool
 from .prefetch.control import NO_CONTROL, PrefetchControl
-from ..errors import ExpertReadError
 
 
 class BlobWatch:

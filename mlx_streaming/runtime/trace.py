@@ -3,7 +3,9 @@
 """
 
 from __future__ import annotations
+
 import json
+
 from ..errors import ConfigError
 from .events import Observer
 

@@ -2,24 +2,23 @@
 command line, and the server's start-up checks.
 """
 import argparse
-from dataclasses import replace
 import logging
 import socket
 import sys
 import threading
+from dataclasses import replace
 from http.server import ThreadingHTTPServer
+
 from ..cli import run_main
 from ..config import add_config_flags, config_from_args
 from ..errors import ConfigError, first_line
-from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, count
+from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, Parser, count
+from ..mlx_lm_adapter import http_server, server_parser
 from ..runtime.loader import approximations
 from ..runtime.prefill import step_of
 from .provider import make_provider
 from .service import Service, counting
 from .validation import check_sampling, is_int, is_number
-from ..flags import Parser
-from ..mlx_lm_adapter import http_server, server_parser
-
 
 DEFAULT_MAX_QUEUE = 4
 DEFAULT_DECODE_CONCURRENCY = 4

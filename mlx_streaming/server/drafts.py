@@ -60,8 +60,8 @@ class DraftingResponseGenerator(ResilientResponseGenerator):
 def plain_temperature(args, kwargs) -> bool:
     """Whether a request samples from ``softmax(logits / temp)`` alone (or
     greedily), which speculative decoding keeps exactly."""
-    s, l = args.sampling, args.logits
+    s, logits = args.sampling, args.logits
     return (s.top_p in (None, 1, 1.0) and not s.top_k and not s.min_p
-            and not s.xtc_probability and not l.logit_bias and not l.repetition_penalty
-            and not l.presence_penalty and not l.frequency_penalty
+            and not s.xtc_probability and not logits.logit_bias and not logits.repetition_penalty
+            and not logits.presence_penalty and not logits.frequency_penalty
             and kwargs.get("input_embeddings") is None and kwargs.get("kv_bits") is None)

@@ -9,14 +9,13 @@ import sys
 import time
 from typing import Optional
 
+from ..flags import MIN_TEMPERATURE
 from ..mlx_lm_adapter import APIHandler
-from .admission import release_admission, current_request
+from .admission import current_request, release_admission
 from .memo import MEMO_HEADER, fresh, without_request_headers
 from .prompt import prompt_text, prompt_tokens
 from .service import Service
-from ..flags import MIN_TEMPERATURE
 from .validation import check_fields, completion_logprobs, is_number
-
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ import time
 import uuid
 from typing import Optional
 
-
 # Marks a response answered from the memo (hit) or recorded into it (miss).
 MEMO_HEADER = "X-MLX-Streaming-Memo"
 
@@ -68,5 +67,5 @@ def without_request_headers(data: bytes) -> bytes:
     (the memo marker, CORS for its origin, its date)."""
     head, sep, body = data.partition(b"\r\n\r\n")
     skip = (MEMO_HEADER.lower().encode(), b"access-control-", b"vary:", b"date:")
-    lines = [l for l in head.split(b"\r\n") if not l.lower().startswith(skip)]
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(skip)]
     return b"\r\n".join(lines) + sep + body

@@ -7,10 +7,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+
 from ..errors import StreamingError
 from .admission import Admission, current_request
 from .memo import Memo
-
 
 RECENT_REQUESTS = 32
 

@@ -103,7 +103,7 @@ class Translator:
     def _read_head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
         self.status = int(lines[0].split(b" ", 2)[1])
-        self.head = [lines[0]] + [l for l in lines[1:] if not l.lower().startswith(REWRITTEN)]
+        self.head = [lines[0]] + [line for line in lines[1:] if not line.lower().startswith(REWRITTEN)]
         for line in lines[1:]:
             if line.lower().startswith(b"content-length:"):
                 self.length = int(line.split(b":", 1)[1])

@@ -7,7 +7,6 @@ from typing import Optional
 
 from ..flags import MAX_NUM_DRAFT
 
-
 # mlx-lm builds and keeps a matcher per set of stop strings, ~4 KB per
 # character: long ones are memory a request could pin.
 MAX_STOP_CHARS = 512

@@ -21,14 +21,18 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import save_config
 
-from ..mlx_lm_adapter import model_classes
-from ..conversion.dense import dense_quantization, dense_tensors, resident_modules, start_dense, write_dense
+from ..conversion.dense import (
+    dense_quantization,
+    dense_tensors,
+    resident_modules,
+    start_dense,
+    write_dense,
+)
 from ..conversion.experts import write_layer
-from ..format import experts_dir, write_manifest
-from ..format import FORMAT_VERSION, Manifest, dtype_name
+from ..format import FORMAT_VERSION, Manifest, dtype_name, experts_dir, write_manifest
+from ..mlx_lm_adapter import model_classes
 from ..models.discover import find_expert_blocks, layer_index
 from . import tiny
-
 
 QUANTIZATION = {"group_size": 64, "bits": 4, "mode": "affine"}
 

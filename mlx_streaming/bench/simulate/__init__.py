@@ -17,10 +17,10 @@ on this machine and on Apple Silicon profiles.
 from pathlib import Path
 
 from ...config import DEFAULT_POLICY
+from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number, temperature
 from ..common import BenchError
 from .project import project
 from .validate import validate
-from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number, temperature
 
 
 def add_arguments(p) -> None:

@@ -17,7 +17,6 @@ from ...predict.shape import model_shape
 from ...predict.speed import QUEUE_DEPTH, SpeedModel, forecast
 from ..common import BenchError, figure, finish, paired_ratio, run_case
 
-
 # The partial pool bench overhead measures the host's per-record work on.
 OVERHEAD_POOL = 0.25
 IN_GRAPH, SYNCED = "calls in the graph", "a host sync per call"

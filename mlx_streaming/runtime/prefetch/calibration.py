@@ -3,6 +3,7 @@ score bin or per rank.
 """
 
 from typing import Optional
+
 import numpy as np
 
 
@@ -141,7 +142,7 @@ class PrefetchCalibration(UseCounts):
         # leaves them room.
         self.two_ahead = (PrefetchCalibration(layers, target, window, two_ahead=False)
                           if two_ahead else None)
-        keys = [(l, multi) for l in layers for multi in (False, True)]
+        keys = [(layer, multi) for layer in layers for multi in (False, True)]
         self.predicted = {k: np.zeros(self.buckets) for k in keys}
         self.used = {k: np.zeros(self.buckets) for k in keys}
         self.lowest = dict.fromkeys(keys, self.buckets)  # lowest bin read: none yet
@@ -186,5 +187,5 @@ class PrefetchCalibration(UseCounts):
         """Per layer, the least score its decode calls read ahead (None:
         nothing is)."""
         edges = np.concatenate([[0.0], self.EDGES])
-        return {l: float(edges[b]) if b < len(edges) else None
-                for (l, multi), b in sorted(self.lowest.items()) if not multi}
+        return {layer: float(edges[b]) if b < len(edges) else None
+                for (layer, multi), b in sorted(self.lowest.items()) if not multi}

@@ -55,19 +55,19 @@ def make_prefetch(config: StreamConfig, manifest: Manifest, reader, paged: bool)
                      control=PrefetchControl())
     if parts.on:
         parts.bandwidth = PrefetchBandwidth(
-            first, len(manifest.layers), max(l.stride for l in manifest.layers),
+            first, len(manifest.layers), max(spec.stride for spec in manifest.layers),
             config.prefetch_max_tokens, reader.busy, fixed=config.prefetch_records)
         if config.prefetch_records is None:
             on_call.append(parts.bandwidth.on_call)
             on_stall.append(parts.bandwidth.on_stall)
-        layers = [l for l in manifest.layers if not is_mtp(l)]
+        layers = [spec for spec in manifest.layers if not is_mtp(spec)]
         if config.prefetch_affinity:
             parts.affinity = Affinity([(a.layer, a.num_experts, b.layer, b.num_experts)
                                        for a, b in prefetch_pairs(layers)])
             on_route.append(parts.affinity.on_route)
         on_route.append(ranks.on_route)
         if config.prefetch_precision > 0:
-            parts.calibration = PrefetchCalibration([l.layer for l in layers],
+            parts.calibration = PrefetchCalibration([spec.layer for spec in layers],
                                                     config.prefetch_precision)
             on_route.append(parts.calibration.on_route)
     parts.control = PrefetchControl(on_call, on_route, on_stall)
