@@ -377,3 +377,58 @@ def test_bench_clients_speak_every_api(server):
         assert r["tokens"] == 4 and r["ttft"] is not None, r
     assert raw["openai"]["text"] == raw["ollama"]["text"]
     assert len({r["text"] for r in chats.values()}) == 1
+
+
+def _greedy(s, tool_model, max_tokens=8):
+    """The greedy answer to QUESTION, and its tokens' texts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tool_model))
+    reply = s.client.chat.completions.create(
+        model=s.model, messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=max_tokens, temperature=0, logprobs=True)
+    return reply.choices[0].message.content, [
+        tok.decode([t.model_extra["id"]]) for t in reply.choices[0].logprobs.content]
+
+
+def _stopped(s, api, stop, stream):
+    """``(text, finish)`` of the greedy answer to QUESTION with ``stop``."""
+    messages = [{"role": "user", "content": QUESTION}]
+    if api == "openai":
+        reply = s.client.chat.completions.create(model=s.model, messages=messages,
+                                                 max_tokens=8, temperature=0, stop=[stop],
+                                                 stream=stream)
+        if not stream:
+            return reply.choices[0].message.content, reply.choices[0].finish_reason
+        chunks = [c for c in reply if c.choices]
+        return ("".join(c.choices[0].delta.content or "" for c in chunks),
+                chunks[-1].choices[0].finish_reason)
+    if api == "ollama":
+        options = {"temperature": 0, "num_predict": 8, "stop": [stop]}
+        reply = s.ollama.chat(model=s.model, messages=messages, options=options, stream=stream)
+        parts = list(reply) if stream else [reply]
+        return "".join(p.message.content for p in parts), parts[-1].done_reason
+    request = dict(model=s.model, max_tokens=8, messages=messages, stop_sequences=[stop],
+                   extra_body={"temperature": 0})
+    if stream:
+        with s.anthropic.messages.stream(**request) as events:
+            message = events.get_final_message()
+    else:
+        message = s.anthropic.messages.create(**request)
+    assert message.stop_sequence == (stop if message.stop_reason == "stop_sequence" else None)
+    return "".join(b.text for b in message.content), message.stop_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_answer_at_its_first_occurrence(server, tool_model, stream):
+    text, tokens = _greedy(server, tool_model)
+    # A stop string across two tokens, and one character (the first that recurs).
+    across = next(a + b for a, b in zip(tokens, tokens[1:]) if a and b and text.find(a + b) > 0)
+    single = max((c for c in text if text.find(c) > 0), key=text.count)
+    for stop in (across, single):
+        expected = text[:text.find(stop)]
+        for api, finish in (("openai", "stop"), ("ollama", "stop"),
+                            ("anthropic", "stop_sequence")):
+            assert _stopped(server, api, stop, stream) == (expected, finish), (api, stop, text)
+    absent = "\x01"  # never generated: the whole answer, none of it cut
+    assert _stopped(server, "openai", absent, stream)[0] == text

@@ -119,9 +119,9 @@ def messages_request(body: dict) -> dict:
 class MessagesRenderer(Renderer):
     """``/v1/messages``' answers: a message, or its event stream."""
 
-    def __init__(self, model: str, approximate: str = "", stopped_by=lambda: None):
+    def __init__(self, model: str, approximate: str = ""):
         self.model, self.approximate = model, approximate
-        self.stopped_by = stopped_by  # the stop sequence that ended the answer, or None
+        self.stop_sequence = None  # the stop sequence that ended the answer, if one did
         self.id = f"msg_{uuid.uuid4().hex}"
         self.index = -1
         self.open = None  # the type of the content block streaming, if any
@@ -139,8 +139,9 @@ class MessagesRenderer(Renderer):
                 "output_tokens": usage.get("completion_tokens", 0)}
 
     def _stop(self, finish_reason) -> dict:
-        """``stop_reason`` and ``stop_sequence`` of an OpenAI finish reason."""
-        sequence = self.stopped_by() if finish_reason == "stop" else None
+        """``stop_reason`` and ``stop_sequence`` of an OpenAI finish reason
+        (and the stop string that ended the answer, if one did)."""
+        sequence = self.stop_sequence if finish_reason == "stop" else None
         reason = "stop_sequence" if sequence is not None else \
             STOP_REASONS.get(finish_reason, "end_turn")
         return {"stop_reason": reason, "stop_sequence": sequence}
@@ -156,6 +157,7 @@ class MessagesRenderer(Renderer):
 
     def whole(self, response):
         choice = response["choices"][0]
+        self.stop_sequence = choice.get("stop_reason")
         text, reasoning, calls = choice_parts(choice)
         content = [{"type": "thinking", "thinking": reasoning, "signature": ""}] \
             if reasoning else []
@@ -193,6 +195,7 @@ class MessagesRenderer(Renderer):
             return b""
         choice = chunk["choices"][0]
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self.stop_sequence = choice.get("stop_reason") or self.stop_sequence
         text, reasoning, calls = choice_parts(choice)
         out = b""
         if reasoning:

@@ -7,7 +7,6 @@ import json
 from typing import Optional
 
 from . import anthropic, ollama
-from .admission import current_request
 from .handler import StreamingAPIHandler
 from .prompt import prompt_text, prompt_tokens
 from .service import Service
@@ -107,20 +106,8 @@ class APIsHandler(StreamingAPIHandler):
 
     def _anthropic(self, body: dict) -> None:
         request = anthropic.messages_request(body)
-        stops = request.get("stop", [])
-        self._generate(request, anthropic.MessagesRenderer(
-            body["model"], self.service.approximate, lambda: self._stopped_by(stops)))
-
-    def _stopped_by(self, stops: list) -> Optional[str]:
-        """The stop sequence the answer's tokens end with (mlx-lm matches
-        them on tokens), or None (the end of text, or no stop)."""
-        encode = self.service.provider.tokenizer.encode
-        generated = list(current_request.generated)
-        for stop in stops:
-            ids = encode(stop, add_special_tokens=False)
-            if ids and generated[-len(ids):] == ids:
-                return stop
-        return None
+        self._generate(request, anthropic.MessagesRenderer(body["model"],
+                                                           self.service.approximate))
 
     def _count_tokens(self, body: dict) -> None:
         """``/v1/messages/count_tokens``: the prompt's tokens, counted as an

@@ -128,7 +128,7 @@ class StreamingAPIHandler(APIHandler):
         logged."""
         start, self.status = time.perf_counter(), None
         current_request.tokens, current_request.status = 0, None
-        current_request.generated = ()
+        current_request.stops, current_request.stopped_by = (), None
         try:
             answer()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -235,11 +235,20 @@ class StreamingAPIHandler(APIHandler):
             return None  # sampled: never memoised
         return self.path + "\n" + json.dumps(body, sort_keys=True)
 
+    def handle_completion(self, request, stop_words):
+        """mlx-lm's, the stop strings matched on the answer's text here
+        (``stops.py``) instead of on its tokens there."""
+        current_request.stops = tuple(stop_words)
+        super().handle_completion(request, [])
+
     def generate_response(self, text, finish_reason, *args, **kwargs):
-        """mlx-lm's response; a completion's log probabilities in the
+        """mlx-lm's response, which names the stop string that ended it
+        (``stop_reason``, as vLLM's); a completion's log probabilities in the
         OpenAI completions format (tokens, token_logprobs, top_logprobs,
         text_offset) instead of the chat one."""
         response = super().generate_response(text, finish_reason, *args, **kwargs)
+        if finish_reason == "stop" and current_request.stopped_by is not None:
+            response["choices"][0]["stop_reason"] = current_request.stopped_by
         if self.service.approximate:
             response["approximate"] = self.service.approximate
         if self.object_type == "text_completion" and "logprobs" in response["choices"][0]:
