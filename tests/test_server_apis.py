@@ -432,3 +432,16 @@ def test_a_stop_string_ends_the_answer_at_its_first_occurrence(server, tool_mode
             assert _stopped(server, api, stop, stream) == (expected, finish), (api, stop, text)
     absent = "\x01"  # never generated: the whole answer, none of it cut
     assert _stopped(server, "openai", absent, stream)[0] == text
+
+
+def test_an_anthropic_assistant_prefill_is_continued(server):
+    prefill = "000"
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": prefill}]
+    reply = server.anthropic.messages.create(model=server.model, max_tokens=6, messages=messages,
+                                             extra_body={"temperature": 0})
+    # The template's text of the chat (its newlines trimmed), ending with the prefill.
+    continued = server.client.completions.create(
+        model=server.model, prompt=f"user: {QUESTION}assistant: {prefill}", max_tokens=6,
+        temperature=0)
+    assert reply.content[0].text == continued.choices[0].text
+    assert reply.usage.output_tokens == 6

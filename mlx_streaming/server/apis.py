@@ -8,7 +8,7 @@ from typing import Optional
 
 from . import anthropic, ollama
 from .handler import StreamingAPIHandler
-from .prompt import prompt_text, prompt_tokens
+from .prompt import continued_text, prompt_text, prompt_tokens
 from .service import Service
 from .translate import Renderer, RequestError, Translator
 
@@ -106,8 +106,26 @@ class APIsHandler(StreamingAPIHandler):
 
     def _anthropic(self, body: dict) -> None:
         request = anthropic.messages_request(body)
+        if request["messages"][-1]["role"] == "assistant":
+            request = self._continued(request)
         self._generate(request, anthropic.MessagesRenderer(body["model"],
                                                            self.service.approximate))
+
+    def _continued(self, request: dict) -> dict:
+        """A chat ending with the assistant's message (a prefill) as a
+        completions request of its prompt: the answer continues that text
+        (mlx-lm's chat requests always add a new generation prompt)."""
+        tokenizer = self.service.provider.tokenizer
+        if not tokenizer.has_chat_template:
+            return request
+        try:
+            text = continued_text(tokenizer, request,
+                                  self.response_generator.cli_args.chat_template_args)
+        except Exception as e:  # a chat template may raise anything
+            raise RequestError(f"the chat template could not continue the assistant's "
+                               f"message ({type(e).__name__}: {e})", "messages") from None
+        return {k: v for k, v in dict(request, prompt=text).items()
+                if k not in ("messages", "tools")}
 
     def _count_tokens(self, body: dict) -> None:
         """``/v1/messages/count_tokens``: the prompt's tokens, counted as an
