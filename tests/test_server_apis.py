@@ -445,3 +445,11 @@ def test_an_anthropic_assistant_prefill_is_continued(server):
         temperature=0)
     assert reply.content[0].text == continued.choices[0].text
     assert reply.usage.output_tokens == 6
+
+
+def test_a_whole_ollama_answer_splits_its_time_between_prompt_and_answer(server):
+    reply = server.ollama.chat(model=server.model, messages=MESSAGES,
+                               options={"temperature": 0, "num_predict": 8})
+    assert reply.eval_count == 8 and reply.eval_duration > 0
+    assert 0 < reply.prompt_eval_duration < reply.total_duration
+    assert reply.prompt_eval_duration + reply.eval_duration <= reply.total_duration

@@ -7,6 +7,7 @@ import json
 from typing import Optional
 
 from . import anthropic, ollama
+from .admission import current_request
 from .handler import StreamingAPIHandler
 from .prompt import continued_text, prompt_text, prompt_tokens
 from .service import Service
@@ -73,6 +74,11 @@ class APIsHandler(StreamingAPIHandler):
     def prompt_counted(self, tokens: int) -> None:
         if self.renderer is not None:
             self.renderer.prompt_tokens = tokens
+
+    def generate_response(self, text, finish_reason, *args, **kwargs):
+        if self.renderer is not None and finish_reason is not None:
+            self.renderer.first_token_at = current_request.first_token_at
+        return super().generate_response(text, finish_reason, *args, **kwargs)
 
     # -- Ollama --------------------------------------------------------------
 

@@ -171,7 +171,9 @@ class ChatRenderer(Renderer):
 
     def _done(self) -> dict:
         total = time.perf_counter() - self.begun
-        first = self.first if self.first is not None else total
+        first = self.first
+        if first is None:  # not streamed: the handler said when the first token came
+            first = total if self.first_token_at is None else self.first_token_at - self.begun
         return dict(done_reason="length" if self.finish == "length" else "stop",
                     total_duration=int(total * 1e9), load_duration=0,
                     prompt_eval_count=self.usage.get("prompt_tokens", 0),

@@ -113,7 +113,8 @@ def counting(service: Service, generate):
             try:
                 for item in stop_at(response, current_request.stops, stopped):
                     if first is None:
-                        first = time.perf_counter() - start
+                        current_request.first_token_at = time.perf_counter()
+                        first = current_request.first_token_at - start
                     ids.append(item.token)
                     yield item
             finally:
