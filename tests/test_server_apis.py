@@ -453,3 +453,56 @@ def test_a_whole_ollama_answer_splits_its_time_between_prompt_and_answer(server)
     assert reply.eval_count == 8 and reply.eval_duration > 0
     assert 0 < reply.prompt_eval_duration < reply.total_duration
     assert reply.prompt_eval_duration + reply.eval_duration <= reply.total_duration
+
+
+def _raw(s, method, path, body=None, headers=None):
+    """``(status, content type, body bytes)`` of one request, as sent."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.getheader("Content-Type", ""), r.read()
+    finally:
+        conn.close()
+
+
+def test_ollama_liveness_and_head_requests_answer_as_ollama(server):
+    assert _raw(server, "GET", "/") == (200, "text/plain; charset=utf-8", b"Ollama is running")
+    assert _raw(server, "HEAD", "/") == (200, "text/plain; charset=utf-8", b"")
+    for path in ("/api/tags", "/api/version", "/api/ps/"):
+        status, kind, body = _raw(server, "HEAD", path)
+        assert (status, kind, body) == (200, "application/json", b""), path
+    status, kind, body = _raw(server, "DELETE", "/api/delete", b'{"model": "x"}')
+    assert status == 404 and kind == "application/json" and json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("POST", "/api/tags", 405), ("GET", "/api/chat", 405), ("GET", "/api/nothing", 404),
+    ("PUT", "/api/chat", 405), ("GET", "/v1/messages", 405),
+    ("POST", "/v1/messages/nothing", 404), ("DELETE", "/v1/messages", 405),
+])
+def test_unknown_paths_and_methods_get_their_apis_json_error(server, method, path, status):
+    got, kind, body = _raw(server, method, path, b"{}" if method != "GET" else None)
+    assert (got, kind) == (status, "application/json"), body
+    reply = json.loads(body)
+    if path.startswith("/api/"):
+        assert set(reply) == {"error"} and reply["error"]
+    else:
+        assert reply["type"] == "error" and reply["error"]["type"] == (
+            "not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_a_trailing_slash_names_the_same_endpoint(server):
+    body = {"model": server.model, "messages": MESSAGES, "stream": False,
+            "options": {"temperature": 0, "num_predict": 4}}
+    status, _, reply = server.post("/api/chat/", body)
+    assert status == 200 and reply["message"]["content"] == \
+        server.post("/api/chat", body)[2]["message"]["content"]
+
+
+def test_an_anthropic_chunked_body_is_an_invalid_request(server):
+    status, _, body = _raw(server, "POST", "/v1/messages", iter([b"{}"]),
+                           {"Content-Type": "application/json"})  # chunked: no length
+    assert status == 411 and json.loads(body)["error"]["type"] == "invalid_request_error"

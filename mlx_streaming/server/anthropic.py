@@ -11,7 +11,8 @@ from .translate import Renderer, RequestError, choice_parts, tool_call_of
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 # Anthropic's error types, by status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+               411: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error"}
 
 

@@ -14,6 +14,50 @@ from .service import Service
 from .translate import Renderer, RequestError, Translator
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+# Ollama's answer to its liveness check (``GET /``, ``HEAD /``).
+OLLAMA_RUNNING = b"Ollama is running"
+# The endpoints of each method that Ollama's and Anthropic's APIs have here.
+GET_PATHS = ("/api/tags", "/api/ps", "/api/version")
+POST_PATHS = ("/api/chat", "/api/generate", "/api/show", "/v1/messages",
+              "/v1/messages/count_tokens")
+
+
+def _path(raw: str) -> str:
+    """A request's path, its query and trailing slash left out."""
+    return raw.split("?", 1)[0].rstrip("/") or "/"
+
+
+def _api_of(path: str) -> Optional[str]:
+    """``"ollama"`` or ``"anthropic"`` for a path under their APIs, else None."""
+    if path == "/api" or path.startswith("/api/"):
+        return "ollama"
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return None
+
+
+class _HeadersOnly:
+    """A HEAD request's output: the headers a GET would send, no body."""
+
+    def __init__(self, out):
+        self.out, self.sent = out, False
+
+    def write(self, b) -> int:
+        if not self.sent:
+            self.sent = b"\r\n\r\n" in bytes(b)
+            self.out.write(bytes(b).split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
+                           if self.sent else b)
+        return len(b)
+
+    def flush(self):
+        return self.out.flush()
+
+    @property
+    def closed(self):
+        return self.out.closed
+
+    def close(self):
+        return self.out.close()
 
 
 class APIsHandler(StreamingAPIHandler):
@@ -22,22 +66,76 @@ class APIsHandler(StreamingAPIHandler):
     renderer: Optional[Renderer] = None
 
     def do_GET(self):
-        path = self.path.split("?", 1)[0].rstrip("/")
+        path = _path(self.path)
         answers = {"/api/tags": ollama.tags, "/api/ps": ollama.ps,
                    "/api/version": lambda service: {"version": ollama.OLLAMA_VERSION}}
-        if path not in answers:
-            return super().do_GET()
         try:
-            self._json(200, answers[path](self.service))
+            if path == "/":
+                self._running()
+            elif path in answers:
+                self._json(200, answers[path](self.service))
+            elif _api_of(path) is not None:
+                self._unrouted(path)
+            else:
+                super().do_GET()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass  # the client left before the answer
 
+    def do_HEAD(self):
+        """As ``GET``, without the body (Ollama's clients check ``HEAD /``)."""
+        self.wfile = _HeadersOnly(self.wfile)
+        self.do_GET()
+
+    def do_PUT(self):
+        self._other_method()
+
+    def do_PATCH(self):
+        self._other_method()
+
+    def do_DELETE(self):
+        self._other_method()
+
+    def _other_method(self):
+        """A method no endpoint here takes: the API's error, or HTTP's 501."""
+        path = _path(self.path)
+        if _api_of(path) is None:
+            return self.send_error(501, f"Unsupported method ({self.command!r})")
+        self._unrouted(path)
+
+    def _running(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(OLLAMA_RUNNING)))
+        self.set_cors_headers()
+        self.end_headers()
+        self.wfile.write(OLLAMA_RUNNING)
+        self.wfile.flush()
+
+    def _unrouted(self, path: str) -> None:
+        """A path under Ollama's or Anthropic's API that this method does not
+        take here: their error, 405 where another method would, else 404."""
+        renderer = anthropic.MessagesRenderer("") if _api_of(path) == "anthropic" else \
+            ollama.ChatRenderer("")
+        methods = [m for m, paths in (("GET", GET_PATHS), ("POST", POST_PATHS))
+                   if path in paths]
+        if methods:
+            message = f"{self.command} {path} is not allowed: use {' or '.join(methods)}"
+            return self._json(405, renderer.error(405, message, ""),
+                              {"Allow": ", ".join(methods)})
+        served = "/v1/messages and /v1/messages/count_tokens" if _api_of(path) == \
+            "anthropic" else "/api/chat, /api/generate, /api/tags, /api/show, /api/ps and " \
+            "/api/version"
+        self._json(404, renderer.error(404, f"{self.command} {path} is not served here: this "
+                                       f"server serves {served}", ""))
+
     def do_POST(self):
-        path = self.path.split("?", 1)[0]
+        path = _path(self.path)
         routes = {"/api/chat": self._ollama_chat, "/api/generate": self._ollama_generate,
                   "/api/show": self._ollama_show, "/v1/messages": self._anthropic,
                   "/v1/messages/count_tokens": self._count_tokens}
-        answer = routes.get(path, self._not_served if path.startswith("/api/") else None)
+        if path not in routes and _api_of(path) is not None:
+            return self._unrouted(path)
+        answer = routes.get(path)
         if answer is None:
             return super().do_POST()
         errors = anthropic.MessagesRenderer("") if path.startswith("/v1/") else \
@@ -102,11 +200,6 @@ class APIsHandler(StreamingAPIHandler):
         self._known(ollama.model_name(dict(model=body.get("model") or body.get("name"))))
         tool_calling = self.service.provider.tokenizer.has_tool_calling
         self._answer(ollama.show(self.service, tool_calling))
-
-    def _not_served(self, body: dict) -> None:
-        raise RequestError(f"{self.path} is not served here: this server serves /api/chat, "
-                           "/api/generate, /api/tags, /api/show, /api/ps and /api/version",
-                           status=404)
 
     # -- Anthropic -----------------------------------------------------------
 
