@@ -231,8 +231,9 @@ def test_anthropic_stream_follows_the_documented_event_sequence(server):
     with urllib.request.urlopen(req) as r:
         events = [e for e in r.read().decode().split("\n\n") if e]
     names = [e.split("\n")[0].removeprefix("event: ") for e in events]
-    assert "ping" in names  # a keep-alive while the prompt was read
-    names = [n for n in names if n != "ping"]
+    # Keep-alives while the prompt was read: SSE comments until message_start.
+    assert names[0].startswith(": keepalive")
+    names = [n for n in names if n != "ping" and not n.startswith(":")]
     assert names[0] == "message_start" and names[1] == "content_block_start"
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[2:-3]) == {"content_block_delta"}
@@ -506,3 +507,18 @@ def test_an_anthropic_chunked_body_is_an_invalid_request(server):
     status, _, body = _raw(server, "POST", "/v1/messages", iter([b"{}"]),
                            {"Content-Type": "application/json"})  # chunked: no length
     assert status == 411 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_anthropic_stream_usage_agrees_from_start_to_end(server):
+    body = {"model": server.model, "max_tokens": 3, "stream": True,
+            "messages": [{"role": "user", "content": "the same prompt, twice " * 3}]}
+    for _ in range(2):  # the second one found in the prompt cache
+        req = urllib.request.Request(server.url + "/v1/messages", json.dumps(body).encode())
+        with urllib.request.urlopen(req) as r:
+            events = [json.loads(e.split("data: ", 1)[1])
+                      for e in r.read().decode().split("\n\n") if "data: " in e]
+        start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+        end = next(e for e in events if e["type"] == "message_delta")["usage"]
+        for name in ("input_tokens", "cache_read_input_tokens"):
+            assert start[name] == end[name], (start, end)
+    assert end["cache_read_input_tokens"] > 0

@@ -128,13 +128,16 @@ class MessagesRenderer(Renderer):
         self.open = None  # the type of the content block streaming, if any
         self.finish_reason = "stop"
         self.usage = {}
+        self.cached_tokens = 0  # of the prompt, found in mlx-lm's prompt cache
+        self.started = False  # message_start sent
 
     def error(self, status, message, kind):
         kind = ERROR_TYPES.get(status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": message}}
 
     def _usage(self, usage: dict) -> dict:
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens",
+                                                                self.cached_tokens) or 0
         return {"input_tokens": usage.get("prompt_tokens", self.prompt_tokens) - cached,
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
                 "output_tokens": usage.get("completion_tokens", 0)}
@@ -170,11 +173,17 @@ class MessagesRenderer(Renderer):
     def _event(self, kind: str, **data) -> bytes:
         return f"event: {kind}\ndata: {json.dumps(dict(type=kind, **data))}\n\n".encode()
 
-    def start(self):
+    def _begin(self) -> bytes:
+        """``message_start``, sent with the first token: then its usage (the
+        prompt cache's share) is known, and agrees with ``message_delta``'s."""
+        if self.started:
+            return b""
+        self.started = True
         return self._event("message_start", message=self._message([], None, {}))
 
     def keepalive(self):
-        return self._event("ping")
+        # Before message_start an SSE comment: an event then would come first.
+        return self._event("ping") if self.started else b": keepalive\n\n"
 
     def _block(self, kind: str, block: dict) -> bytes:
         """Start a content block of ``kind`` (ending the one open)."""
@@ -198,7 +207,7 @@ class MessagesRenderer(Renderer):
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         self.stop_sequence = choice.get("stop_reason") or self.stop_sequence
         text, reasoning, calls = choice_parts(choice)
-        out = b""
+        out = self._begin()
         if reasoning:
             if self.open != "thinking":
                 out += self._block("thinking", {"type": "thinking", "thinking": "",
@@ -221,12 +230,12 @@ class MessagesRenderer(Renderer):
     def end(self):
         delta = self._stop(self.finish_reason)
         extra = {"approximate": self.approximate} if self.approximate else {}
-        return self._close() + self._event("message_delta", delta=delta,
+        return self._begin() + self._close() + self._event("message_delta", delta=delta,
                                            usage=self._usage(self.usage), **extra) + \
             self._event("message_stop")
 
     def failed(self, message):
-        return self._event("error", error={"type": "api_error", "message": message})
+        return self._begin() + self._event("error", error={"type": "api_error", "message": message})
 
 
 def _tool_use(call: dict) -> dict:

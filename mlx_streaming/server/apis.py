@@ -174,7 +174,12 @@ class APIsHandler(StreamingAPIHandler):
             self.renderer.prompt_tokens = tokens
 
     def generate_response(self, text, finish_reason, *args, **kwargs):
-        if self.renderer is not None and finish_reason is not None:
+        """mlx-lm's; the renderer told what the answer so far knows (the
+        prompt's size and cached share, when the first token came)."""
+        generation = current_request.generation
+        if self.renderer is not None and generation is not None:
+            self.renderer.prompt_tokens = len(generation.prompt)
+            self.renderer.cached_tokens = max(generation.prompt_cache_count, 0)
             self.renderer.first_token_at = current_request.first_token_at
         return super().generate_response(text, finish_reason, *args, **kwargs)
 

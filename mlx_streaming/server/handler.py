@@ -129,7 +129,7 @@ class StreamingAPIHandler(APIHandler):
         start, self.status = time.perf_counter(), None
         current_request.tokens, current_request.status = 0, None
         current_request.stops, current_request.stopped_by = (), None
-        current_request.first_token_at = None
+        current_request.first_token_at, current_request.generation = None, None
         try:
             answer()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):

@@ -99,6 +99,7 @@ def counting(service: Service, generate):
         current_request.failure = None
         try:
             ctx, response = generate(request, args, progress_callback)
+            current_request.generation = ctx
         except (StreamingError, RuntimeError) as e:
             # mlx-lm answers any failure here with a 404; these are ours
             # (a read error, a dead generation thread), not the request's.
