@@ -522,3 +522,49 @@ def test_anthropic_stream_usage_agrees_from_start_to_end(server):
         for name in ("input_tokens", "cache_read_input_tokens"):
             assert start[name] == end[name], (start, end)
     assert end["cache_read_input_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def memo_server(tool_model):
+    s = Server(tool_model, "--slots-per-layer", "4", "--memo-mb", "4")
+    s.anthropic = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
+    s.model = s.client.models.list().data[0].id
+    yield s
+    err = s.stop()
+    assert "Traceback" not in err, err
+
+
+def _events(s, body):
+    req = urllib.request.Request(s.url + "/v1/messages", json.dumps(body).encode())
+    with urllib.request.urlopen(req) as r:
+        return r.headers.get("X-MLX-Streaming-Memo"), [
+            json.loads(e.split("data: ", 1)[1]) for e in r.read().decode().split("\n\n")
+            if "data: " in e]
+
+
+def test_a_memo_hit_answers_as_a_miss_did(memo_server, tool_model):
+    s = memo_server
+    stop = _greedy(s, tool_model)[0][-2:]  # ends the answer, where it first occurs
+    question = [{"role": "user", "content": QUESTION}]
+    body = {"model": s.model, "max_tokens": 8, "temperature": 0, "messages": question,
+            "stop_sequences": [stop], "stream": True}
+    (miss, first), (hit, again) = _events(s, body), _events(s, body)
+    assert (miss, hit) == ("miss", "hit")
+    for events in (first, again):
+        delta = next(e for e in events if e["type"] == "message_delta")
+        assert (delta["delta"]["stop_reason"], delta["delta"]["stop_sequence"]) == \
+            ("stop_sequence", stop)
+    usage = [next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+             for events in (first, again)]
+    assert usage[0] == usage[1] and usage[0]["input_tokens"] > 0
+    # Tool calls: a new id in each answer, in both APIs.
+    weather = [{"role": "user", "content": "Weather in Paris?"}]
+    calls = [s.anthropic.messages.create(model=s.model, max_tokens=16, messages=weather,
+                                         tools=TOOLS_ANTHROPIC, extra_body={"temperature": 0})
+             for _ in range(2)]
+    assert calls[0].content[-1].id != calls[1].content[-1].id
+    calls = [s.client.chat.completions.create(model=s.model, messages=weather,
+                                              tools=TOOLS_OPENAI, max_tokens=16, temperature=0)
+             for _ in range(2)]
+    ids = [c.choices[0].message.tool_calls[0].id for c in calls]
+    assert ids[0] != ids[1] and len(ids[0]) == len(ids[1])

@@ -173,6 +173,19 @@ class APIsHandler(StreamingAPIHandler):
         if self.renderer is not None:
             self.renderer.prompt_tokens = tokens
 
+    def memo_hit(self, reply: bytes) -> None:
+        """The renderer told the memoised answer's prompt size and cached
+        share, which a stream gives only at its end."""
+        if self.renderer is None or b"text/event-stream" not in reply.split(b"\r\n\r\n")[0]:
+            return
+        for event in reply.split(b"\n\n"):
+            usage = json.loads(event[len(b"data: "):]).get("usage") \
+                if event.startswith(b"data: {") else None
+            if usage:
+                self.renderer.prompt_tokens = usage.get("prompt_tokens", 0)
+                self.renderer.cached_tokens = \
+                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
     def generate_response(self, text, finish_reason, *args, **kwargs):
         """mlx-lm's; the renderer told what the answer so far knows (the
         prompt's size and cached share, when the first token came)."""

@@ -192,6 +192,7 @@ class StreamingAPIHandler(APIHandler):
             extra = f"{MEMO_HEADER}: hit\r\n".encode() + b"".join(self._headers_buffer)
             self._headers_buffer = []
             reply = fresh(cached)
+            self.memo_hit(reply)
             self.wfile.write(reply.replace(b"\r\n", b"\r\n" + extra, 1))
             self.wfile.flush()
             self.status, self.memo_status = 200, "hit"
@@ -339,6 +340,10 @@ class StreamingAPIHandler(APIHandler):
 
     def prompt_counted(self, tokens: int) -> None:
         """The prompt was counted (a hook: another API's answer shows it)."""
+
+    def memo_hit(self, reply: bytes) -> None:
+        """``reply``, a memoised OpenAI response, is about to be sent (a
+        hook: another API's answer needs what it says before its end)."""
 
     def _vocab_size(self) -> Optional[int]:
         args = getattr(self.service.provider.model, "args", None)
