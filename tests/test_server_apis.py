@@ -568,3 +568,17 @@ def test_a_memo_hit_answers_as_a_miss_did(memo_server, tool_model):
              for _ in range(2)]
     ids = [c.choices[0].message.tool_calls[0].id for c in calls]
     assert ids[0] != ids[1] and len(ids[0]) == len(ids[1])
+
+
+def test_ollama_takes_its_own_option_values(server):
+    options = {"temperature": 0, "num_predict": 5.0, "num_ctx": 512.0, "repeat_last_n": -1,
+               "repeat_penalty": 1.1, "seed": -1, "typical_p": 1.0, "tfs_z": 1.0}
+    reply = server.ollama.chat(model=server.model, messages=MESSAGES, options=options)
+    assert reply.eval_count == 5
+    body = {"model": server.model, "messages": MESSAGES, "stream": False}
+    for bad, named in (({"typical_p": 0.5}, "typical_p"), ({"tfs_z": 2}, "tfs_z"),
+                       ({"num_predict": 100000}, "num_predict"),
+                       ({"repeat_last_n": -5, "repeat_penalty": 1.1}, "repeat_last_n")):
+        status, _, reply = server.post("/api/chat", dict(body, options=bad))
+        assert status == 400 and named in reply["error"], reply
+        assert not any(n in reply["error"] for n in ("max_tokens", "repetition_")), reply

@@ -5,6 +5,7 @@ or one JSON object; ``/api/tags``, ``/api/show``, ``/api/ps`` and
 """
 
 import json
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,6 +20,14 @@ OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
            "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
            "repeat_last_n": "repetition_context_size", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty"}
+# The OpenAI fields' names in an error as the Ollama options they came from.
+OPTION_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty",
+                "repetition_context_size": "repeat_last_n"}
+_OPENAI_NAME = re.compile(r"\b(" + "|".join(OPTION_NAMES) + r")\b")
+# Options taken as whole numbers (Ollama's clients may send 5.0).
+INTEGER_OPTIONS = ("num_predict", "num_ctx", "top_k", "repeat_last_n", "seed")
+# Options of samplers not here: accepted at the value that turns them off.
+OFF_OPTIONS = {"typical_p": 1.0, "tfs_z": 1.0}
 # Options about where and how Ollama runs a model: nothing to do here.
 RUNTIME_OPTIONS = ("num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock",
                    "numa", "low_vram", "f16_kv", "vocab_only", "num_keep")
@@ -42,7 +51,17 @@ def _sampling(body: dict, context: int) -> dict:
     for name, value in options.items():
         if value is None or name in RUNTIME_OPTIONS:
             continue
-        if name in OPTIONS:
+        if name in INTEGER_OPTIONS and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if name in OFF_OPTIONS:
+            if value != OFF_OPTIONS[name]:
+                raise RequestError(f"the option {name!r} is not supported by this server: "
+                                   f"leave it out, or send {OFF_OPTIONS[name]}", name)
+        elif name == "seed" and value == -1:
+            continue  # Ollama's random seed: none
+        elif name == "repeat_last_n" and value == -1:  # Ollama's "the whole context"
+            continue  # set below, once num_ctx is known
+        elif name in OPTIONS:
             fields[OPTIONS[name]] = value
         elif name == "num_predict":
             if value not in (-1, -2):  # no limit, fill the context: the server's default
@@ -61,6 +80,8 @@ def _sampling(body: dict, context: int) -> dict:
             fields["num_ctx"] = value
         else:
             raise RequestError(f"the option {name!r} is not supported by this server", name)
+    if options.get("repeat_last_n") == -1:
+        fields["repetition_context_size"] = fields.get("num_ctx", context)
     keep_alive = body.get("keep_alive")  # the model stays loaded: accepted, nothing to do
     if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
         raise RequestError("'keep_alive' must be a duration (\"5m\") or seconds", "keep_alive")
@@ -152,7 +173,8 @@ class ChatRenderer(Renderer):
         self.usage = {}
 
     def error(self, status, message, kind):
-        return {"error": message}
+        # The fields named as the client sent them (num_predict, not max_tokens).
+        return {"error": _OPENAI_NAME.sub(lambda m: OPTION_NAMES[m.group(1)], message)}
 
     def _object(self, done: bool, **fields) -> dict:
         obj = dict(model=self.model, created_at=now(), **fields, done=done)
