@@ -582,3 +582,14 @@ def test_ollama_takes_its_own_option_values(server):
         status, _, reply = server.post("/api/chat", dict(body, options=bad))
         assert status == 400 and named in reply["error"], reply
         assert not any(n in reply["error"] for n in ("max_tokens", "repetition_")), reply
+
+
+def test_ollama_keep_alive_unloads_or_is_refused(server):
+    for keep_alive in (0, "0", "0s"):
+        assert server.ollama.generate(model=server.model,
+                                      keep_alive=keep_alive).done_reason == "unload"
+    assert server.ollama.chat(model=server.model, messages=[],
+                              keep_alive="5m").done_reason == "load"
+    for path, body in (("/api/generate", {}), ("/api/chat", {"messages": MESSAGES})):
+        status, _, reply = server.post(path, dict(body, model=server.model, keep_alive="banana"))
+        assert status == 400 and "keep_alive" in reply["error"]

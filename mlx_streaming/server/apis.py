@@ -211,7 +211,7 @@ class APIsHandler(StreamingAPIHandler):
         renderer = kind(body["model"], self.service.approximate)
         if ollama.is_load(body):
             self._known(request["model"])
-            return self._answer(renderer.loaded())
+            return self._answer(renderer.loaded("unload" if ollama.is_unload(body) else "load"))
         self._generate(request, renderer)
 
     def _ollama_show(self, body: dict) -> None:

@@ -33,6 +33,25 @@ RUNTIME_OPTIONS = ("num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap",
                    "numa", "low_vram", "f16_kv", "vocab_only", "num_keep")
 
 
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def keep_alive_seconds(value) -> float:
+    """Ollama's ``keep_alive``: seconds, or a Go duration (``"5m"``,
+    ``"1h30m"``, ``"0"``; negative: forever); the model stays loaded here
+    either way."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = value.strip() if isinstance(value, str) else ""
+    sign, body = (-1, text[1:]) if text.startswith("-") else (1, text.removeprefix("+"))
+    parts = _DURATION.findall(body)
+    if not body or body != "0" and "".join(n + unit for n, unit in parts) != body:
+        raise RequestError(f"'keep_alive' must be a duration (\"5m\", \"1h30m\", \"0\") or "
+                           f"seconds, got {value!r}", "keep_alive")
+    return sign * sum(float(n) * _SECONDS[unit] for n, unit in parts)
+
+
 def model_name(body: dict) -> str:
     """The model asked for, as the server knows it (Ollama's ``:latest``
     tag is its default)."""
@@ -82,9 +101,8 @@ def _sampling(body: dict, context: int) -> dict:
             raise RequestError(f"the option {name!r} is not supported by this server", name)
     if options.get("repeat_last_n") == -1:
         fields["repetition_context_size"] = fields.get("num_ctx", context)
-    keep_alive = body.get("keep_alive")  # the model stays loaded: accepted, nothing to do
-    if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
-        raise RequestError("'keep_alive' must be a duration (\"5m\") or seconds", "keep_alive")
+    if body.get("keep_alive") is not None:  # the model stays loaded: checked, nothing to do
+        keep_alive_seconds(body["keep_alive"])
     if body.get("format") not in (None, ""):
         raise RequestError("'format' (structured output) is not supported by this server",
                            "format")
@@ -148,6 +166,11 @@ def generate_request(body: dict, context: int) -> dict:
     messages = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": prompt}]
     return dict(request, messages=messages)
+
+
+def is_unload(body: dict) -> bool:
+    """A load request (``is_load``) with ``keep_alive`` 0: Ollama's unload."""
+    return body.get("keep_alive") is not None and keep_alive_seconds(body["keep_alive"]) == 0
 
 
 def is_load(body: dict) -> bool:
@@ -235,9 +258,10 @@ class ChatRenderer(Renderer):
     def failed(self, message):
         return self._line({"error": message})
 
-    def loaded(self) -> dict:
-        """The answer to a request that only loads the model (``is_load``)."""
-        return self._object(True, **self._content("", "", []), done_reason="load")
+    def loaded(self, reason: str = "load") -> dict:
+        """The answer to a request that only loads the model (``is_load``),
+        or unloads it (``"unload"``: the model stays, as it serves here)."""
+        return self._object(True, **self._content("", "", []), done_reason=reason)
 
 
 class GenerateRenderer(ChatRenderer):
