@@ -315,6 +315,20 @@ def test_approximate_answers_say_so_in_every_api(server):
     ("/v1/messages", {"model": "M", "max_tokens": 5, "stream": "yes", "messages": [
         {"role": "user", "content": "x"}]}, 400),
     ("/v1/messages/count_tokens", {"model": "M"}, 400),
+    ("/v1/messages", {"model": "M", "max_tokens": None, "messages": [
+        {"role": "user", "content": "x"}]}, 400),
+    ("/v1/messages", {"model": "M", "max_tokens": 5, "tools": {}, "messages": [
+        {"role": "user", "content": "x"}]}, 400),
+    ("/v1/messages", {"model": "M", "max_tokens": 5, "tools": [
+        {"name": "f", "input_schema": "object"}], "messages": [
+        {"role": "user", "content": "x"}]}, 400),
+    ("/v1/messages", {"model": "M", "max_tokens": 5, "messages": [
+        {"role": "user", "content": []}]}, 400),
+    ("/v1/messages", {"model": "M", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]}, 400),
+    ("/v1/messages", {"model": "M", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": "x"}]}]}, 400),
 ])
 def test_bad_requests_get_errors_in_their_apis_shape(server, path, body, status):
     if body is not None and body.get("model") == "M":

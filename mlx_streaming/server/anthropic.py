@@ -27,18 +27,20 @@ def _text(content, where: str) -> str:
     raise RequestError(f"'{where}' must be a string or a list of text blocks", where)
 
 
-def _blocks(message) -> list:
+def _blocks(message, uses: set) -> list:
     """One Anthropic message as OpenAI messages (its tool results become
-    tool messages, before its text)."""
+    tool messages, before its text); ``uses``: the ids of the tool_use
+    blocks so far, which its tool results must answer."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise RequestError("each message must be an object with a 'role' of 'user' or "
                            "'assistant'", "messages")
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": message["role"], "content": content}]
-    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise RequestError("a message's 'content' must be a string or a list of blocks",
-                           "messages")
+    if not isinstance(content, list) or not content or not all(
+            isinstance(b, dict) for b in content):
+        raise RequestError("a message's 'content' must be a string or a non-empty list of "
+                           "blocks", "messages")
     text, calls, results = [], [], []
     for block in content:
         kind = block.get("type")
@@ -51,7 +53,13 @@ def _blocks(message) -> list:
                                    "'input'", "messages")
             calls.append({"id": block.get("id") or "", "type": "function", "function": {
                 "name": name, "arguments": json.dumps(arguments)}})
+            if block.get("id"):
+                uses.add(block["id"])
         elif kind == "tool_result":
+            if block.get("tool_use_id") not in uses:
+                raise RequestError("a tool_result block needs the 'tool_use_id' of a tool_use "
+                                   f"block before it, got {block.get('tool_use_id')!r}",
+                                   "messages")
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": _text(block.get("content", ""), "messages")})
         elif kind in ("thinking", "redacted_thinking"):
@@ -73,8 +81,10 @@ def _blocks(message) -> list:
 
 def _tools(tools) -> list:
     if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
-        raise RequestError("'tools' must be a list of objects with a 'name'", "tools")
+            isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("input_schema", {}), dict) for t in tools):
+        raise RequestError("'tools' must be a list of objects with a 'name' and an object "
+                           "'input_schema'", "tools")
     return [{"type": "function", "function": {
         "name": t["name"], "description": t.get("description", ""),
         "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
@@ -89,13 +99,15 @@ def prompt_request(body: dict) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
-    converted = [m for message in messages for m in _blocks(message)]
+    uses: set = set()
+    converted = [m for message in messages for m in _blocks(message, uses)]
     if body.get("system") is not None:
         converted.insert(0, {"role": "system", "content": _text(body["system"], "system")})
     request = dict(model=model, messages=converted)
     choice = body.get("tool_choice") or {}
-    if body.get("tools") and not (isinstance(choice, dict) and choice.get("type") == "none"):
-        request["tools"] = _tools(body["tools"])
+    tools = _tools(body["tools"]) if body.get("tools") is not None else []
+    if tools and not (isinstance(choice, dict) and choice.get("type") == "none"):
+        request["tools"] = tools
     return request
 
 
@@ -103,8 +115,8 @@ def messages_request(body: dict) -> dict:
     """A ``/v1/messages`` body as an OpenAI chat request; fields that change
     nothing here (``metadata``, ``thinking``, ``cache_control`` ...) are
     left out."""
-    if "max_tokens" not in body:
-        raise RequestError("max_tokens: Field required", "max_tokens")
+    if body.get("max_tokens") is None:
+        raise RequestError("max_tokens: Field required (a positive integer)", "max_tokens")
     request = prompt_request(body)
     stops = body.get("stop_sequences")
     if stops is not None:
