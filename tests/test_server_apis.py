@@ -607,3 +607,26 @@ def test_ollama_keep_alive_unloads_or_is_refused(server):
     for path, body in (("/api/generate", {}), ("/api/chat", {"messages": MESSAGES})):
         status, _, reply = server.post(path, dict(body, model=server.model, keep_alive="banana"))
         assert status == 400 and "keep_alive" in reply["error"]
+
+
+def test_anthropic_streams_a_tool_calls_fragments_in_one_block():
+    from mlx_streaming.server.anthropic import MessagesRenderer
+
+    def call(index, arguments, **first):
+        return {"index": index, "function": dict(first, arguments=arguments)}
+
+    renderer = MessagesRenderer("m")
+    deltas = [[dict(call(0, '{"ci', name="get_weather"), id="call_1")],
+              [call(0, 'ty": "Paris"}')],
+              [dict(call(1, '{}', name="get_time"), id="call_2")]]
+    out = b"".join(renderer.chunk({"choices": [{"delta": {"tool_calls": d}}]}) for d in deltas)
+    out += renderer.chunk({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    out += renderer.end()
+    events = [json.loads(e.split("data: ", 1)[1]) for e in out.decode().split("\n\n") if e]
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [s["name"] for s in starts] == ["get_weather", "get_time"]
+    arguments = ["".join(e["delta"]["partial_json"] for e in events
+                         if e["type"] == "content_block_delta" and e["index"] == i)
+                 for i in range(2)]
+    assert [json.loads(a) for a in arguments] == [{"city": "Paris"}, {}]
+    assert [e["type"] for e in events].count("content_block_stop") == 2

@@ -138,6 +138,7 @@ class MessagesRenderer(Renderer):
         self.id = f"msg_{uuid.uuid4().hex}"
         self.index = -1
         self.open = None  # the type of the content block streaming, if any
+        self.call = None  # (index, id) of the tool call the open tool_use block streams
         self.finish_reason = "stop"
         self.usage = {}
         self.cached_tokens = 0  # of the prompt, found in mlx-lm's prompt cache
@@ -232,11 +233,22 @@ class MessagesRenderer(Renderer):
             out += self._event("content_block_delta", index=self.index,
                                delta={"type": "text_delta", "text": text})
         for call in calls:
-            block = dict(_tool_use(call), input={})
-            out += self._block("tool_use", block)
+            out += self._tool_call(call)
+        return out
+
+    def _tool_call(self, call: dict) -> bytes:
+        """A streamed tool call, or a fragment of one (OpenAI's deltas after
+        the first carry its ``index`` and more of its arguments only)."""
+        index, call_id = call.get("index"), call.get("id")
+        out = b""
+        if self.open != "tool_use" or index != self.call[0] or \
+                call_id not in (None, self.call[1]):
+            out += self._block("tool_use", dict(_tool_use(call), input={}))
+            self.call = (index, call_id)
+        fragment = (call.get("function") or {}).get("arguments") or ""
+        if fragment:
             out += self._event("content_block_delta", index=self.index, delta={
-                "type": "input_json_delta", "partial_json": json.dumps(tool_call_of(call)[2])})
-            out += self._close()
+                "type": "input_json_delta", "partial_json": fragment})
         return out
 
     def end(self):
