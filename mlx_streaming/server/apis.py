@@ -245,15 +245,12 @@ class APIsHandler(StreamingAPIHandler):
                 if k not in ("messages", "tools")}
 
     def _count_tokens(self, body: dict) -> None:
-        """``/v1/messages/count_tokens``: the prompt's tokens, counted as an
-        admitted request (tokenizing a long prompt is work)."""
+        """``/v1/messages/count_tokens``: the prompt's tokens, counted at once
+        (no generation: it takes no place in the queue; the body's size
+        bounds the work)."""
         request = anthropic.prompt_request(body)
         if not self._valid(request):
             return
-        ticket = self.service.admission.enter()
-        if ticket is None:
-            return self._error(429, "the server is busy: retry later", "rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
         try:
             template = self.response_generator.cli_args.chat_template_args
             tokenizer = self.service.provider.tokenizer
@@ -262,8 +259,6 @@ class APIsHandler(StreamingAPIHandler):
         except Exception as e:  # a chat template may raise anything
             raise RequestError(f"the chat template could not be applied to this request "
                                f"({type(e).__name__}: {e})") from None
-        finally:
-            ticket.release()
         self._answer({"input_tokens": n})
 
     def _answer(self, obj: dict) -> None:
