@@ -295,6 +295,8 @@ def test_approximate_answers_say_so_in_every_api(server):
                    "options": {"num_ctx": 100000}}, 400),
     ("/api/chat", {"model": "M", "messages": [{"role": "user", "content": "x " * 50}],
                    "options": {"num_ctx": 20, "num_predict": 4}}, 400),
+    ("/api/chat", {"model": "M", "messages": [{"role": "user", "content": "x " * 50}],
+                   "options": {"num_ctx": 20}}, 400),  # no room left at all
     ("/api/generate", {"model": "M", "prompt": 5}, 400),
     ("/api/chat", None, 400),  # not JSON
     ("/api/pull", {"model": "M"}, 404),
@@ -633,3 +635,12 @@ def test_anthropic_streams_a_tool_calls_fragments_in_one_block():
                  for i in range(2)]
     assert [json.loads(a) for a in arguments] == [{"city": "Paris"}, {}]
     assert [e["type"] for e in events].count("content_block_stop") == 2
+
+
+def test_ollama_without_num_predict_generates_what_the_context_leaves(server):
+    prompt = server.ollama.chat(model=server.model, messages=MESSAGES,
+                                options={"num_predict": 1}).prompt_eval_count
+    # The server's --max-tokens default is more than num_ctx leaves: cut, not refused.
+    reply = server.ollama.chat(model=server.model, messages=MESSAGES,
+                               options={"temperature": 0, "num_ctx": prompt + 3})
+    assert reply.eval_count <= 3 and reply.done

@@ -209,6 +209,7 @@ class APIsHandler(StreamingAPIHandler):
         request = (ollama.chat_request if chat else ollama.generate_request)(body, context)
         kind = ollama.ChatRenderer if chat else ollama.GenerateRenderer
         renderer = kind(body["model"], self.service.approximate)
+        self.default_fits = True  # no num_predict: what the context leaves
         if ollama.is_load(body):
             self._known(request["model"])
             return self._answer(renderer.loaded("unload" if ollama.is_unload(body) else "load"))

@@ -95,6 +95,9 @@ class StreamingAPIHandler(APIHandler):
     request_context: Optional[int] = None
     # The path asked for, where another API's request is served as OpenAI's.
     asked_path: Optional[str] = None
+    # The --max-tokens default cut to the context a prompt leaves (Ollama's
+    # requests without num_predict), instead of a 400.
+    default_fits = False
 
     def do_GET(self):
         try:
@@ -206,9 +209,12 @@ class StreamingAPIHandler(APIHandler):
         try:
             # Tokenizing a long prompt is work: only admitted requests do it.
             field = "prompt" if self.path == "/v1/completions" else "messages"
+            asked = body.get("max_tokens")
             if self._fits_context(body, field):
                 if field == "prompt" and body != completion_logprobs(body):
                     raw = json.dumps(completion_logprobs(body)).encode()
+                elif body.get("max_tokens") != asked:  # the default cut to fit
+                    raw = json.dumps(body).encode()
                 self._respond(raw, key)
         finally:
             current_request.ticket = None
@@ -371,9 +377,12 @@ class StreamingAPIHandler(APIHandler):
             n = prompt_tokens(tokenizer, body, field, text, template, images)
         except Exception:
             return True  # mlx-lm's own parsing reports what is wrong
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or \
-            self.response_generator.cli_args.max_tokens
+        explicit = body.get("max_completion_tokens") or body.get("max_tokens")
+        asked = explicit or self.response_generator.cli_args.max_tokens
         self.prompt_counted(n)
+        room = min(limit, self.request_context or limit) - n
+        if self.default_fits and explicit is None and 0 < room < asked:
+            asked = body["max_tokens"] = room
         if self.request_context is not None and n + asked > self.request_context:
             self._error(400, f"the prompt has {n} tokens and {asked} more are asked for, "
                         f"beyond the context it asked for (num_ctx {self.request_context})",
