@@ -644,3 +644,37 @@ def test_ollama_without_num_predict_generates_what_the_context_leaves(server):
     reply = server.ollama.chat(model=server.model, messages=MESSAGES,
                                options={"temperature": 0, "num_ctx": prompt + 3})
     assert reply.eval_count <= 3 and reply.done
+
+
+def test_stop_at_agrees_with_a_search_of_the_whole_text():
+    """However the text is cut into tokens, what goes out is the text up to
+    the first stop string complete (a plain search of the whole text), and a token
+    that ends the text (mlx-lm drops its text) loses nothing held back."""
+    import dataclasses
+    import random
+
+    from mlx_streaming.server.stops import stop_at
+
+    @dataclasses.dataclass
+    class Item:  # mlx-lm's Response, as much of it as stop_at reads
+        text: str
+        finish_reason: object = None
+
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice("abc") for _ in range(rng.randrange(1, 12)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 4)))
+                 for _ in range(rng.randrange(1, 3))]
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, len(text))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        if rng.random() < 0.5:
+            items = [Item(p) for p in pieces] + [Item("", "stop")]  # the end of text
+        else:  # max_tokens reached on the last piece
+            items = [Item(p) for p in pieces[:-1]] + [Item(pieces[-1], "length")]
+        said = []
+        out = [i for i in stop_at(iter(items), stops, said.append)]
+        kept = "".join(i.text for i in out if i.finish_reason != "stop")
+        # The first stop string complete as the text is read a character at a time.
+        found = sorted((text.find(s) + len(s), text.find(s), s) for s in stops if s in text)
+        assert kept == (text[:found[0][1]] if found else text), (text, stops, pieces)
+        assert said == ([found[0][2]] if found else [])

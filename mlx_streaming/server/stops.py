@@ -23,9 +23,12 @@ class StopText:
         """The text that may go out after ``text``."""
         start = max(0, self.released - max(map(len, self.stops), default=0))
         self.seen += text
-        matches = [(at, s) for s in self.stops if (at := self.seen.find(s, start)) >= 0]
+        # The first stop string to be complete, as if the text came a character
+        # at a time (however it is cut into tokens); of two, the longer.
+        matches = [(at + len(s), at, s) for s in self.stops
+                   if (at := self.seen.find(s, start)) >= 0]
         if matches:
-            at, self.stopped = min(matches)
+            _, at, self.stopped = min(matches)
             return self._release(at)
         return self._release(self._held_from())
 
