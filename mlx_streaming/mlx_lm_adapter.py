@@ -213,6 +213,7 @@ REQUIRED = {
     "ResponseGenerator._run_generate": ["self"],
     "ResponseGenerator._generate": ["self"],
     "APIHandler._set_cors_headers": ["self"],
+    "APIHandler.handle_completion": ["self", "request", "stop_words"],
     "APIHandler._set_completion_headers": ["self", "status_code"],
     "APIHandler._set_stream_headers": ["self", "status_code"],
     "APIHandler.__init__": ["self", "response_generator", "args", "system_fingerprint",

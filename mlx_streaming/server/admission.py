@@ -49,7 +49,10 @@ class _Request(threading.local):
     ticket: Optional[Ticket] = None
     failure: Optional[Exception] = None
     tokens: int = 0  # generated for the request (its log line)
-    generated: tuple = ()  # the token ids generated (which stop sequence ended them)
+    first_token_at: Optional[float] = None  # perf_counter() as its first token came
+    generation: object = None  # mlx-lm's GenerationContext of the request, once known
+    stops: tuple = ()  # the request's stop strings, matched on its text (stops.py)
+    stopped_by: Optional[str] = None  # the stop string that ended the answer
     status: Optional[int] = None  # the status an error reply was rewritten to
 
 

@@ -94,6 +94,9 @@ class StreamingAPIHandler(APIHandler):
     request_context: Optional[int] = None
     # The path asked for, where another API's request is served as OpenAI's.
     asked_path: Optional[str] = None
+    # The --max-tokens default cut to the context a prompt leaves (Ollama's
+    # requests without num_predict), instead of a 400.
+    default_fits = False
 
     def do_GET(self):
         try:
@@ -127,7 +130,8 @@ class StreamingAPIHandler(APIHandler):
         logged."""
         start, self.status = time.perf_counter(), None
         current_request.tokens, current_request.status = 0, None
-        current_request.generated = ()
+        current_request.stops, current_request.stopped_by = (), None
+        current_request.first_token_at, current_request.generation = None, None
         try:
             answer()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -190,6 +194,7 @@ class StreamingAPIHandler(APIHandler):
             extra = f"{MEMO_HEADER}: hit\r\n".encode() + b"".join(self._headers_buffer)
             self._headers_buffer = []
             reply = fresh(cached)
+            self.memo_hit(reply)
             self.wfile.write(reply.replace(b"\r\n", b"\r\n" + extra, 1))
             self.wfile.flush()
             self.status, self.memo_status = 200, "hit"
@@ -203,9 +208,12 @@ class StreamingAPIHandler(APIHandler):
         try:
             # Tokenizing a long prompt is work: only admitted requests do it.
             field = "prompt" if self.path == "/v1/completions" else "messages"
+            asked = body.get("max_tokens")
             if self._fits_context(body, field):
                 if field == "prompt" and body != completion_logprobs(body):
                     raw = json.dumps(completion_logprobs(body)).encode()
+                elif body.get("max_tokens") != asked:  # the default cut to fit
+                    raw = json.dumps(body).encode()
                 self._respond(raw, key)
         finally:
             current_request.ticket = None
@@ -234,11 +242,20 @@ class StreamingAPIHandler(APIHandler):
             return None  # sampled: never memoised
         return self.path + "\n" + json.dumps(body, sort_keys=True)
 
+    def handle_completion(self, request, stop_words):
+        """mlx-lm's, the stop strings matched on the answer's text here
+        (``stops.py``) instead of on its tokens there."""
+        current_request.stops = tuple(stop_words)
+        super().handle_completion(request, [])
+
     def generate_response(self, text, finish_reason, *args, **kwargs):
-        """mlx-lm's response; a completion's log probabilities in the
+        """mlx-lm's response, which names the stop string that ended it
+        (``stop_reason``, as vLLM's); a completion's log probabilities in the
         OpenAI completions format (tokens, token_logprobs, top_logprobs,
         text_offset) instead of the chat one."""
         response = super().generate_response(text, finish_reason, *args, **kwargs)
+        if finish_reason == "stop" and current_request.stopped_by is not None:
+            response["choices"][0]["stop_reason"] = current_request.stopped_by
         if self.service.approximate:
             response["approximate"] = self.service.approximate
         if self.object_type == "text_completion" and "logprobs" in response["choices"][0]:
@@ -329,6 +346,10 @@ class StreamingAPIHandler(APIHandler):
     def prompt_counted(self, tokens: int) -> None:
         """The prompt was counted (a hook: another API's answer shows it)."""
 
+    def memo_hit(self, reply: bytes) -> None:
+        """``reply``, a memoised OpenAI response, is about to be sent (a
+        hook: another API's answer needs what it says before its end)."""
+
     def _vocab_size(self) -> Optional[int]:
         args = getattr(self.service.provider.model, "args", None)
         return getattr(args, "vocab_size", None)
@@ -355,9 +376,12 @@ class StreamingAPIHandler(APIHandler):
             n = prompt_tokens(tokenizer, body, field, text, template, images)
         except Exception:
             return True  # mlx-lm's own parsing reports what is wrong
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or \
-            self.response_generator.cli_args.max_tokens
+        explicit = body.get("max_completion_tokens") or body.get("max_tokens")
+        asked = explicit or self.response_generator.cli_args.max_tokens
         self.prompt_counted(n)
+        room = min(limit, self.request_context or limit) - n
+        if self.default_fits and explicit is None and 0 < room < asked:
+            asked = body["max_tokens"] = room
         if self.request_context is not None and n + asked > self.request_context:
             self._error(400, f"the prompt has {n} tokens and {asked} more are asked for, "
                         f"beyond the context it asked for (num_ctx {self.request_context})",

@@ -47,17 +47,25 @@ class Memo:
         return len(key.encode()) + len(data)
 
 
-_RESPONSE_ID = re.compile(rb'"id": "((?:chat)?cmpl-)[0-9a-f-]{36}"')
+# A response's id and its tool calls' ids: new ones in each answer.
+_ID = re.compile(rb'"id": "((?:chat)?cmpl-)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-'
+                 rb'[0-9a-f]{4}-[0-9a-f]{12})"')
 
 
 _CREATED = re.compile(rb'"created": \d{10}\b')
 
 
 def fresh(data: bytes) -> bytes:
-    """A memoised response as a new one: its own id and creation time (as
-    long as the old ones, so Content-Length holds)."""
-    rid = uuid.uuid4()
-    data = _RESPONSE_ID.sub(lambda m: b'"id": "' + m.group(1) + str(rid).encode() + b'"', data)
+    """A memoised response as a new one: its own id, tool-call ids and
+    creation time (as long as the old ones, so Content-Length holds); an id
+    repeated in a stream's chunks is replaced by the same new one."""
+    new: dict = {}
+
+    def renamed(m):
+        uid = new.setdefault(m.group(2), str(uuid.uuid4()).encode())
+        return b'"id": "' + (m.group(1) or b"") + uid + b'"'
+
+    data = _ID.sub(renamed, data)
     now = str(int(time.time())).encode()
     return _CREATED.sub(b'"created": ' + now, data) if len(now) == 10 else data
 

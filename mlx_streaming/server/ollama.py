@@ -5,6 +5,7 @@ or one JSON object; ``/api/tags``, ``/api/show``, ``/api/ps`` and
 """
 
 import json
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,9 +20,36 @@ OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
            "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
            "repeat_last_n": "repetition_context_size", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty"}
+# The OpenAI fields' names in an error as the Ollama options they came from.
+OPTION_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty",
+                "repetition_context_size": "repeat_last_n"}
+_OPENAI_NAME = re.compile(r"\b(" + "|".join(OPTION_NAMES) + r")\b")
+# Options taken as whole numbers (Ollama's clients may send 5.0).
+INTEGER_OPTIONS = ("num_predict", "num_ctx", "top_k", "repeat_last_n", "seed")
+# Options of samplers not here: accepted at the value that turns them off.
+OFF_OPTIONS = {"typical_p": 1.0, "tfs_z": 1.0}
 # Options about where and how Ollama runs a model: nothing to do here.
 RUNTIME_OPTIONS = ("num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock",
                    "numa", "low_vram", "f16_kv", "vocab_only", "num_keep")
+
+
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def keep_alive_seconds(value) -> float:
+    """Ollama's ``keep_alive``: seconds, or a Go duration (``"5m"``,
+    ``"1h30m"``, ``"0"``; negative: forever); the model stays loaded here
+    either way."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = value.strip() if isinstance(value, str) else ""
+    sign, body = (-1, text[1:]) if text.startswith("-") else (1, text.removeprefix("+"))
+    parts = _DURATION.findall(body)
+    if not body or body != "0" and "".join(n + unit for n, unit in parts) != body:
+        raise RequestError(f"'keep_alive' must be a duration (\"5m\", \"1h30m\", \"0\") or "
+                           f"seconds, got {value!r}", "keep_alive")
+    return sign * sum(float(n) * _SECONDS[unit] for n, unit in parts)
 
 
 def model_name(body: dict) -> str:
@@ -42,7 +70,17 @@ def _sampling(body: dict, context: int) -> dict:
     for name, value in options.items():
         if value is None or name in RUNTIME_OPTIONS:
             continue
-        if name in OPTIONS:
+        if name in INTEGER_OPTIONS and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if name in OFF_OPTIONS:
+            if value != OFF_OPTIONS[name]:
+                raise RequestError(f"the option {name!r} is not supported by this server: "
+                                   f"leave it out, or send {OFF_OPTIONS[name]}", name)
+        elif name == "seed" and value == -1:
+            continue  # Ollama's random seed: none
+        elif name == "repeat_last_n" and value == -1:  # Ollama's "the whole context"
+            continue  # set below, once num_ctx is known
+        elif name in OPTIONS:
             fields[OPTIONS[name]] = value
         elif name == "num_predict":
             if value not in (-1, -2):  # no limit, fill the context: the server's default
@@ -61,9 +99,10 @@ def _sampling(body: dict, context: int) -> dict:
             fields["num_ctx"] = value
         else:
             raise RequestError(f"the option {name!r} is not supported by this server", name)
-    keep_alive = body.get("keep_alive")  # the model stays loaded: accepted, nothing to do
-    if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
-        raise RequestError("'keep_alive' must be a duration (\"5m\") or seconds", "keep_alive")
+    if options.get("repeat_last_n") == -1:
+        fields["repetition_context_size"] = fields.get("num_ctx", context)
+    if body.get("keep_alive") is not None:  # the model stays loaded: checked, nothing to do
+        keep_alive_seconds(body["keep_alive"])
     if body.get("format") not in (None, ""):
         raise RequestError("'format' (structured output) is not supported by this server",
                            "format")
@@ -129,6 +168,11 @@ def generate_request(body: dict, context: int) -> dict:
     return dict(request, messages=messages)
 
 
+def is_unload(body: dict) -> bool:
+    """A load request (``is_load``) with ``keep_alive`` 0: Ollama's unload."""
+    return body.get("keep_alive") is not None and keep_alive_seconds(body["keep_alive"]) == 0
+
+
 def is_load(body: dict) -> bool:
     """A request that only asks the model to be loaded (no messages, or an
     empty prompt), as Ollama's clients send to warm it."""
@@ -152,7 +196,8 @@ class ChatRenderer(Renderer):
         self.usage = {}
 
     def error(self, status, message, kind):
-        return {"error": message}
+        # The fields named as the client sent them (num_predict, not max_tokens).
+        return {"error": _OPENAI_NAME.sub(lambda m: OPTION_NAMES[m.group(1)], message)}
 
     def _object(self, done: bool, **fields) -> dict:
         obj = dict(model=self.model, created_at=now(), **fields, done=done)
@@ -171,7 +216,9 @@ class ChatRenderer(Renderer):
 
     def _done(self) -> dict:
         total = time.perf_counter() - self.begun
-        first = self.first if self.first is not None else total
+        first = self.first
+        if first is None:  # not streamed: the handler said when the first token came
+            first = total if self.first_token_at is None else self.first_token_at - self.begun
         return dict(done_reason="length" if self.finish == "length" else "stop",
                     total_duration=int(total * 1e9), load_duration=0,
                     prompt_eval_count=self.usage.get("prompt_tokens", 0),
@@ -211,9 +258,10 @@ class ChatRenderer(Renderer):
     def failed(self, message):
         return self._line({"error": message})
 
-    def loaded(self) -> dict:
-        """The answer to a request that only loads the model (``is_load``)."""
-        return self._object(True, **self._content("", "", []), done_reason="load")
+    def loaded(self, reason: str = "load") -> dict:
+        """The answer to a request that only loads the model (``is_load``),
+        or unloads it (``"unload"``: the model stays, as it serves here)."""
+        return self._object(True, **self._content("", "", []), done_reason=reason)
 
 
 class GenerateRenderer(ChatRenderer):

@@ -39,3 +39,17 @@ def _template_args(body: dict, server_args: dict) -> dict:
     args = dict(server_args or {})
     args.update(body.get("chat_template_kwargs") or {})
     return dict(args, tools=body.get("tools") or None)
+
+
+def continued_text(tokenizer, body: dict, template_args: dict) -> str:
+    """The prompt of a chat whose last message, the assistant's, the
+    model continues (a prefill): the template without a new generation
+    prompt after it, as text that ``tokenizer.encode`` reads back (a
+    leading BOS the encoder adds itself left out)."""
+    text = tokenizer.apply_chat_template(
+        _messages(body, False), add_generation_prompt=False, continue_final_message=True,
+        **dict(_template_args(body, template_args), tokenize=False))
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos) and tokenizer.encode("")[:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text

@@ -11,6 +11,7 @@ from typing import Optional
 from ..errors import StreamingError
 from .admission import Admission, current_request
 from .memo import Memo
+from .stops import stop_at
 
 RECENT_REQUESTS = 32
 
@@ -87,9 +88,10 @@ class Service:
 
 
 def counting(service: Service, generate):
-    """Wrap ``ResponseGenerator.generate`` to record each request's tokens,
-    time to first token and duration, and to give back the request's
-    admission when its last token is out."""
+    """Wrap ``ResponseGenerator.generate`` to end each answer at its stop
+    strings (``current_request.stops``), record its tokens, time to first
+    token and duration, and give back the request's admission when its
+    last token is out."""
 
     def wrapped(request, args, progress_callback=None):
         start = time.perf_counter()
@@ -97,25 +99,29 @@ def counting(service: Service, generate):
         current_request.failure = None
         try:
             ctx, response = generate(request, args, progress_callback)
+            current_request.generation = ctx
         except (StreamingError, RuntimeError) as e:
             # mlx-lm answers any failure here with a 404; these are ours
             # (a read error, a dead generation thread), not the request's.
             current_request.failure = e
             raise
 
+        def stopped(stop):
+            current_request.stopped_by = stop
+
         def tokens():
             ids, first = [], None
             try:
-                for item in response:
+                for item in stop_at(response, current_request.stops, stopped):
                     if first is None:
-                        first = time.perf_counter() - start
+                        current_request.first_token_at = time.perf_counter()
+                        first = current_request.first_token_at - start
                     ids.append(item.token)
                     yield item
             finally:
                 if ticket is not None:
                     ticket.release()
                 n = current_request.tokens = len(ids)
-                current_request.generated = tuple(ids)
                 service.record(n, time.perf_counter() - start, first)
 
         return ctx, tokens()

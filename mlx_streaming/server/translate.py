@@ -21,6 +21,8 @@ class Renderer:
 
     stream_type = "text/event-stream"
     prompt_tokens = 0  # the prompt's length, once the handler counted it
+    cached_tokens = 0  # of those, found in the prompt cache, once generation began
+    first_token_at = None  # perf_counter() at the first token, once the handler knows it
 
     def error(self, status: int, message: str, kind: str) -> dict:
         """The body of an error reply (``kind``: OpenAI's error type)."""
