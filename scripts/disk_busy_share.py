@@ -26,7 +26,7 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_streaming
-from mlx_streaming.bench.common import ReadLimit
+from mlx_streaming.bench.limits import ReadLimit
 from mlx_streaming.errors import StreamingError
 
 WARMUP = 8  # tokens that fill the pools, not counted

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_streaming.bench.common import MemoryLimit  # noqa: E402
+from mlx_streaming.bench.limits import MemoryLimit  # noqa: E402
 
 
 def main(argv=None) -> int:

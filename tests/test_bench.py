@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming.bench import cache as bench_cache
 from mlx_streaming.bench.__main__ import main as bench_main
-from mlx_streaming.bench.common import BenchError, routing_stats
+from mlx_streaming.bench.inputs import BenchError, routing_stats
 from mlx_streaming.bench.speculative import expected_tokens
 from mlx_streaming.config import POLICY_CHOICES
 from mlx_streaming.runtime.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA, make_policy
@@ -391,7 +391,7 @@ def test_bench_speculative_with_real_drafts(models, tmp_path):
 
 
 def test_paired_ratio_cancels_the_machines_drift():
-    from mlx_streaming.bench.common import paired_ratio
+    from mlx_streaming.bench.runs import paired_ratio
 
     # A case at 0.8x of its baseline in every round, the machine twice as
     # fast in the last rounds: the ratio of medians says 1.07x.
@@ -445,7 +445,7 @@ def test_values_no_case_could_run_are_refused_up_front(tmp_path, capsys, command
 
 
 def test_a_failed_case_says_why_as_it_ends(tmp_path, capsys):
-    from mlx_streaming.bench.common import run_case
+    from mlx_streaming.bench.runs import run_case
 
     result = run_case(dict(op="decode", kind="streaming", model=str(tmp_path / "none"),
                            max_tokens=2, prompt_tokens=4, temp=0.0, load=dict(io="python")))

@@ -90,7 +90,8 @@ def test_what_loads_in_a_small_cgroup_runs(tmp_path, tokenizer_dir):
     killed); the sizes advised, and the defaults, load and run without a
     kill and without the pools shrinking at once (the advice left nothing
     for the pressure bar)."""
-    from mlx_streaming.bench.common import BenchError, MemoryLimit
+    from mlx_streaming.bench.inputs import BenchError
+    from mlx_streaming.bench.limits import MemoryLimit
     from mlx_streaming.testing import synthetic
 
     stream = synthetic.make_synthetic(

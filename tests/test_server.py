@@ -806,7 +806,8 @@ def test_a_batch_that_cannot_fit_is_refused_at_start(models):
     """The KV caches of the sequences decoded together come out of the
     memory plan: in a 0.5 GB memory cgroup, 256 of them are refused at
     start, naming what to lower."""
-    from mlx_streaming.bench.common import BenchError, MemoryLimit
+    from mlx_streaming.bench.inputs import BenchError
+    from mlx_streaming.bench.limits import MemoryLimit
 
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     try:

@@ -20,7 +20,7 @@ import importlib
 
 from ..cli import run_main
 from ..flags import Parser
-from .common import BenchError
+from .inputs import BenchError
 
 SUBCOMMANDS = ("decode", "cache", "overhead", "simulate", "speculative", "prefill", "io", "serve",
                "fetch", "quality")

@@ -24,7 +24,7 @@ from ..format import read_manifest
 from ..runtime.policy import ARC, LFU, LRU, LRUK, Adaptive, DecayedLFU, Policy, Predicted, RouterEMA
 from ..runtime.trace import read_trace_records
 from . import routing
-from .common import figure, finish
+from .report import figure, finish
 
 
 def add_arguments(p) -> None:

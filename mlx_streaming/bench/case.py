@@ -1,4 +1,4 @@
-"""One measurement, run in its own process by ``common.run_case``:
+"""One measurement, run in its own process by ``runs.run_case``:
 
     python -m mlx_streaming.bench.case '{"op": "decode", "kind": "streaming", ...}'
 
@@ -15,7 +15,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .common import peak_rss_bytes, prompt_tokens
+from .inputs import prompt_tokens
+from .limits import peak_rss_bytes
 
 # Decode tokens a decode case runs before it starts counting: they pay
 # one-time costs and fill the pool.

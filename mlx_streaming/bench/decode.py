@@ -28,18 +28,10 @@ from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, temperature
 from ..format import blob_path, read_manifest
 from ..predict.against import against, read_forecast
 from . import ranks, routing
-from .common import (
-    BenchError,
-    disk_read_gbps,
-    drop_page_cache,
-    figure,
-    finish,
-    median_run,
-    on_off,
-    paired_ratio,
-    pool_slots,
-    run_case,
-)
+from .inputs import BenchError, on_off, pool_slots
+from .limits import disk_read_gbps, drop_page_cache
+from .report import figure, finish
+from .runs import median_run, paired_ratio, run_case
 
 COLUMNS = [
     ("case", "case", "s"), ("pool", "pool", ".0%"), ("status", "status", "s"),

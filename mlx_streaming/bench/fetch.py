@@ -24,7 +24,9 @@ from pathlib import Path
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number, temperature
 from ..format import read_manifest
 from ..hub.repo import records_nbytes
-from .common import BenchError, figure, finish, median_run, pool_slots, run_case
+from .inputs import BenchError, pool_slots
+from .report import figure, finish
+from .runs import median_run, run_case
 
 REPO = "bench/model"
 COLUMNS = [

@@ -18,17 +18,10 @@ from ..config import DIRECT_IO_CHOICES, MAX_BUDGET, MAX_COUNT, MAX_IO_THREADS
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, fractions, listed, number, size, temperature
 from ..io.native import NativeReader, load_extension
 from ..io.python import PythonReader, aligned_empty
-from .common import (
-    BenchError,
-    disk_read_gbps,
-    drop_page_cache,
-    figure,
-    median_run,
-    pool_slots,
-    print_table,
-    run_case,
-    save_json,
-)
+from .inputs import BenchError, pool_slots
+from .limits import disk_read_gbps, drop_page_cache
+from .report import figure, print_table, save_json
+from .runs import median_run, run_case
 
 
 def add_arguments(p) -> None:

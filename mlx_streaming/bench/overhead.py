@@ -41,7 +41,9 @@ from ..config import DEFAULT_POLICY
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number
 from ..format import read_manifest
 from ..models.discover import find_router, input_dims_of
-from .common import figure, finish, paired_ratio, prompt_tokens
+from .inputs import prompt_tokens
+from .report import figure, finish
+from .runs import paired_ratio
 
 
 def add_arguments(p) -> None:

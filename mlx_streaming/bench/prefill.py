@@ -6,7 +6,9 @@ from pathlib import Path
 from ..flags import MAX_TOKENS, count, listed, number
 from ..format import read_manifest
 from . import routing
-from .common import figure, finish, pool_slots, run_case
+from .inputs import pool_slots
+from .report import figure, finish
+from .runs import run_case
 
 
 def add_arguments(p) -> None:

@@ -28,8 +28,10 @@ import numpy as np
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, text_file
 from ..format import LOW_BITS, read_manifest
 from ..runtime.low_bits import scratch_slots
-from .common import BenchError, figure, finish, paired_ratio, pool_slots, run_case
+from .inputs import BenchError, pool_slots
 from .ranks import run_ranks
+from .report import figure, finish
+from .runs import paired_ratio, run_case
 
 # scripts/train_moe.py trains on the first 4,000,000 characters of the corpus.
 HELD_OUT_FROM = 4_000_000

@@ -27,18 +27,10 @@ from typing import List, Optional
 
 from ..config import DIRECT_IO_CHOICES
 from ..format import read_manifest
-from .common import (
-    BenchError,
-    MemoryLimit,
-    ReadLimit,
-    case_outcome,
-    drop_page_cache,
-    figure,
-    finish,
-    median_run,
-    paired_ratio,
-    run_case,
-)
+from .inputs import BenchError
+from .limits import MemoryLimit, ReadLimit, drop_page_cache
+from .report import figure, finish
+from .runs import case_outcome, median_run, paired_ratio, run_case
 
 COLUMNS = [
     ("case", "case", "s"), ("status", "status", "s"), ("decode_tps", "tok/s", ".3g"),

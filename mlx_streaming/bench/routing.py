@@ -5,7 +5,8 @@ measured by reading real text through the model."""
 from pathlib import Path
 
 from ..format import read_manifest
-from .common import BenchError, routing_stats, run_case
+from .inputs import BenchError, routing_stats
+from .runs import run_case
 
 
 def measure(stream_dir: Path, out_dir: Path, tokens: int = 64, seed: int = 0) -> dict:

@@ -29,8 +29,10 @@ import numpy as np
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
 from ..format import read_manifest
 from .clients import APIS, streamed
-from .common import BenchError, ReadLimit, figure, finish, pool_slots, print_table
+from .inputs import BenchError, pool_slots
+from .limits import ReadLimit
 from .quality import equal_memory_slots, setting_options
+from .report import figure, finish, print_table
 
 # A different prompt per request: clients share no prompt cache.
 PROMPTS = ["def main(", "import os\n", "class Parser:", "for i in range(", "while True:",

@@ -15,7 +15,9 @@ from ..config import DIRECT_IO_CHOICES, ON_OFF
 from ..flags import MAX_NUM_DRAFT, MAX_ROUNDS, MAX_TOKENS, count, draft, fractions, listed, number
 from ..format import read_manifest
 from . import routing
-from .common import BenchError, figure, finish, on_off, pool_slots, run_case
+from .inputs import BenchError, on_off, pool_slots
+from .report import figure, finish
+from .runs import run_case
 
 ACCEPTANCE = (0.5, 0.7, 0.9)
 

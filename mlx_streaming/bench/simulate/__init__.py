@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...config import DEFAULT_POLICY
 from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number, temperature
-from ..common import BenchError
+from ..inputs import BenchError
 from .project import project
 from .validate import validate
 

@@ -20,7 +20,8 @@ from ...predict.speed import forecast
 from ...testing.sparse_repo import write_sparse_repo
 from ..cache import Call, decode_records
 from ..case import WARMUP_TOKENS
-from ..common import BenchError, figure, finish
+from ..inputs import BenchError
+from ..report import figure, finish
 
 PUBLISHED = Path(__file__).parents[2] / "predict" / "data" / "published.json"
 

@@ -15,7 +15,9 @@ from ...predict.headers import read_model
 from ...predict.machines import Machine
 from ...predict.shape import model_shape
 from ...predict.speed import QUEUE_DEPTH, SpeedModel, forecast
-from ..common import BenchError, figure, finish, paired_ratio, run_case
+from ..inputs import BenchError
+from ..report import figure, finish
+from ..runs import paired_ratio, run_case
 
 # The partial pool bench overhead measures the host's per-record work on.
 OVERHEAD_POOL = 0.25

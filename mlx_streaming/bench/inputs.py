@@ -1,0 +1,74 @@
+"""What the benchmarks take in: their error, on/off flags, pool sizes,
+prompts of real text, and the routing statistics of a trace."""
+
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+
+from ..config import ON_OFF
+from ..errors import StreamingError
+from ..runtime.trace import read_trace
+
+
+class BenchError(StreamingError):
+    """A benchmark cannot run as asked (permissions, platform, input)."""
+
+
+def on_off(flag: str, text) -> list:
+    """An on/off flag's values to compare (``[None]``: load()'s default)."""
+    values = text.split(",") if text else [None]
+    bad = [v for v in values if v is not None and v not in ON_OFF]
+    if bad:
+        raise BenchError(f"{flag} takes on, off or on,off, got {bad[0]!r}")
+    return values
+
+
+def pool_slots(spec, fraction: float) -> int:
+    """Slots per layer for a pool of ``fraction`` of a layer's experts (at
+    least one call's top-k)."""
+    return max(spec.top_k, round(fraction * spec.num_experts))
+
+
+def decode_calls(trace_path: Path) -> Dict[int, List[np.ndarray]]:
+    """Each layer's decode calls (one token) in a routing trace: the sorted
+    distinct experts of each."""
+    calls: Dict[int, List[np.ndarray]] = {}
+    for layer, ids in read_trace(str(trace_path)):
+        if ids.shape[0] == 1:
+            calls.setdefault(layer, []).append(np.unique(ids[0]))
+    return calls
+
+
+def routing_stats(trace_path: Path, top: int = 8) -> dict:
+    """Temporal reuse and traffic concentration of decode calls in a trace.
+
+    temporal_reuse: share of a token's experts the previous token also used.
+    top8_share: share of routing traffic that goes to a layer's ``top`` most
+    used experts.
+    """
+    layers = {}
+    for layer, seq in decode_calls(trace_path).items():
+        reuse = [len(np.intersect1d(a, b)) / len(b) for a, b in zip(seq, seq[1:])]
+        counts = np.bincount(np.concatenate(seq))
+        share = np.sort(counts)[::-1][:top].sum() / counts.sum()
+        layers[layer] = {"temporal_reuse": float(np.mean(reuse)) if reuse else None,
+                         "top8_share": float(share), "decode_calls": len(seq)}
+    values = [v for v in layers.values() if v["temporal_reuse"] is not None]
+    return {
+        "temporal_reuse": float(np.mean([v["temporal_reuse"] for v in values])) if values else None,
+        "top8_share": float(np.mean([v["top8_share"] for v in values])) if values else None,
+        "layers": layers,
+    }
+
+
+def prompt_tokens(tokenizer, n: int, seed: int = 0) -> List[int]:
+    """``n`` tokens of real text (the Python standard library) as a prompt."""
+    from ..testing.tiny import corpus_text
+
+    text = corpus_text(max(4 * n, 20_000) * 4)
+    ids = tokenizer.encode(text)
+    start = (seed * 997) % max(1, len(ids) - n)
+    if len(ids) < n:
+        raise BenchError(f"not enough local text for a {n}-token prompt")
+    return ids[start : start + n]
