@@ -382,6 +382,26 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                            choices=list(choices) if choices else None, help=argparse.SUPPRESS)
 
 
+def add_option_flag(parser, name: str, *flags: str, help: Optional[str] = None) -> None:
+    """One ``StreamConfig`` field's flag where a command takes only some of
+    them (the benchmarks): its type, bounds, choices and help from the
+    field, under ``flags`` (default ``--name``), its dest the field's name."""
+    from .flags import count, number
+
+    meta = dict(fields_by_name()[name].metadata)
+    bounds = meta.pop("bounds", None)
+    for key in ("shown_default", "same_on_ranks", "parse"):
+        meta.pop(key, None)
+    if bounds is not None:
+        make = count if meta["type"] is int else number
+        limits = dict(open_low=bounds.get("open_low", False)) if make is number else {}
+        meta["type"] = make(bounds["low"], bounds.get("high"), **limits)
+    if help is not None:
+        meta["help"] = help
+    parser.add_argument(*(flags or ("--" + name.replace("_", "-"),)), dest=name, default=None,
+                        **meta)
+
+
 def fields_by_name() -> dict:
     return {f.name: f for f in fields(StreamConfig)}
 

@@ -635,7 +635,9 @@ def test_the_trace_marks_a_sigmoid_routers_layer(tmp_path):
     (["fetch", "--bandwidth-mbps", "0"], "--bandwidth-mbps: must be a finite number at least 0.01"),
     (["fetch", "--bandwidth-mbps", "-5"], "--bandwidth-mbps: must be a finite number at least 0.01"),
     (["fetch", "--latency-ms", "-100"], "--latency-ms: must be a finite number at least 0"),
-    (["decode", "--pace-mbps", "inf"], "--pace-mbps: must be a finite number above 0"),
+    (["decode", "--pace-mbps", "inf"], "--pace-mbps/--read-pace-mbps: must be a finite number"),
+    # The bounds are the option's own (StreamConfig's), as generate's flag takes it.
+    (["quality", "--read-pace-mbps", "0.001"], "must be a finite number at least 0.01"),
 ])
 def test_bench_arguments_are_one_line_errors(qwen, argv, message, capsys):
     """Every bench argument is checked as it is parsed: a one-line error

@@ -28,7 +28,7 @@ from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, temperature
 from ..format import blob_path, read_manifest
 from ..predict.against import against, read_forecast
 from . import ranks, routing
-from .inputs import BenchError, on_off, pool_slots
+from .inputs import BenchError, add_read_rate_flags, on_off, pool_slots
 from .limits import disk_read_gbps, drop_page_cache
 from .report import figure, finish
 from .runs import median_run, paired_ratio, run_case
@@ -83,16 +83,7 @@ def add_arguments(p) -> None:
     p.add_argument("--policies", default=None,
                    help="eviction policies to compare side by side, comma-separated "
                         "(default: load()'s default)")
-    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
-                   help="throttle the cases' disk reads to this many MB/s (cgroup v1 blkio; "
-                        "emulates a slower disk, e.g. a Mac's read/compute ratio; use with "
-                        "--direct-io on or --cold)")
-    p.add_argument("--pace-mbps", type=number(0, open_low=True), default=None,
-                   help="emulate a disk of this many MB/s in the model's reader "
-                        "(read_pace_mbps): reads one after another, with no credit for the "
-                        "disk's idle time, which --read-mbps's cgroup throttle banks and "
-                        "spends on the next reads. Page-cache hits are paced too; the bounds "
-                        "take the slower of this rate and the disk's direct rate")
+    add_read_rate_flags(p, "the cases'", pace=True)
     p.add_argument("--routing-tokens", type=count(1, MAX_TOKENS), default=64)
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
                    help="rounds of all cases, interleaved; each case reports its median")
@@ -151,9 +142,9 @@ def _check_choices(args) -> None:
                              f"got {', '.join(map(repr, bad))}")
     config_values("--prefetch-precision", args.prefetch_precision, "prefetch_precision", float)
     config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
-    if args.pace_mbps is not None:
+    if args.read_pace_mbps is not None:
         try:
-            StreamConfig(read_pace_mbps=args.pace_mbps)
+            StreamConfig(read_pace_mbps=args.read_pace_mbps)
         except ConfigError as e:
             raise BenchError(f"--pace-mbps takes a rate in MB/s: {e}") from None
         if args.read_mbps:
@@ -241,8 +232,8 @@ def run(args) -> dict:
                 load["prefetch_depth"] = depth
             if overlap is not None:
                 load["overlap"] = ON_OFF[overlap]
-            if args.pace_mbps:
-                load["read_pace_mbps"] = args.pace_mbps
+            if args.read_pace_mbps:
+                load["read_pace_mbps"] = args.read_pace_mbps
             name = "(c) mlx_streaming" + "".join(
                 f" {label}={value}" for label, value, choices in
                 [("checksums", checksums, modes), ("policy", policy, policies),
@@ -274,7 +265,7 @@ def run(args) -> dict:
     blob = blob_path(stream_dir, manifest.layers[0])
     disk_gbps = disk_read_gbps(blob, manifest.layers[0].stride, read_mbps=args.read_mbps)
     # The bounds' rate: the paced disk's, when the reader emulates one.
-    rate_gbps = min(disk_gbps, args.pace_mbps / 1e3) if args.pace_mbps else disk_gbps
+    rate_gbps = min(disk_gbps, args.read_pace_mbps / 1e3) if args.read_pace_mbps else disk_gbps
     reference = args.mlx_model or args.cache_gb is not None
     resident_tps = rows[0].get("decode_tps") if reference else None
     belady = _belady_gb_per_token(common, stream_dir, manifest, args) if args.mlx_model else {}
@@ -300,11 +291,11 @@ def run(args) -> dict:
 
     stats = routing.measure(stream_dir, args.out, tokens=args.routing_tokens)
     result = dict(rows=rows, disk_direct_read_gbps=disk_gbps, routing=stats,
-                  read_mbps=args.read_mbps, pace_mbps=args.pace_mbps,
+                  read_mbps=args.read_mbps, pace_mbps=args.read_pace_mbps,
                   memory_limit_gb=args.memory_limit_gb, cold=args.cold,
                   model_expert_gb=manifest.expert_nbytes / 1e9, cases=raw)
     throttled = (f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else
-                 f", reads paced at {args.pace_mbps:g} MB/s" if args.pace_mbps else "")
+                 f", reads paced at {args.read_pace_mbps:g} MB/s" if args.read_pace_mbps else "")
     title = (f"bench decode: experts {manifest.expert_nbytes / 1e9:.2f} GB, memory limit "
              f"{args.memory_limit_gb or 'none'} GB, {'cold' if args.cold else 'warm'} page cache, "
              f"disk {disk_gbps:.3g} GB/s (dd, direct){throttled}\n{routing.describe(stats)}")

@@ -6,8 +6,9 @@ from typing import Dict, List
 
 import numpy as np
 
-from ..config import ON_OFF
+from ..config import ON_OFF, add_option_flag
 from ..errors import StreamingError
+from ..flags import number
 from ..runtime.trace import read_trace
 
 
@@ -72,3 +73,15 @@ def prompt_tokens(tokenizer, n: int, seed: int = 0) -> List[int]:
     if len(ids) < n:
         raise BenchError(f"not enough local text for a {n}-token prompt")
     return ids[start : start + n]
+
+
+def add_read_rate_flags(p, whose: str, pace: bool = True) -> None:
+    """The two ways a benchmark emulates a slower disk: a cgroup throttle of
+    ``whose`` reads (a measurement setting, not a ``load()`` option) and, with
+    ``pace``, the reader's own pace (the ``read_pace_mbps`` option)."""
+    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
+                   help=f"throttle {whose} disk reads to this many MB/s (cgroup v1 blkio, root; "
+                        "reads uncached; measurement only): a Mac's read/compute ratio on a "
+                        "fast disk")
+    if pace:
+        add_option_flag(p, "read_pace_mbps", "--pace-mbps", "--read-pace-mbps")

@@ -28,7 +28,7 @@ import numpy as np
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, text_file
 from ..format import LOW_BITS, read_manifest
 from ..runtime.low_bits import scratch_slots
-from .inputs import BenchError, pool_slots
+from .inputs import BenchError, add_read_rate_flags, pool_slots
 from .ranks import run_ranks
 from .report import figure, finish
 from .runs import paired_ratio, run_case
@@ -63,12 +63,7 @@ def add_arguments(p) -> None:
                    help="pool size as a fraction of each layer's experts")
     p.add_argument("--settings", default=None,
                    help=f"comma-separated, each one of: {SETTING_FORMS} (default: a sweep)")
-    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
-                   help="throttle the cases' disk reads to this many MB/s (cgroup v1 blkio, "
-                        "uncached reads)")
-    p.add_argument("--pace-mbps", type=number(0.01, open_low=False), default=None,
-                   help="emulate a disk of this many MB/s in the model's reader "
-                        "(read_pace_mbps)")
+    add_read_rate_flags(p, "the cases'", pace=True)
     p.add_argument("--batch", type=count(1, 64), default=1,
                    help="cut the text into this many streams decoded together, one token "
                         "of each per call (as batched serving decodes)")
@@ -222,8 +217,8 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     text = args.text or held_out_text(out, args.tokens)
     base = dict(slots_per_layer=slots)
-    if args.pace_mbps:
-        base["read_pace_mbps"] = args.pace_mbps
+    if args.read_pace_mbps:
+        base["read_pace_mbps"] = args.read_pace_mbps
     if args.read_mbps:
         base["direct_io"] = True  # page-cache hits are not throttled
     reference = out / "exact-logprobs.npy"
@@ -252,7 +247,7 @@ def run(args) -> dict:
         if row.get("ppl") and exact_ppl:
             row["ppl_change"] = row["ppl"] / exact_ppl - 1
     disk = (f", reads throttled to {args.read_mbps:g} MB/s" if args.read_mbps else "") + \
-        (f", reads paced at {args.pace_mbps:g} MB/s" if args.pace_mbps else "")
+        (f", reads paced at {args.read_pace_mbps:g} MB/s" if args.read_pace_mbps else "")
     streams = f" in {args.batch} streams decoded together" if args.batch > 1 else ""
     if ranks > 1:
         streams += f", {ranks} tensor-parallel ranks"
@@ -260,7 +255,7 @@ def run(args) -> dict:
              f"{streams}, pool {slots}/{spec.num_experts} experts per layer{disk}")
     result = dict(model=str(args.model), text=str(text), tokens=args.tokens, slots=slots,
                   batch=args.batch, ranks=ranks, tp_model=args.tp_model,
-                  read_mbps=args.read_mbps, pace_mbps=args.pace_mbps, rows=rows)
+                  read_mbps=args.read_mbps, pace_mbps=args.read_pace_mbps, rows=rows)
     return finish(out, "quality", result, rows, COLUMNS, title, _plot)
 
 

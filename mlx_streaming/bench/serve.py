@@ -29,7 +29,7 @@ import numpy as np
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, listed, number
 from ..format import read_manifest
 from .clients import APIS, streamed
-from .inputs import BenchError, pool_slots
+from .inputs import BenchError, add_read_rate_flags, pool_slots
 from .limits import ReadLimit
 from .quality import equal_memory_slots, setting_options
 from .report import figure, finish, print_table
@@ -81,9 +81,7 @@ def add_arguments(p) -> None:
                         "quality's (batched+cache-aware:3:8)")
     p.add_argument("--decode-concurrency", type=count(1, 64), default=8,
                    help="sequences decoded together in the batched cases")
-    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
-                   help="throttle our servers' disk reads to this many MB/s (cgroup blkio, "
-                        "root; reads uncached), to emulate a Mac's read/compute ratio")
+    add_read_rate_flags(p, "our servers'", pace=False)
     p.add_argument("--api", choices=APIS, default="openai",
                    help="the API the clients speak (mlx-lm's server speaks OpenAI's only): "
                         "OpenAI completions, Ollama's /api/generate raw, or Anthropic's "

@@ -15,7 +15,7 @@ from ..config import DIRECT_IO_CHOICES, ON_OFF
 from ..flags import MAX_NUM_DRAFT, MAX_ROUNDS, MAX_TOKENS, count, draft, fractions, listed, number
 from ..format import read_manifest
 from . import routing
-from .inputs import BenchError, on_off, pool_slots
+from .inputs import BenchError, add_read_rate_flags, on_off, pool_slots
 from .report import figure, finish
 from .runs import run_case
 
@@ -46,9 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
                    help="--drafts: uncached expert reads (auto: as load() decides; on "
                         "with --read-mbps)")
-    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
-                   help="--drafts: throttle the streamed cases' reads to this many MB/s "
-                        "(cgroup v1 blkio, uncached reads), e.g. a Mac's read/compute ratio")
+    add_read_rate_flags(p, "the streamed cases'", pace=False)
 
 
 def expected_tokens(k: int, acceptance: float) -> float:

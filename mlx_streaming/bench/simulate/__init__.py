@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...config import DEFAULT_POLICY
 from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number, temperature
-from ..inputs import BenchError
+from ..inputs import BenchError, add_read_rate_flags
 from .project import project
 from .validate import validate
 
@@ -50,11 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prefetch-depth", default=None,
                    help="validate: prefetch_depth, comma-separated to compare (e.g. 1,2; "
                         "default: load()'s)")
-    p.add_argument("--read-mbps", type=number(0, open_low=True), default=None,
-                   help="validate with reads throttled (cgroup blkio), as bench decode")
-    p.add_argument("--pace-mbps", type=number(0, open_low=True), default=None,
-                   help="validate with the reader emulating a disk of this rate "
-                        "(read_pace_mbps), as bench decode")
+    add_read_rate_flags(p, "the validation's", pace=True)
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
     p.add_argument("--temp", type=temperature, default=0.0)
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1)
