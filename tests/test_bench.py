@@ -414,8 +414,7 @@ def test_paired_ratio_cancels_the_machines_drift():
     ("--prefetch-depth", "1,3", "'1,3'"),
     ("--prefetch-depth", "1,2,", "'1,2,'"),
     ("--prefetch-precision", "0.5,", "'0.5,'"),
-    ("--prefetch-precision", "0,1.5", "prefetch_precision must be"),
-    ("--pace-mbps", "0.001", "read_pace_mbps must be between 0.01")])
+    ("--prefetch-precision", "0,1.5", "prefetch_precision must be")])
 def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag, value, said):
     # No model at this path: the value is refused before it is looked for.
     assert bench_main(["decode", "--model", str(tmp_path / "none"), flag, value,

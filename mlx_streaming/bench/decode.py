@@ -143,10 +143,6 @@ def _check_choices(args) -> None:
     config_values("--prefetch-precision", args.prefetch_precision, "prefetch_precision", float)
     config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
     if args.read_pace_mbps is not None:
-        try:
-            StreamConfig(read_pace_mbps=args.read_pace_mbps)
-        except ConfigError as e:
-            raise BenchError(f"--pace-mbps takes a rate in MB/s: {e}") from None
         if args.read_mbps:
             raise BenchError("--pace-mbps and --read-mbps are two ways to emulate a slower "
                              "disk: give one")
