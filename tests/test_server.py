@@ -698,6 +698,35 @@ def test_the_server_exits_cleanly_after_generating_on_its_own_thread(models):
         assert s.proc.returncode == 0 and "terminate called" not in err, err
 
 
+def test_ctrl_c_finishes_the_requests_in_flight(models):
+    """Ctrl-C stops taking requests and finishes those in flight, as the
+    server says (it exited at once: the stream ended without [DONE])."""
+    import http.client
+    import signal
+
+    _, stream_dir = models.get("qwen3_moe", quantized=True)
+    s = Server(stream_dir, "--slots-per-layer", "4")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": "def f(x):", "max_tokens": 300, "stream": True}),
+            {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200
+        while not reply.readline().startswith(b"data: "):  # past keep-alive comments
+            pass
+        s.proc.send_signal(signal.SIGINT)
+        rest = reply.read().decode()
+        s.proc.wait(timeout=120)
+        s.reader.join(timeout=30)
+        err = "".join(s.lines)
+        assert rest.rstrip().endswith("data: [DONE]"), rest[-300:]
+        assert "finishing 1 request in flight" in err and s.proc.returncode == 0, err
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
 @pytest.mark.parametrize("draft, family", [("ngram", "qwen3_moe"), ("mtp", "deepseek_v3")])
 def test_the_server_drafts_losslessly(models, draft, family):
     """``--draft``: greedy answers are the undrafted server's, token for

@@ -161,8 +161,10 @@ def serve(args) -> None:
         with httpd:
             try:
                 httpd.serve_forever()
-            except KeyboardInterrupt:
-                pass  # Ctrl-C stops the server: a clean exit
+            except KeyboardInterrupt:  # Ctrl-C: take no more requests, finish those in flight
+                if also:
+                    also.shutdown()
+                service.finish_answering()
             finally:
                 if also:
                     also.shutdown()

@@ -9,7 +9,6 @@ starts its loop again for the requests that follow.
 
 import logging
 import os
-import sys
 import threading
 
 from ..errors import first_line
@@ -45,15 +44,6 @@ class ResilientResponseGenerator(ResponseGenerator):
         self._in_flight = set()  # before the thread starts
         self._in_flight_lock = threading.Lock()
         super().__init__(*args, **kwargs)
-
-    def stop_and_join(self):
-        """mlx-lm's, which finishes the requests in flight first: said so."""
-        with self._in_flight_lock:
-            n = len(self._in_flight)
-        if n:
-            print(f"[mlx_streaming] stopping: finishing {n} request{'s' * (n > 1)} in "
-                  "flight first (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
-        super().stop_and_join()
 
     def tokenize(self, tokenizer, request, args):
         """mlx-lm's, its failures (a chat template on fields it did not

@@ -132,13 +132,14 @@ class StreamingAPIHandler(APIHandler):
         current_request.tokens, current_request.status = 0, None
         current_request.stops, current_request.stopped_by = (), None
         current_request.first_token_at, current_request.generation = None, None
-        try:
-            answer()
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            self.status = "client left"  # mlx-lm stops a generation it was streaming
-        except Exception as e:  # a read error mid-generation, say
-            self._failed(e)
-        self._log_request(time.perf_counter() - start)
+        with self.service.answering():
+            try:
+                answer()
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                self.status = "client left"  # mlx-lm stops a generation it was streaming
+            except Exception as e:  # a read error mid-generation, say
+                self._failed(e)
+            self._log_request(time.perf_counter() - start)
 
     def send_response(self, code, message=None):
         self.status = code

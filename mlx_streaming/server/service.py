@@ -3,8 +3,10 @@ and the record of recent requests.
 """
 
 import collections
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +39,36 @@ class Service:
         self._longest_token = None
         # What makes the answers approximate ("": none), said in each response.
         self.approximate = approximate
+        self._answering = 0  # requests whose handler is still answering
+
+    @contextmanager
+    def answering(self):
+        """Around one request's handling, whatever its API."""
+        with self.lock:
+            self._answering += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._answering -= 1
+
+    def finish_answering(self) -> None:
+        """After Ctrl-C stopped the listening: let the requests in flight
+        finish (said so); a second Ctrl-C stops at once."""
+        with self.lock:
+            n = self._answering
+        if not n:
+            return
+        print(f"[mlx_streaming] stopping: finishing {n} request{'s' * (n > 1)} in flight "
+              "first (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+        try:
+            while True:
+                with self.lock:
+                    if not self._answering:
+                        return
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            print("[mlx_streaming] stopped", file=sys.stderr, flush=True)
 
     def known_model(self, name) -> bool:
         return name in ("default_model", self.model_id, self.path)
