@@ -888,7 +888,9 @@ def test_approximate_answers_say_so_and_exact_ones_do_not(server, models):
         assert status == 200 and "routing='cache-aware'" in headers[header]
         assert reply["approximate"] == headers[header]
         chunks = list(s.client.chat.completions.create(
-            messages=body["messages"], model="default_model", max_tokens=4, stream=True))
+            messages=body["messages"], model="default_model", max_tokens=4, stream=True,
+            stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None  # the usage chunk says it too
         assert chunks and all(c.model_extra["approximate"] == headers[header] for c in chunks)
         raw = s.client.completions.with_raw_response.create(
             prompt="def", model="default_model", max_tokens=4)

@@ -249,6 +249,14 @@ class StreamingAPIHandler(APIHandler):
         current_request.stops = tuple(stop_words)
         super().handle_completion(request, [])
 
+    def completion_usage_response(self, *args, **kwargs):
+        """mlx-lm's usage chunk (``stream_options.include_usage``), which says
+        it is approximate as every other chunk does."""
+        response = super().completion_usage_response(*args, **kwargs)
+        if self.service.approximate:
+            response["approximate"] = self.service.approximate
+        return response
+
     def generate_response(self, text, finish_reason, *args, **kwargs):
         """mlx-lm's response, which names the stop string that ended it
         (``stop_reason``, as vLLM's); a completion's log probabilities in the
