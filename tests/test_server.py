@@ -526,6 +526,7 @@ def test_models_and_stats(server, models):
     (["--kv-bits", "7"], "--kv-bits must be one of"),
     # mlx-lm's own size parser raised decimal's error: a traceback.
     (["--prompt-cache-bytes", "junk"], "--prompt-cache-bytes: not a valid value: 'junk'"),
+    (["--prompt-cache-size", "-1"], "--prompt-cache-size must be 0 or more"),  # was taken
 ])
 def test_bad_request_defaults_are_refused_at_start(models, flags, message):
     _, stream_dir = models.get("qwen3_moe", quantized=True)

@@ -292,6 +292,9 @@ def _check_defaults(args) -> None:
     if not (is_number(args.temp) and (args.temp == 0 or args.temp >= MIN_TEMPERATURE)):
         raise ConfigError(f"--temp must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
                           f"got {args.temp}")
+    size = getattr(args, "prompt_cache_size", None)
+    if size is not None and not (is_int(size) and size >= 0):
+        raise ConfigError(f"--prompt-cache-size must be 0 or more, got {size}")
     flags = {name: getattr(args, name) for name in ("top_p", "min_p", "top_k")}
     problem = check_sampling(flags, None, args.temp)
     if problem is not None:
