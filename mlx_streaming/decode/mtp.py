@@ -56,8 +56,8 @@ class MtpDraft:
                 # Families whose layers want masks or caches shaped their own way.
                 raise ConfigError(
                     f"MTP drafting does not support {getattr(self.model.args, 'model_type', 'this model')}'s layers yet "
-                    f"({type(e).__name__}: {str(e)[:120]}); use --draft ngram or "
-                    "--draft-model") from None
+                    f"({type(e).__name__}: {str(e)[:120]}); use --draft ngram (or, with "
+                    "generate, --draft-model)") from None
             logits = self.model.lm_head(self.layer.shared_head.norm(h[-1:]))
         return h, logits
 
