@@ -368,6 +368,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         meta.pop("same_on_ranks", None)
         if meta.pop("parse", None) == "percent":
             meta["type"] = percent
+        meta["help"] = meta["help"].replace("%", "%%")  # argparse formats help with %
         flag = "--" + f.name.replace("_", "-")
         choices = meta.pop("choices", None)
         if isinstance(choices, dict):
@@ -396,8 +397,7 @@ def add_option_flag(parser, name: str, *flags: str, help: Optional[str] = None) 
         make = count if meta["type"] is int else number
         limits = dict(open_low=bounds.get("open_low", False)) if make is number else {}
         meta["type"] = make(bounds["low"], bounds.get("high"), **limits)
-    if help is not None:
-        meta["help"] = help
+    meta["help"] = (meta["help"] if help is None else help).replace("%", "%%")
     parser.add_argument(*(flags or ("--" + name.replace("_", "-"),)), dest=name, default=None,
                         **meta)
 

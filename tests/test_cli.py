@@ -163,6 +163,18 @@ def test_the_command_lists_every_subcommand():
     assert sorted(listed.strip(" {").split(",")) == sorted(SUBCOMMANDS)
 
 
+def test_every_command_prints_its_help():
+    # A "%" in an option's help (--routing-max-ppl's "1%") made argparse's
+    # help formatting raise in generate and the server.
+    from mlx_streaming.bench.__main__ import SUBCOMMANDS
+    from mlx_streaming.cli import COMMANDS
+
+    for argv in [[name, "--help"] for name in COMMANDS] + \
+            [["bench", name, "--help"] for name in SUBCOMMANDS]:
+        proc = run("mlx_streaming", *argv, check_ok=False)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (argv, proc.stderr[-500:])
+
+
 def test_the_command_without_a_command_is_an_error():
     """It printed the help and exited 0, as if it had done something."""
     proc = subprocess.run([sys.executable, "-m", "mlx_streaming"], capture_output=True,
