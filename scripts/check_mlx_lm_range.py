@@ -1,6 +1,7 @@
 """Run the mlx-lm adapter's tests and a few server tests against the oldest
 and the newest mlx-lm release of the range pyproject.toml states, each
-installed beside the venv's (``pip install --target``), not over it.
+installed beside the venv's (``pip install --target``), not over it; the
+venv's own release is left to the test suite.
 
     python scripts/check_mlx_lm_range.py [--versions 0.32.1,0.32.2]
 """
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 from mlx_streaming.supported import in_range, mlx_lm_range, release
@@ -59,6 +61,11 @@ def main() -> int:
                    "oldest and newest release of the supported range)")
     args = p.parse_args()
     versions = args.versions.split(",") if args.versions else ends_of_range()
+    installed = metadata.version("mlx-lm")
+    if not args.versions and installed in versions:
+        # The whole test suite runs against the venv's own mlx-lm.
+        print(f"mlx-lm {installed}: the venv's own, which the test suite runs against")
+        versions.remove(installed)
     failed = [v for v in versions if not check(v)]
     if failed:
         print(f"mlx-lm {', '.join(failed)}: the adapter's tests failed", file=sys.stderr)

@@ -70,7 +70,7 @@ def fresh_copy(tmp_path_factory, qwen):
 def test_fuzz_manifest_parsing(tmp_path_factory, qwen):
     stream, original = fresh_copy(tmp_path_factory, qwen)
 
-    @fuzz(2500)
+    @fuzz(1000)
     @given(mutated(original))
     def case(d):
         manifest_path(stream).write_text(json.dumps(d))
