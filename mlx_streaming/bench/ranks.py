@@ -58,8 +58,8 @@ def run(args) -> dict:
     common = dict(op="decode", max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                   temp=args.temp)
     load = dict(io=args.io, prefetch="off", direct_io=DIRECT_IO_CHOICES[args.direct_io])
-    if args.pace_mbps:
-        load["read_pace_mbps"] = args.pace_mbps
+    if args.read_pace_mbps:
+        load["read_pace_mbps"] = args.read_pace_mbps
     n, budget = args.ranks, args.cache_gb
     cases = [
         (f"1 rank, {budget:g} GB", 1,
@@ -90,11 +90,11 @@ def run(args) -> dict:
             row["vs_one_paired"] = paired_ratio(row["runs_tps"], rows[0]["runs_tps"])
     manifest = read_manifest(args.model)
     result = dict(rows=rows, ranks=n, cache_gb=budget, read_mbps=args.read_mbps,
-                  pace_mbps=args.pace_mbps, memory_limit_gb=args.memory_limit_gb,
+                  pace_mbps=args.read_pace_mbps, memory_limit_gb=args.memory_limit_gb,
                   cold=args.cold, model_expert_gb=manifest.expert_nbytes / 1e9,
                   cases={name: results for (name, _, _), results in zip(cases, runs)})
     disk = (f", reads throttled to {args.read_mbps:g} MB/s per rank" if args.read_mbps else
-            f", reads paced at {args.pace_mbps:g} MB/s per rank" if args.pace_mbps else "")
+            f", reads paced at {args.read_pace_mbps:g} MB/s per rank" if args.read_pace_mbps else "")
     title = (f"bench decode --ranks {n}: experts {manifest.expert_nbytes / 1e9:.4f} GB, "
              f"budget {budget:g} GB per rank{disk}")
     return finish(args.out, "decode-ranks", result, rows, COLUMNS, title, _plot)

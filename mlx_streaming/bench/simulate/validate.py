@@ -40,8 +40,8 @@ def validate(args) -> dict:
         max_tokens=args.max_tokens, prefetch=args.prefetch,
         prefetch_precision=None if args.prefetch_precision is None else str(
             args.prefetch_precision), prefetch_depth=args.prefetch_depth,
-        direct_io="on" if args.read_mbps or args.pace_mbps else "auto",
-        policies=args.policies, read_mbps=args.read_mbps, pace_mbps=args.pace_mbps,
+        direct_io="on" if args.read_mbps or args.read_pace_mbps else "auto",
+        policies=args.policies, read_mbps=args.read_mbps, read_pace_mbps=args.read_pace_mbps,
         repeats=args.repeats, out=args.out / "decode")
     measured = decode.run(ns)
     ov = overhead.run(argparse.Namespace(model=args.model, repeats=500, tokens=args.max_tokens,
@@ -119,7 +119,7 @@ def _disk_gbps(args, spec) -> float:
         # speed, so single reads overstate it; over a token it holds the rate.
         return args.read_mbps / 1e3
     warm = _read_cost(args.model, spec)
-    return min(warm["gbps"], args.pace_mbps / 1e3) if args.pace_mbps else warm["gbps"]
+    return min(warm["gbps"], args.read_pace_mbps / 1e3) if args.read_pace_mbps else warm["gbps"]
 
 
 def _call_cost(case: dict, resident: dict, layers: int) -> float:
