@@ -5,7 +5,7 @@
 
 from pathlib import Path
 
-from mlx_streaming.config import options_doc
+from mlx_streaming.config_doc import options_doc
 
 if __name__ == "__main__":
     out = Path(__file__).resolve().parent.parent / "docs" / "options.md"

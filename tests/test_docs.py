@@ -5,7 +5,7 @@ in the docs leads somewhere."""
 import re
 from pathlib import Path
 
-from mlx_streaming.config import options_doc
+from mlx_streaming.config_doc import options_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_START = [

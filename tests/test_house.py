@@ -14,8 +14,8 @@ ROOT = PACKAGE.parent
 # Each unit (a top-level module or subpackage) may import from its own layer
 # and those before it, never from a later one.
 LAYERS = [
-    {"errors", "config", "system", "cli", "flags", "supported", "mlx_lm_adapter",
-     "version"},
+    {"errors", "config", "config_doc", "system", "cli", "flags", "supported",
+     "mlx_lm_adapter", "version"},
     {"format"},
     {"models"},
     {"io"},

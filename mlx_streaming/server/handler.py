@@ -13,7 +13,7 @@ from ..flags import MIN_TEMPERATURE
 from ..mlx_lm_adapter import APIHandler
 from .admission import current_request, release_admission
 from .memo import MEMO_HEADER, fresh, without_request_headers
-from .prompt import prompt_text, prompt_tokens
+from .prompt import completion_logprobs_of, prompt_text, prompt_tokens
 from .service import Service
 from .validation import check_fields, completion_logprobs, is_number
 
@@ -429,29 +429,3 @@ class StreamingAPIHandler(APIHandler):
 
     # A client that stops sending is dropped instead of holding a thread.
     timeout = CLIENT_TIMEOUT_S
-
-
-def completion_logprobs_of(tokenizer, tokens, logprobs, top) -> dict:
-    """OpenAI's completions ``logprobs``: each token's text, its log
-    probability, the top tokens' (where asked, keyed by the same text, so
-    a chosen token is found in its row) and where the token starts in the
-    completion's text (as mlx-lm's streaming detokenizer made it, which may
-    drop a leading space, or hold back a character's first bytes)."""
-    detokenizer = tokenizer.detokenizer
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        detokenizer.add_token(t)
-        at += len(detokenizer.last_segment)
-    return {"tokens": [_token_text(tokenizer, t) for t in tokens],
-            "token_logprobs": list(logprobs) or None,
-            "top_logprobs": [{_token_text(tokenizer, d["id"]): d["logprob"] for d in row}
-                             for row in top] or None,
-            "text_offset": offsets}
-
-
-def _token_text(tokenizer, token: int) -> str:
-    """A token's text; for part of a character, its vocabulary entry (the
-    parts would all read U+FFFD)."""
-    text = tokenizer.decode([token])
-    return text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(token)

@@ -1,5 +1,6 @@
 """A request's prompt as mlx-lm's ``_tokenize`` makes it, to check it
-against the model's context before the request takes the model."""
+against the model's context before the request takes the model; and a
+completion's tokens as OpenAI's completions ``logprobs`` show them."""
 
 import copy
 
@@ -53,3 +54,29 @@ def continued_text(tokenizer, body: dict, template_args: dict) -> str:
     if bos and text.startswith(bos) and tokenizer.encode("")[:1] == [tokenizer.bos_token_id]:
         text = text[len(bos):]
     return text
+
+
+def completion_logprobs_of(tokenizer, tokens, logprobs, top) -> dict:
+    """OpenAI's completions ``logprobs``: each token's text, its log
+    probability, the top tokens' (where asked, keyed by the same text, so
+    a chosen token is found in its row) and where the token starts in the
+    completion's text (as mlx-lm's streaming detokenizer made it, which may
+    drop a leading space, or hold back a character's first bytes)."""
+    detokenizer = tokenizer.detokenizer
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        detokenizer.add_token(t)
+        at += len(detokenizer.last_segment)
+    return {"tokens": [_token_text(tokenizer, t) for t in tokens],
+            "token_logprobs": list(logprobs) or None,
+            "top_logprobs": [{_token_text(tokenizer, d["id"]): d["logprob"] for d in row}
+                             for row in top] or None,
+            "text_offset": offsets}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token's text; for part of a character, its vocabulary entry (the
+    parts would all read U+FFFD)."""
+    text = tokenizer.decode([token])
+    return text if "\ufffd" not in text else tokenizer.convert_ids_to_tokens(token)
