@@ -11,7 +11,7 @@ from .admission import current_request
 from .handler import StreamingAPIHandler
 from .prompt import continued_text, prompt_text, prompt_tokens
 from .service import Service
-from .translate import Renderer, RequestError, Translator
+from .translate import Renderer, RequestError, Translator, Wrapped
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 # Ollama's answer to its liveness check (``GET /``, ``HEAD /``).
@@ -36,7 +36,7 @@ def _api_of(path: str) -> Optional[str]:
     return None
 
 
-class _HeadersOnly:
+class _HeadersOnly(Wrapped):
     """A HEAD request's output: the headers a GET would send, no body."""
 
     def __init__(self, out):
@@ -48,16 +48,6 @@ class _HeadersOnly:
             self.out.write(bytes(b).split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
                            if self.sent else b)
         return len(b)
-
-    def flush(self):
-        return self.out.flush()
-
-    @property
-    def closed(self):
-        return self.out.closed
-
-    def close(self):
-        return self.out.close()
 
 
 class APIsHandler(StreamingAPIHandler):

@@ -15,6 +15,7 @@ from .admission import current_request, release_admission
 from .memo import MEMO_HEADER, fresh, without_request_headers
 from .prompt import completion_logprobs_of, prompt_text, prompt_tokens
 from .service import Service
+from .translate import Wrapped
 from .validation import check_fields, completion_logprobs, is_number
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ MAX_BODY_BYTES = 32 << 20
 CLIENT_TIMEOUT_S = 120
 
 
-class OutputTap:
+class OutputTap(Wrapped):
     """What a handler writes, passed through. It turns mlx-lm's own error
     responses (``{"error": "text"}``, a 404 for any request it cannot
     serve) into OpenAI-style 400s, and keeps a copy for the memo."""
@@ -54,16 +55,6 @@ class OutputTap:
         if self.copy is not None:
             self.copy.write(b)
         return self.out.write(b)
-
-    def flush(self):
-        return self.out.flush()
-
-    @property
-    def closed(self):
-        return self.out.closed
-
-    def close(self):
-        return self.out.close()
 
 
 def _openai_error(head: bytes, body: bytes) -> bytes:

@@ -8,6 +8,23 @@ import json
 from typing import Optional
 
 
+class Wrapped:
+    """A handler's output stream wrapped: flushing and closing go to the
+    stream underneath (``out``)."""
+
+    out = None
+
+    def flush(self):
+        return self.out.flush()
+
+    @property
+    def closed(self):
+        return self.out.closed
+
+    def close(self):
+        return self.out.close()
+
+
 class RequestError(ValueError):
     """A request the API refuses: its status, and the field at fault."""
 
@@ -57,7 +74,7 @@ class Renderer:
 REWRITTEN = (b"content-type:", b"content-length:")
 
 
-class Translator:
+class Translator(Wrapped):
     """A handler's output stream: the OpenAI response written to it (status
     line and headers, then a JSON body or server-sent events) goes out as
     ``renderer``'s API answers it (without one, as it is). ``finish`` ends a
@@ -92,15 +109,6 @@ class Translator:
         if self.mode == "json":
             self._body(self.buffer)
 
-    def flush(self):
-        return self.out.flush()
-
-    @property
-    def closed(self):
-        return self.out.closed
-
-    def close(self):
-        return self.out.close()
 
     def _read_head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
