@@ -212,12 +212,9 @@ class MessagesRenderer(Renderer):
         return self._event("content_block_stop", index=self.index)
 
     def chunk(self, chunk):
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        if not chunk.get("choices"):
+        choice = self.take(chunk)
+        if choice is None:
             return b""
-        choice = chunk["choices"][0]
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
         self.stop_sequence = choice.get("stop_reason") or self.stop_sequence
         text, reasoning, calls = choice_parts(choice)
         out = self._begin()

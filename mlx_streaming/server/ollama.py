@@ -192,7 +192,7 @@ class ChatRenderer(Renderer):
         self.model, self.approximate = model, approximate
         self.begun = time.perf_counter()
         self.first = None
-        self.finish = "stop"
+        self.finish_reason = "stop"
         self.usage = {}
 
     def error(self, status, message, kind):
@@ -219,7 +219,7 @@ class ChatRenderer(Renderer):
         first = self.first
         if first is None:  # not streamed: the handler said when the first token came
             first = total if self.first_token_at is None else self.first_token_at - self.begun
-        return dict(done_reason="length" if self.finish == "length" else "stop",
+        return dict(done_reason="length" if self.finish_reason == "length" else "stop",
                     total_duration=int(total * 1e9), load_duration=0,
                     prompt_eval_count=self.usage.get("prompt_tokens", 0),
                     prompt_eval_duration=int(first * 1e9),
@@ -228,19 +228,16 @@ class ChatRenderer(Renderer):
 
     def whole(self, response):
         choice = response["choices"][0]
-        self.finish, self.usage = choice.get("finish_reason"), response.get("usage") or {}
+        self.finish_reason, self.usage = choice.get("finish_reason"), response.get("usage") or {}
         return self._object(True, **self._content(*choice_parts(choice)), **self._done())
 
     def _line(self, obj: dict) -> bytes:
         return json.dumps(obj).encode() + b"\n"
 
     def chunk(self, chunk):
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        if not chunk.get("choices"):
+        choice = self.take(chunk)
+        if choice is None:
             return b""
-        choice = chunk["choices"][0]
-        self.finish = choice.get("finish_reason") or self.finish
         text, reasoning, calls = choice_parts(choice)
         if not (text or reasoning or calls):
             return b""

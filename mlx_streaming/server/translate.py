@@ -57,6 +57,17 @@ class Renderer:
         """A streamed OpenAI chunk (text, tool calls, finish reason, usage)."""
         raise NotImplementedError
 
+    def take(self, chunk: dict) -> Optional[dict]:
+        """A streamed chunk's usage and finish reason kept (``usage``,
+        ``finish_reason``); its first choice, or None."""
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if not chunk.get("choices"):
+            return None
+        choice = chunk["choices"][0]
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return choice
+
     def keepalive(self) -> bytes:
         """Something harmless to send while a long prompt is processed."""
         return b""
