@@ -33,7 +33,7 @@ DEFAULT_RESERVE_GB = 2.0
 # Streamed spine layers: one computing, one being read (runtime.spine).
 DEFAULT_SPINE_RING = 2
 MAX_SPINE_RING = 8
-# Below this much available memory the pools give memory back (runtime.pressure).
+# Below this much available memory the pools give memory back (runtime.runtime.PressureWatch).
 DEFAULT_PRESSURE_GB = 0.5
 DEFAULT_PREFETCH_MAX_TOKENS = 8
 DEFAULT_PREFETCH_PRECISION = 0.7

@@ -38,7 +38,7 @@ class FakeMeter:
 
 
 def _budget(layers, clock, meter, smoothing=1.0):
-    from mlx_streaming.runtime.prefetch.bandwidth import PrefetchBandwidth
+    from mlx_streaming.runtime.prefetch.learn import PrefetchBandwidth
 
     return PrefetchBandwidth(first_layer=0, layers=layers, record_bytes=1_000_000, max_tokens=8,
                           meter=meter, clock=clock, smoothing=smoothing)
@@ -120,7 +120,7 @@ def test_prefetch_calibration_counts_predictions_two_layers_early_apart():
     """The same score means less made two layers early: ``bar`` counts
     those predictions in bins of their own and holds them to their own
     bar, and ``forget`` drops both."""
-    from mlx_streaming.runtime.prefetch.calibration import PrefetchCalibration
+    from mlx_streaming.runtime.prefetch.learn import PrefetchCalibration
 
     calibration = PrefetchCalibration([1], target=0.6, window=64)
     order, scores = np.array([5, 6]), np.array([8.0, 8.0])
@@ -138,7 +138,7 @@ def test_prefetch_calibration_reads_the_scores_that_were_used():
     """Per layer, the bins of scores read ahead are those that, from the
     highest down, were used at least the target share of the time, counted
     on every prediction, read or not."""
-    from mlx_streaming.runtime.prefetch.calibration import PrefetchCalibration
+    from mlx_streaming.runtime.prefetch.learn import PrefetchCalibration
 
     calibration = PrefetchCalibration([1, 2], target=0.8, window=64)
     order = np.array([5, 6, 7, 9])
@@ -190,7 +190,7 @@ def test_prefetch_calibration_reads_the_scores_that_were_used():
 
 
 def test_affinity_counts_which_experts_follow_which():
-    from mlx_streaming.runtime.prefetch.affinity import Affinity
+    from mlx_streaming.runtime.prefetch.learn import Affinity
 
     affinity = Affinity([(0, 4, 1, 3), (1, 3, 2, 4)], prior=1.0)
     uniform = affinity.weights(0, np.array([[0, 1]]))
@@ -220,7 +220,7 @@ def test_affinity_counts_which_experts_follow_which():
 
 
 def test_affinity_wraps_from_the_last_layer_on_decode_only():
-    from mlx_streaming.runtime.prefetch.affinity import Affinity
+    from mlx_streaming.runtime.prefetch.learn import Affinity
 
     affinity = Affinity([(0, 4, 1, 4), (1, 4, 0, 4)], prior=0.0)
     # A two-token prefill: row i of layer 1 is not followed by row i of the
@@ -421,7 +421,7 @@ def test_prefetch_budget_keeps_the_share_of_a_record_its_compute_covers():
 
 
 def test_calibration_chance_of_use_is_smoothed_per_bin():
-    from mlx_streaming.runtime.prefetch.calibration import PrefetchCalibration
+    from mlx_streaming.runtime.prefetch.learn import PrefetchCalibration
 
     calibration = PrefetchCalibration([0], target=0.5)
     assert calibration.used_share(0, 1, 1) is None  # nothing selected yet
@@ -439,7 +439,7 @@ def test_calibration_chance_of_use_is_smoothed_per_bin():
 def test_every_prediction_read_counts_the_chance_of_each_rank():
     """Where scores are not binned (precision 0, a sigmoid router), the
     chance of the partly covered record is its rank's share used."""
-    from mlx_streaming.runtime.prefetch.calibration import ReadEveryPrediction
+    from mlx_streaming.runtime.prefetch.learn import ReadEveryPrediction
 
     ranks = ReadEveryPrediction()
     assert ranks.select(3, np.array([4, 5]), None, 1).tolist() == [4, 5]  # reads them all
@@ -623,15 +623,16 @@ def _stats_of_decode(model, steps: int) -> dict:
 
 def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):
     """What prefetch learns (calls, routes, stalls) reaches its learners
-    through ``PrefetchControl``, each hook only where the factory wired it,
-    and the stats observers carry none of it."""
-    from mlx_streaming.runtime.prefetch.control import PrefetchControl
+    through ``PrefetchControl``, one observer of the paged calls' events,
+    each hook only where the factory wired it; the learners are not
+    observers themselves."""
+    from mlx_streaming.runtime.prefetch.learn import PrefetchControl
 
     seen = []
     control = PrefetchControl(on_route=[lambda layer, ids, experts: seen.append(
         (layer, experts.tolist()))])
-    control.routed(3, 1, np.array([[4, 2]]), np.array([2, 4]))
-    control.stalled(3, 0.5)
+    control.on_paged_call(3, 1, np.array([[4, 2]]), np.array([2, 4]), 0)
+    control.on_stall(3, 0.5)
     assert seen == [(3, [2, 4])]
 
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="auto")
@@ -639,7 +640,7 @@ def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):
     prefetch = runtime.prefetch
     learners = (prefetch.switch, prefetch.bandwidth, prefetch.affinity, prefetch.calibration)
     assert not any(o in learners for o in runtime.events.observers)
-    assert all(s.control is prefetch.control for s in runtime.stores)
+    assert runtime.events.observers.count(prefetch.control) == 1
     _stats_of_decode(model, 12)
     assert prefetch.switch._seen == 12  # the switch counted each decode token
     assert prefetch.affinity.seen(runtime.stores[0].layer) > 0

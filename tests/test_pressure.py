@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
 from helpers import PROMPT, assert_same_logits, logits_trace
-from mlx_streaming.runtime.pressure import PressureWatch
+from mlx_streaming.runtime.runtime import PressureWatch
 from mlx_streaming.runtime.stats import stats
 
 CGROUP = Path("/sys/fs/cgroup/memory")

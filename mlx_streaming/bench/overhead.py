@@ -268,13 +268,14 @@ def _force_paged(model):
     """Turn a resident model's blocks paged, with the store and residency
     the loader would choose for a paged pool: the pool holds every expert
     in the slot of its id, so every lookup hits and nothing is read."""
-    from ..runtime.residency import make_paged, make_store
+    from ..runtime.residency import choose_path, make_paged, make_store
     from ..runtime.wrap import one_pass_at_a_time
 
     runtime = model.streaming
     if runtime.residencies:
         return
     runtime.paged = True
+    runtime.path = choose_path(runtime)
     for _, module in model.named_modules():
         residency = getattr(module, "residency", None)
         if residency is None:

@@ -27,8 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .events import Events
-from .pool import distinct
-from .prefetch.control import NoPrefetch
+from .prefetch.learn import NoPrefetch
 from .store import ExpertStore
 
 # An overlapped call costs the host more than a plain one (a hand-off to the
@@ -75,12 +74,12 @@ class StreamingExperts(nn.Module):
     """Drop-in for ``SwitchGLU``/``SwitchMLP``: same ``(x, indices)`` call,
     same output, experts gathered from a slot pool."""
 
-    def __init__(self, inner: nn.Module, residency):
+    def __init__(self, inner: nn.Module, residency, after_routing=None):
         super().__init__()
         self.inner = inner
         self.residency = residency
         # Called first: cache-aware routing's ``CacheAwareRouter.restore``.
-        self.after_routing = None
+        self.after_routing = after_routing
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self.after_routing is not None:
@@ -118,7 +117,7 @@ class Paged:
     """
 
     def __init__(self, store: ExpertStore, events: Events, prefetch=None, router=None,
-                 overlap=None):
+                 overlap=None, low=None):
         self.store = store
         self.layer = store.layer
         self.events = events
@@ -133,9 +132,8 @@ class Paged:
         self.read_per_miss = 0.0
         self.read_per_call = 0.0
         self.pending = []
-
-    # Low-bit copies a miss may read instead (low_bits.LowBitMisses), or None.
-    low = None
+        # Low-bit copies a miss may read instead (low_bits.LowBitMisses), or None.
+        self.low = low
 
     def __call__(self, inner, x, indices):
         predicted, probs, y = self._start(inner, x, indices)
@@ -181,15 +179,12 @@ class Paged:
         self.pending = []
 
     def _route(self, indices, probs):
-        """The host's view of the routing: counters, trace and policy."""
+        """The host's view of the routing: the policy, counters and trace,
+        and prefetch's learners (observers of ``events``)."""
         ids = np.array(indices)
-        experts = distinct(ids)
         probs = np.array(probs[0]).reshape(-1, probs[0].shape[-1]) if probs else None
-        hits = int(np.count_nonzero(self.store.pool.slot_of_expert[ids] >= 0))
-        tokens = call_tokens(indices)
-        self.events.on_paged_call(self.layer, tokens, ids, experts, hits, probs)
-        self.store.control.routed(self.layer, tokens, ids, experts)
-        self.store.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
+        hits, experts = self.store.route(ids, probs)
+        self.events.on_paged_call(self.layer, call_tokens(indices), ids, experts, hits, probs)
         return ids, experts, probs
 
     def _low_bit_misses(self, ids, experts, probs) -> np.ndarray:
@@ -270,7 +265,6 @@ class Paged:
     def _stalled(self, seconds: float) -> None:
         """The device waited ``seconds`` for this call's reads."""
         self.events.on_stall(self.layer, seconds)
-        self.store.control.stalled(self.layer, seconds)
 
     def _measured(self, waited: float, missing: int) -> None:
         """Keep decayed means of the seconds a call's misses and a missing
@@ -349,9 +343,9 @@ class NativePaged(Paged):
     slow enough to overlap (``_overlap_pays``). ``Paged`` is the reference;
     the two agree call for call (tests/test_native_paging.py)."""
 
-    def __init__(self, store, events, prefetch=None, router=None, overlap=None,
+    def __init__(self, store, events, prefetch=None, router=None, overlap=None, low=None,
                  in_graph: bool = False):
-        super().__init__(store, events, prefetch, router, overlap)
+        super().__init__(store, events, prefetch, router, overlap, low)
         self.in_graph = in_graph
         # Whether this layer's decode calls sync (``_overlap_pays``).
         self.synced = False
@@ -396,11 +390,3 @@ class NativePaged(Paged):
         # this layer's next sync), before anything else may write the pool.
         self.pending.append(y)
         return y
-
-    def _route(self, indices, probs):
-        ids = np.array(indices)
-        hits, experts = self.store.route(ids)
-        tokens = call_tokens(indices)
-        self.events.on_paged_call(self.layer, tokens, ids, experts, hits, None)
-        self.store.control.routed(self.layer, tokens, ids, experts)
-        return ids, experts, probs

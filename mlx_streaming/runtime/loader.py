@@ -29,10 +29,9 @@ from ..models.discover import get_module
 from . import quality_budget, sharding, spine
 from .memory import GB, bytes_per_slot, min_slots, plan_memory
 from .model_spine import attach_mtp, check_experts_compute_here, load_spine, spine_bytes
-from .pressure import PressureWatch
 from .residency import install_blocks
 from .routing import check_keep
-from .runtime import Runtime
+from .runtime import PressureWatch, Runtime
 from .wrap import one_pass_at_a_time
 
 

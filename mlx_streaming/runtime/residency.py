@@ -2,7 +2,9 @@
 resident, paged through Python, or paged with the native step.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,32 +16,65 @@ from ..format import LayerSpec, Manifest, blob_path
 from ..models.discover import (
     find_expert_blocks,
     find_router,
-    get_module,
     input_dims_of,
     projections,
     set_module,
 )
 from .block import NativePaged, Paged, Resident, StreamingExperts, calls_in_graph
 from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
-from .memory import staging_shape
 from .policy import LRU, make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
 from .rank_routing import misses_of, routing_check
 from .routing import install_routers
-from .store import ExpertStore, NativeStore, RecordSource, native_store_fits
+from .store import NATIVE_POLICIES, ExpertStore, NativeStore, RecordSource
+
+
+@dataclass(frozen=True)
+class HotPath:
+    """How a loaded model's MoE calls run, chosen once at load
+    (``choose_path``) and reported by ``stats()``: ``residency`` is
+    ``"resident"``, ``"native in graph"`` (no host sync per decode call),
+    ``"native synced"`` or ``"python"`` (the reference); ``why`` says
+    what chose it."""
+
+    residency: str
+    why: str
+
+
+def choose_path(runtime) -> HotPath:
+    """The path of every MoE call of ``runtime``'s model (per call, only
+    the call's size and the stream decide whether a native call stays in
+    the graph: ``block.NativePaged``)."""
+    config = runtime.config
+    if not runtime.paged:
+        return HotPath("resident", "every expert fits in its layer's pool")
+    policy = make_policy(config.policy, runtime.manifest.layers[0].num_experts)
+    python = [why for why, applies in (
+        ("a trace wants the router's probabilities", config.trace is not None),
+        ("low-bit copies are chosen per call in Python", config.miss_bits is not None),
+        (f"the {runtime.reader.name} reader has no native step",
+         runtime.reader.native_handle is None),
+        (f"the native step has no {config.policy} policy",
+         type(policy) not in NATIVE_POLICIES),
+        ("prefetch's staged records are taken one by one in Python",
+         runtime.prefetch.staging is not None),
+    ) if applies]
+    if python:
+        return HotPath("python", "; ".join(python))
+    if calls_in_graph():
+        return HotPath("native in graph", "the remap primitive runs on the CPU stream")
+    return HotPath("native synced", "the remap primitive has no GPU kernel: calls sync")
 
 
 def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) -> None:
     """Replace every expert block of ``model`` by a ``StreamingExperts``
-    over a slot pool of ``runtime.slots`` slots, with the store and the
-    residency that the runtime's config and reader allow."""
+    over a slot pool of ``runtime.slots`` slots, on the path
+    ``choose_path`` picks."""
     config = runtime.config
+    runtime.path = choose_path(runtime)
     blocks = dict(find_expert_blocks(model))
     prefetch = runtime.prefetch
-    if prefetch.on:
-        # The memory plan (plan_memory) counted these bytes.
-        prefetch.staging = runtime.reader.staging(*staging_shape(manifest, config))
     for spec in manifest.layers:
         pool = SlotPool(spec, min(runtime.slots, spec.num_experts))
         bind_pool(blocks[spec.module], spec, pool)
@@ -55,47 +90,61 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
         prefetchers = make_prefetchers(model, config, prefetch, runtime.stores, blocks,
                                        runtime.events)
     copies = check_low_bits(manifest, config, runtime)
-    if copies is not None:
-        copies = {spec.module: spec for spec in copies.layers}
+    copies = {} if copies is None else {spec.module: spec for spec in copies.layers}
+    # The routers' own scorers, found before cache-aware routing wraps them.
+    scorers = {store.layer: _scorer(model, store, blocks, config, bool(copies))
+               for store in runtime.stores if runtime.paged}
+    restore = _install_routers(model, blocks, runtime)
     for store in runtime.stores:
+        module = store.spec.module
         if runtime.paged:
-            router = None
-            if store.policy.router or config.trace or copies is not None:
-                router = find_router(model, store.spec.module, store.spec.num_experts,
-                                     input_dims_of(blocks[store.spec.module]))
-            if copies is not None and config.miss_bits_weight is not None and router is None:
-                raise ConfigError(
-                    f"miss_bits_weight: the router of {store.spec.module} was not found to "
-                    "weigh its misses by; leave miss_bits_weight unset (every miss)")
-            residency = make_paged(store, runtime, prefetchers.get(store.layer), router)
-            low_spec = copies.get(store.spec.module) if copies is not None else None
-            if low_spec is not None:  # MTP layers have no copies
-                residency.low = make_low(path, low_spec, blocks[store.spec.module], runtime)
+            low_spec = copies.get(module)  # MTP layers have no copies
+            low = make_low(path, low_spec, blocks[module], runtime) if low_spec else None
+            residency = make_paged(store, runtime, prefetchers.get(store.layer),
+                                   scorers[store.layer], low)
         else:
             store.preload()
             residency = Resident(store.layer, runtime.events)
-        set_module(model, store.spec.module, StreamingExperts(blocks[store.spec.module],
-                                                              residency))
-    if copies is not None:
+        set_module(model, module, StreamingExperts(blocks[module], residency,
+                                                   restore.get(store.layer)))
+    if copies:
         runtime.reserve(sum(r.low.store.pool.nbytes for r in runtime.residencies
                             if r.low is not None),
                         f"the scratch pools of {config.miss_bits}-bit copies")
-    # A static cut changes the routing at any pool size, a full one too;
-    # the other modes only steer around missing experts. A tensor-parallel
-    # rank holding every expert still routes with the others (and meets them).
+
+
+def _scorer(model: nn.Module, store: ExpertStore, blocks: dict, config, copies: bool):
+    """The layer's router scorer where its probabilities are wanted (the
+    policy, a trace, low-bit copies' weights), else None."""
+    spec = store.spec
+    if not (store.policy.router or config.trace or copies):
+        return None
+    router = find_router(model, spec.module, spec.num_experts, input_dims_of(blocks[spec.module]))
+    if copies and config.miss_bits_weight is not None and router is None:
+        raise ConfigError(
+            f"miss_bits_weight: the router of {spec.module} was not found to weigh its "
+            "misses by; leave miss_bits_weight unset (every miss)")
+    return router
+
+
+def _install_routers(model: nn.Module, blocks: dict, runtime) -> dict:
+    """Cache-aware (or cut) routing where ``routing`` asks for it: the
+    wrappers in ``runtime.routers``, and per layer what its block calls
+    first (the selection bias given back before prefetch reads it). A
+    static cut changes the routing at any pool size, a full one too; the
+    other modes only steer around missing experts. A tensor-parallel rank
+    holding every expert still routes with the others (and meets them)."""
+    config = runtime.config
     split = runtime.sharding
     tensor = split.tensor if split is not None else None
-    if config.routing == "top-k-cut" or \
-            ((runtime.paged or tensor is not None) and config.routing != "exact"):
-        # After the routers' scorers above were found: they score the
-        # router's own choice (prefetch, policies).
-        runtime.routing_check = routing_check(config, tensor)
-        runtime.routers = install_routers(model, runtime.stores, blocks, config, tensor,
-                                          runtime.routing_check)
-        for store, router in zip(runtime.stores, runtime.routers):
-            # A router whose MoE module holds the selection bias gets it
-            # back once the block is called, before prefetch reads it.
-            get_module(model, store.spec.module).after_routing = router.restore
+    if not (config.routing == "top-k-cut" or
+            ((runtime.paged or tensor is not None) and config.routing != "exact")):
+        return {}
+    runtime.routing_check = routing_check(config, tensor)
+    runtime.routers = install_routers(model, runtime.stores, blocks, config, tensor,
+                                      runtime.routing_check)
+    return {store.layer: router.restore
+            for store, router in zip(runtime.stores, runtime.routers)}
 
 
 def make_low(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMisses:
@@ -115,24 +164,20 @@ def make_low(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMi
 
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
                runtime) -> ExpertStore:
-    """The store of one layer: the native step where it can run (a paged
-    pool, the C++ reader, a policy it implements, no staging; the trace
-    wants the router's probabilities, which only the Python route gathers),
+    """The store of one layer: the native step where the path is native,
     else the Python reference."""
-    native = (runtime.paged and runtime.config.trace is None
-              and runtime.config.miss_bits is None
-              and native_store_fits(source.reader, policy, source.staging))
+    native = runtime.path.residency.startswith("native")
     store_class = NativeStore if native else ExpertStore
-    return store_class(spec, pool, source, policy, runtime.config.checksums, runtime.events,
-                       runtime.prefetch.control)
+    return store_class(spec, pool, source, policy, runtime.config.checksums, runtime.events)
 
 
-def make_paged(store: ExpertStore, runtime, prefetcher=None, router=None) -> Paged:
-    """A paged residency over ``store``: calls inside the graph where the
-    store is native and the backend is the CPU, else host-synced calls."""
-    args = (store, runtime.events, prefetcher, router, runtime.overlap_reads())
+def make_paged(store: ExpertStore, runtime, prefetcher=None, router=None,
+               low: Optional[LowBitMisses] = None) -> Paged:
+    """A paged residency over ``store``: calls inside the graph on that
+    path, else host-synced calls."""
+    args = (store, runtime.events, prefetcher, router, runtime.overlap_reads(), low)
     if isinstance(store, NativeStore):
-        residency = NativePaged(*args, in_graph=calls_in_graph())
+        residency = NativePaged(*args, in_graph=runtime.path.residency == "native in graph")
     else:
         residency = Paged(*args)
     runtime.residencies.append(residency)

@@ -1,6 +1,9 @@
-"""What a streaming model carries besides its modules (``model.streaming``).
+"""What a streaming model carries besides its modules (``model.streaming``),
+and the watch that resizes its pools under memory pressure.
 """
 
+import logging
+import math
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -12,15 +15,16 @@ import mlx.core as mx
 from ..config import StreamConfig
 from ..errors import BudgetError
 from ..format import Manifest
+from ..system import available_memory_bytes
 from .block import Paged
 from .events import Events
-from .memory import MemoryPlan, max_slots, reserved_plan
+from .memory import GB, MemoryPlan, max_slots, reserved_plan
 from .prefetch.factory import make_prefetch
-from .pressure import NoWatch
-from .rank_routing import NoRoutingCheck
 from .stats import SpecStats, Stats
 from .store import ExpertStore, NativeStore
 from .trace import TraceWriter
+
+log = logging.getLogger(__name__)
 
 # Every Runtime not yet closed (the tests close what a test left open).
 OPEN: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
@@ -51,8 +55,10 @@ class Runtime:
         self.residencies: List[Paged] = []
         # routing.CacheAwareRouter of each layer: paged ones when not exact, all for top-k-cut.
         self.routers = []
-        # Compares the routers' choices across tensor-parallel ranks (rank_routing).
-        self.routing_check = NoRoutingCheck()
+        # Compares the routers' choices across tensor-parallel ranks
+        # (rank_routing.RoutingCheck), or None.
+        self.routing_check = None
+        self.path = None  # residency.HotPath, chosen when the blocks are installed
         self.ring = None  # the SpineRing of streamed spine layers, if any
         self.sharding = None  # sharding.Sharding of a model split over ranks, if any
         self.spine_reader = None  # the ring's own reader, when the experts' is remote
@@ -61,9 +67,11 @@ class Runtime:
         self.stats = Stats([spec.layer for spec in manifest.layers])
         self.speculative = SpecStats()  # drafts through this model
         self.trace = TraceWriter(config.trace) if config.trace else None
-        self.events = Events([self.stats] + ([self.trace] if self.trace else []))
         self.prefetch = make_prefetch(config, manifest, reader, self.paged)
-        self.pressure = NoWatch()  # a PressureWatch once the pools exist (paged only)
+        # Who hears the paged calls: the counters, the trace, prefetch's learners.
+        self.events = Events([self.stats] + ([self.trace] if self.trace else [])
+                             + ([self.prefetch.control] if self.paged else []))
+        self.pressure = None  # a PressureWatch once the pools exist (paged only)
         OPEN.add(self)
 
     def overlap_reads(self) -> Optional[ThreadPoolExecutor]:
@@ -120,7 +128,8 @@ class Runtime:
         the end (the model's ``__call__``, and MTP and hidden-state calls
         that bypass it, run in this)."""
         with self.lock:
-            self.pressure.between_calls()
+            if self.pressure is not None:
+                self.pressure.between_calls()
             try:
                 yield
             except BaseException:
@@ -148,11 +157,12 @@ class Runtime:
                     f"{what} needs {nbytes / 1e9:.3g} GB beside every expert resident: load "
                     f"fewer with --slots-per-layer {plan.slots} or less")
             self.resize(plan.slots)
-            self.pressure.cap(plan.slots)
+            if self.pressure is not None:
+                self.pressure.cap(plan.slots)
         self.plan = plan
 
     def resize(self, slots: int) -> None:
-        """Give every paged pool ``slots`` slots (``pressure.PressureWatch``)."""
+        """Give every paged pool ``slots`` slots (``PressureWatch``)."""
         with self.lock:  # the native step writes the tables without the GIL
             self._resize(slots)
 
@@ -197,4 +207,67 @@ class Runtime:
                     failure = failure or e
         if failure is not None and report:
             raise failure
-        self.routing_check.finish(report)
+        if self.routing_check is not None:
+            self.routing_check.finish(report)
+
+
+CHECK_EVERY = 8  # model calls; reading /proc/meminfo costs ~50 us
+
+
+class PressureWatch:
+    """Memory pressure: shrinks ``runtime``'s pools when other programs need
+    the memory, grows them back when it returns, instead of being killed.
+
+    Every ``every`` passes (nothing then reads a pool) it reads the memory
+    the OS says is available (MemAvailable, or what the memory cgroup has
+    left). Below the threshold it drops as many slots per layer as free the
+    shortfall, down to one call's minimum, keeping the experts the policy
+    values most; once memory is back it grows them, half the room at a
+    time, up to the size chosen at load. Output never changes: a smaller
+    pool only misses more."""
+
+    def __init__(self, runtime, threshold_bytes: int, per_slot: int, min_slots: int,
+                 available=available_memory_bytes, every: int = CHECK_EVERY):
+        self.runtime = runtime
+        self.threshold = threshold_bytes
+        self.per_slot = per_slot
+        self.min_slots = min_slots
+        self.max_slots = runtime.slots  # what load chose; never grown beyond
+        self.available = available
+        self.every = every
+        self.calls = 0
+        self.shrinks = self.grows = 0
+        self.lowest = None
+
+    def between_calls(self) -> None:
+        self.calls += 1
+        if self.calls % self.every:
+            return
+        available = self.available()
+        self.lowest = available if self.lowest is None else min(self.lowest, available)
+        slots = self.runtime.slots
+        if available < self.threshold and slots > self.min_slots:
+            short = math.ceil((self.threshold - available) / self.per_slot)
+            target = max(self.min_slots, slots - short)
+            log.warning("available memory %.3g GB is below %.3g GB: expert pools shrink "
+                        "from %d to %d slots per layer", available / GB, self.threshold / GB,
+                        slots, target)
+            self.runtime.resize(target)
+            self.shrinks += 1
+        elif slots < self.max_slots:
+            # Half the room above the threshold, so that a second program
+            # growing too does not push us straight back under.
+            room = (available - self.threshold) // 2
+            target = min(self.max_slots, slots + int(room // self.per_slot))
+            if target > slots:
+                self.runtime.resize(target)
+                self.grows += 1
+
+    def cap(self, slots: int) -> None:
+        """Grow the pools back no further than ``slots``."""
+        self.max_slots = min(self.max_slots, slots)
+
+    def report(self) -> dict:
+        return dict(threshold_gb=self.threshold / GB, shrinks=self.shrinks, grows=self.grows,
+                    slots_at_load=self.max_slots,
+                    lowest_available_gb=None if self.lowest is None else self.lowest / GB)

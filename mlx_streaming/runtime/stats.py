@@ -214,6 +214,7 @@ def _report(runtime) -> dict:
         moe_layers=sum(not spec.module.startswith("mtp.") for spec in runtime.manifest.layers),
         pool_bytes=runtime.pool_bytes,
         residency="paged" if runtime.paged else "resident",
+        path=dict(residency=runtime.path.residency, why=runtime.path.why),
         prefetch=config.prefetch,
         prefetch_decision=_prefetch_decision(runtime),
         prefetch_bandwidth=_bandwidth_of(runtime),
@@ -224,7 +225,7 @@ def _report(runtime) -> dict:
     report["speculative"] = runtime.speculative.report()
     report["routing"] = _routing_of(runtime)
     report["miss_bits"] = _miss_bits_of(runtime, report["total"])
-    report["pressure"] = runtime.pressure.report()
+    report["pressure"] = runtime.pressure.report() if runtime.pressure is not None else None
     report["memory"] = runtime.plan.report()
     report["spine"] = runtime.ring.stats.report() if runtime.ring is not None else None
     if runtime.prefetch.staging is not None:

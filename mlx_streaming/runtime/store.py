@@ -17,8 +17,7 @@ from ..errors import CorruptExpertError, ExpertReadError
 from ..format import LayerSpec
 from .events import Events
 from .policy import LRU, Adaptive, DecayedLFU, Policy
-from .pool import SlotPool
-from .prefetch.control import NO_CONTROL, PrefetchControl
+from .pool import SlotPool, distinct
 
 
 class BlobWatch:
@@ -62,12 +61,11 @@ class ExpertStore:
     """Brings experts of one layer into its pool, checking their CRC-32 as
     ``checksums`` says: ``"first-read"`` checks an expert's first read and,
     once the blob changes on disk, every read again until each expert is
-    re-checked; ``"always"`` checks every read; ``"off"`` never checks.
-    ``control`` is what prefetch learns from this layer's reads."""
+    re-checked; ``"always"`` checks every read; ``"off"`` never checks."""
 
     def __init__(self, spec: LayerSpec, pool: SlotPool, source: RecordSource,
                  policy: Optional[Policy] = None, checksums: str = "first-read",
-                 events: Events = Events(()), control: PrefetchControl = NO_CONTROL):
+                 events: Events = Events(())):
         self.spec = spec
         self.layer = spec.layer
         self.pool = pool
@@ -77,7 +75,6 @@ class ExpertStore:
         self.file = source.file
         self.staging = source.staging
         self.events = events
-        self.control = control
         self.crcs = np.array(spec.checksums, dtype=np.uint32)
         self.expert_nbytes = spec.expert_nbytes
         self.checksums = checksums
@@ -102,6 +99,14 @@ class ExpertStore:
 
     def resident(self, experts: np.ndarray) -> np.ndarray:
         return self.pool.slot_of_expert[experts] >= 0
+
+    def route(self, ids: np.ndarray, probs: Optional[np.ndarray] = None):
+        """``(hits, distinct experts)`` of a call's ``ids`` (hits counted
+        per (token, expert) pair), which the policy observes."""
+        experts = distinct(ids)
+        hits = int(np.count_nonzero(self.pool.slot_of_expert[ids] >= 0))
+        self.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
+        return hits, experts
 
     def ensure(self, experts: np.ndarray, last: bool = True) -> float:
         """Make the distinct ``experts`` resident (the policy has observed
@@ -228,13 +233,6 @@ class ExpertStore:
 NATIVE_POLICIES = (LRU, DecayedLFU, Adaptive)
 
 
-def native_store_fits(reader, policy: Policy, staging) -> bool:
-    """Whether ``NativeStore`` can stand in for ``ExpertStore``: the C++
-    reader, a policy the step implements, and no prefetch staging (whose
-    records ``ensure`` takes one by one in Python)."""
-    return reader.native_handle is not None and type(policy) in NATIVE_POLICIES and staging is None
-
-
 class NativeStore(ExpertStore):
     """``ExpertStore`` with a call's bookkeeping in C++ (native/paged.cpp):
     ``route`` (distinct experts, hits, the policy's update) and ``ensure``
@@ -277,9 +275,8 @@ class NativeStore(ExpertStore):
         finally:
             self._bind()  # the pool's arrays were reallocated (or kept, if it failed)
 
-    def route(self, ids: np.ndarray):
-        """``(hits, distinct experts)`` of a call's ``ids``, which the
-        policy observes."""
+    def route(self, ids: np.ndarray, probs: Optional[np.ndarray] = None):
+        # The native policies do not weigh the router's probabilities.
         if ids.dtype != np.uint32:
             ids = ids.astype(np.uint32)
         try:

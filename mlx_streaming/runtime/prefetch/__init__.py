@@ -1,3 +1,4 @@
 """Reading experts before their layer asks: which experts to read ahead
-(``predict``, ``affinity``), how many and when (``control``, ``bandwidth``,
-``calibration``), whether it pays (``switch``), built by ``factory``."""
+(``predict``), what it learns from the running model to read the right
+ones and how many (``learn``), whether it pays (``switch``), built by
+``factory``."""

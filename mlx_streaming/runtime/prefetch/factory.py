@@ -7,11 +7,15 @@ from ...config import StreamConfig
 from ...format import LayerSpec, Manifest
 from ...models.discover import find_router, input_dims_of
 from ..events import Events
-from ..memory import prefetch_width
-from .affinity import Affinity
-from .bandwidth import PrefetchBandwidth
-from .calibration import PrefetchCalibration, ReadEveryPrediction
-from .control import AlwaysOn, PrefetchControl
+from ..memory import prefetch_width, staging_shape
+from .learn import (
+    Affinity,
+    AlwaysOn,
+    PrefetchBandwidth,
+    PrefetchCalibration,
+    PrefetchControl,
+    ReadEveryPrediction,
+)
 from .predict import NextLayerPrefetch, Shared, Target, scores_calibrated
 from .switch import PrefetchSwitch
 
@@ -31,7 +35,7 @@ class Prefetch:
     ranks: ReadEveryPrediction  # the layers a sigmoid router predicts
     affinity: Optional[Affinity]
     control: PrefetchControl
-    staging: object = None  # the reader's staging area, made with the stores
+    staging: object = None  # the reader's staging area (the memory plan counted it)
     cancelled_at_reset: int = 0  # the staging's count when stats were last reset
 
     def cancelled(self) -> int:
@@ -54,6 +58,7 @@ def make_prefetch(config: StreamConfig, manifest: Manifest, reader, paged: bool)
                      calibration=ranks, ranks=ranks, affinity=None,
                      control=PrefetchControl())
     if parts.on:
+        parts.staging = reader.staging(*staging_shape(manifest, config))
         parts.bandwidth = PrefetchBandwidth(
             first, len(manifest.layers), max(spec.stride for spec in manifest.layers),
             config.prefetch_max_tokens, reader.busy, fixed=config.prefetch_records)
