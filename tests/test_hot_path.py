@@ -9,9 +9,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import EXT, PROMPT
 
 import mlx_streaming
+from helpers import EXT, PROMPT
 from mlx_streaming.runtime.residency import HotPath, choose_path
 
 PACKAGE = Path(mlx_streaming.__file__).resolve().parent
