@@ -18,9 +18,10 @@ def import_every_module() -> int:
     import mlx_streaming
 
     assert "site-packages" in mlx_streaming.__file__, mlx_streaming.__file__
-    # A __main__ module is a command: importing it runs it.
+    # A __main__ module is a command: importing it runs it (convert.py is
+    # one too, and refuses to be imported).
     names = [m.name for m in pkgutil.walk_packages(mlx_streaming.__path__, "mlx_streaming.")
-             if not m.name.endswith(".__main__")]
+             if not m.name.endswith(".__main__") and m.name != "mlx_streaming.convert"]
     for name in names:
         importlib.import_module(name)
     return len(names)

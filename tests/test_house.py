@@ -118,7 +118,6 @@ def test_modules_stay_small():
 
 
 def test_one_place_swaps_a_modules_class():
-    # (convert.py makes its own module callable: a module, not a layer.)
     swaps = [str(p.relative_to(PACKAGE)) for p in _modules()
              if re.search(r"(?<!\])\.__class__ = ", p.read_text())]
     assert swaps == ["runtime/wrap.py"], swaps
