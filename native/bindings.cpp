@@ -69,10 +69,10 @@ NB_MODULE(_ext, m) {
   nb::exception<ReadError>(m, "ReadError");
 
   // The named types of the contract with runtime/store.py.
-  nb::enum_<Verify>(m, "Verify", "When a paged layer checks a record's checksum.")
-      .value("off", Verify::Off)
-      .value("first_read", Verify::FirstRead)
-      .value("always", Verify::Always);
+  nb::enum_<Checksums>(m, "Checksums", "When a paged layer checks a record's checksum.")
+      .value("off", Checksums::Off)
+      .value("first_read", Checksums::FirstRead)
+      .value("always", Checksums::Always);
   nb::enum_<Failure>(m, "Failure", "What failed in a call made inside the graph.")
       .value("none", Failure::None)
       .value("read", Failure::Read)
@@ -162,13 +162,13 @@ NB_MODULE(_ext, m) {
       .def(
           "paged_index",
           [](PyReader& r, int file, int64_t stride, CArray<int64_t, 2> segments, double decay,
-             double shadow_decay, double lru_margin, Verify verify, std::string blob) {
+             double shadow_decay, double lru_margin, Checksums checksums, std::string blob) {
             return std::make_shared<PagedIndex>(r.reader, file, stride, to_segments(segments),
-                                                decay, shadow_decay, lru_margin, verify,
+                                                decay, shadow_decay, lru_margin, checksums,
                                                 std::move(blob));
           },
           "file"_a, "stride"_a, "segments"_a, "decay"_a, "shadow_decay"_a, "lru_margin"_a,
-          "verify"_a,
+          "checksums"_a,
           "blob"_a,
           "The native bookkeeping of one paged layer reading `file` (store.NativeStore).")
       .def(

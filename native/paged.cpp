@@ -32,17 +32,17 @@ PagedIndex::PagedIndex(
     double decay,
     double shadow_decay,
     double lru_margin,
-    Verify verify,
+    Checksums checksums,
     std::string blob)
     : reader_(std::move(reader)),
       file_(file),
-      blob_(verify == Verify::FirstRead ? std::move(blob) : std::string()),
+      blob_(checksums == Checksums::FirstRead ? std::move(blob) : std::string()),
       stride_(stride),
       segments_(std::move(segments)),
       decay_(decay),
       shadow_decay_(shadow_decay),
       lru_margin_(lru_margin),
-      verify_(verify) {
+      checksums_(checksums) {
   check_segments(segments_, stride_);
   blob_changed(); // the reference stamp
 }
@@ -231,7 +231,7 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
   for (size_t i = 0; i < m; ++i) {
     offsets_[i] = misses_[i] * stride_;
     std::copy_n(a_.addresses + victims_[i] * segs, segs, dst_.begin() + i * segs);
-    want_[i] = verify_ == Verify::Always || (verify_ == Verify::FirstRead && a_.unverified[misses_[i]]);
+    want_[i] = checksums_ == Checksums::Always || (checksums_ == Checksums::FirstRead && a_.unverified[misses_[i]]);
     any_crc = any_crc || want_[i];
   }
   double read_start = now();

@@ -24,7 +24,7 @@
 
 namespace mlx_streaming {
 
-enum class Verify { Off = 0, FirstRead = 1, Always = 2 };
+enum class Checksums { Off = 0, FirstRead = 1, Always = 2 };
 
 struct PagedArrays {
   int32_t* slot_of_expert; // [experts], -1: not resident (the device table)
@@ -72,7 +72,7 @@ struct EnsureResult {
 
 class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
  public:
-  // `blob`: the file's path, stat-ed after reads when verify is first-read
+  // `blob`: the file's path, stat-ed after reads when checksums is first-read
   // (a blob rewritten or replaced on disk is re-checked); empty: never.
   PagedIndex(
       std::shared_ptr<ExpertReader> reader,
@@ -82,7 +82,7 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
       double decay,
       double shadow_decay,
       double lru_margin,
-      Verify verify,
+      Checksums checksums,
       std::string blob);
 
   void bind(const PagedArrays& arrays);
@@ -143,7 +143,7 @@ class PagedIndex : public std::enable_shared_from_this<PagedIndex> {
   double decay_;
   double shadow_decay_;
   double lru_margin_;
-  Verify verify_;
+  Checksums checksums_;
   PagedArrays a_{};
   std::vector<uint32_t> seen_; // per expert: the route() call that saw it last
   uint32_t tick_ = 0;

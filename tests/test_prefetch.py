@@ -441,22 +441,22 @@ def test_every_prediction_read_counts_the_chance_of_each_rank():
     chance of the partly covered record is its rank's share used."""
     from mlx_streaming.runtime.prefetch.learn import ReadEveryPrediction
 
-    ranks = ReadEveryPrediction()
-    assert ranks.select(3, np.array([4, 5]), None, 1).tolist() == [4, 5]  # reads them all
-    assert ranks.used_share(3, 4, 1) is None  # nothing counted
+    by_position = ReadEveryPrediction()
+    assert by_position.select(3, np.array([4, 5]), None, 1).tolist() == [4, 5]  # reads them all
+    assert by_position.used_share(3, 4, 1) is None  # nothing counted
     for i in range(4):  # the first candidate used every time, the second never
-        ranks.select(3, np.array([10 + i, 20 + i]), None, 1)
-        ranks.on_route(3, np.array([[10 + i, 0]]), np.array([0, 10 + i]))
-    ranks.select(3, np.array([7, 8, 9]), None, 1)
-    assert ranks.used_share(3, 7, 1) == pytest.approx(5 / 6)
-    assert ranks.used_share(3, 8, 1) == pytest.approx(1 / 6)
-    assert ranks.used_share(3, 9, 1) == pytest.approx(1 / 2)  # rank 2: none counted
-    ranks.select_two_ahead(3, np.array([1]), None, 1)  # two layers early: not counted
-    ranks.on_route(3, np.array([[7, 1]]), np.array([1, 7]))  # [7, 8, 9] judged, not [1]
-    ranks.select(3, np.array([7, 8]), None, 1)
-    assert ranks.used_share(3, 7, 1) == pytest.approx(6 / 7)
-    assert ranks.used_share(3, 8, 1) == pytest.approx(1 / 7)  # none of 5 used
-    assert ranks.used_share(3, 99, 1) is None  # not a candidate of that selection
+        by_position.select(3, np.array([10 + i, 20 + i]), None, 1)
+        by_position.on_route(3, np.array([[10 + i, 0]]), np.array([0, 10 + i]))
+    by_position.select(3, np.array([7, 8, 9]), None, 1)
+    assert by_position.used_share(3, 7, 1) == pytest.approx(5 / 6)
+    assert by_position.used_share(3, 8, 1) == pytest.approx(1 / 6)
+    assert by_position.used_share(3, 9, 1) == pytest.approx(1 / 2)  # position 2: none counted
+    by_position.select_two_ahead(3, np.array([1]), None, 1)  # two layers early: not counted
+    by_position.on_route(3, np.array([[7, 1]]), np.array([1, 7]))  # [7, 8, 9] judged, not [1]
+    by_position.select(3, np.array([7, 8]), None, 1)
+    assert by_position.used_share(3, 7, 1) == pytest.approx(6 / 7)
+    assert by_position.used_share(3, 8, 1) == pytest.approx(1 / 7)  # none of 5 used
+    assert by_position.used_share(3, 99, 1) is None  # not a candidate of that selection
 
 
 @pytest.mark.parametrize("io", IO_PATHS)
@@ -484,7 +484,7 @@ def test_prefetch_reads_a_partly_covered_record_where_whole_ones_do_not_fit(mode
 
 
 @pytest.mark.parametrize("family, precision", [("deepseek_v3", 0.7), ("qwen3_moe", 0.0)])
-def test_a_partly_covered_record_by_its_ranks_chance(models, family, precision):
+def test_a_partly_covered_record_by_its_positions_chance(models, family, precision):
     """Where scores are not binned (a sigmoid router's layers; every layer
     at precision 0) the record the budget covers only in part is read where
     its rank's counted chance is enough, and not where it is not."""
@@ -493,18 +493,18 @@ def test_a_partly_covered_record_by_its_ranks_chance(models, family, precision):
                                   prefetch_records=0, prefetch_depth=1,
                                   prefetch_precision=precision)
     runtime = model.streaming
-    ranks = runtime.prefetch.ranks
+    by_position = runtime.prefetch.by_position
     steps = 10
     assert all(s["prefetch_issued"] == 0 for s in _stats_of_decode(model, steps)["layers"]
                .values())  # no share of a record covered: nothing
-    counted = {layer for layer, _ in ranks.predicted}
+    counted = {layer for layer, _ in by_position.predicted}
     first = runtime.stores[0].layer  # predicted by affinity alone: score bins above 0
     assert counted and (first in counted) == (precision == 0)
     runtime.prefetch.bandwidth.partial = 0.99  # a counted chance above 1% reads it
     s = _stats_of_decode(model, steps)
     read = [s["layers"][layer]["prefetch_issued"] for layer in counted]
     assert sum(read) > 0 and max(read) <= steps  # one record a call at most
-    ranks.used_share = lambda layer, expert, rows: 0.009  # below 1%: none
+    by_position.used_share = lambda layer, expert, rows: 0.009  # below 1%: none
     s = _stats_of_decode(model, steps)
     assert all(s["layers"][layer]["prefetch_issued"] == 0 for layer in counted)
 
@@ -638,11 +638,11 @@ def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):
     model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="auto")
     runtime = model.streaming
     prefetch = runtime.prefetch
-    learners = (prefetch.switch, prefetch.bandwidth, prefetch.affinity, prefetch.calibration)
+    learners = (prefetch.trial, prefetch.bandwidth, prefetch.affinity, prefetch.calibration)
     assert not any(o in learners for o in runtime.events.observers)
     assert runtime.events.observers.count(prefetch.control) == 1
     _stats_of_decode(model, 12)
-    assert prefetch.switch._seen == 12  # the switch counted each decode token
+    assert prefetch.trial._seen == 12  # the trial counted each decode token
     assert prefetch.affinity.seen(runtime.stores[0].layer) > 0
     assert prefetch.bandwidth.rate is not None  # reads and stalls reached the bandwidth
 
@@ -655,27 +655,27 @@ class FakeClock:
         return self.now
 
 
-def _decode(switch, clock, tokens, seconds, stall):
+def _decode(trial, clock, tokens, seconds, stall):
     """Decode ``tokens`` tokens; each takes ``seconds(on)`` and stalls
     ``stall(on)`` where ``on`` is whether prefetch was enabled for it."""
     for _ in range(tokens):
-        switch.on_call(0, 1)
-        on = switch.enabled
-        switch.on_stall(5, stall(on))
+        trial.on_call(0, 1)
+        on = trial.enabled
+        trial.on_stall(5, stall(on))
         clock.now += seconds(on)
 
 
 def test_auto_prefetch_stays_off_when_reads_do_not_stall():
-    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
+    from mlx_streaming.runtime.prefetch.trial import PrefetchTrial, TrialPlan
 
     clock = FakeClock()
-    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=16, block=2, settle=0, warmup=2), clock=clock)
-    _decode(switch, clock, 30, lambda on: 0.1, lambda on: 0.001)
-    assert not switch.enabled and switch.decision.startswith("off: stall share 1.0%")
+    trial = PrefetchTrial(first_layer=0, max_tokens=8, plan=TrialPlan(tokens=16, block=2, settle=0, warmup=2), clock=clock)
+    _decode(trial, clock, 30, lambda on: 0.1, lambda on: 0.001)
+    assert not trial.enabled and trial.decision.startswith("off: stall share 1.0%")
 
 
 def test_auto_prefetch_refuses_a_trial_it_cannot_time():
-    from mlx_streaming.runtime.prefetch.switch import Trial
+    from mlx_streaming.runtime.prefetch.trial import TrialPlan
 
     # Fewer than two blocks, no warmup token (the first has no start to
     # time it from), or blocks that are all settling: a side of the trial
@@ -683,11 +683,11 @@ def test_auto_prefetch_refuses_a_trial_it_cannot_time():
     for bad in (dict(tokens=6, block=4), dict(warmup=0), dict(block=4, settle=4),
                 dict(settle=-1), dict(stop_after=0)):
         with pytest.raises(ValueError, match="two blocks"):
-            Trial(**bad)
+            TrialPlan(**bad)
 
 
 def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
-    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
+    from mlx_streaming.runtime.prefetch.trial import PrefetchTrial, TrialPlan
 
     # A disk that lends (the blkio throttle): a token with prefetch takes
     # 0.08 s but leaves 0.04 s of reads that the token four later pays, so
@@ -697,28 +697,28 @@ def test_auto_prefetch_judges_a_block_after_the_last_ones_debt():
     # side its own cost.
     def trial(block, settle):
         clock = FakeClock()
-        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=64, block=block, settle=settle, warmup=2), clock=clock)
+        trial = PrefetchTrial(first_layer=0, max_tokens=8, plan=TrialPlan(tokens=64, block=block, settle=settle, warmup=2), clock=clock)
         lent = [0.0] * 4
         for _ in range(80):
-            switch.on_call(0, 1)
-            on = switch.enabled
-            switch.on_stall(5, 0.05)
+            trial.on_call(0, 1)
+            on = trial.enabled
+            trial.on_stall(5, 0.05)
             clock.now += (0.08 if on else 0.1) + lent.pop(0)
             lent.append(0.04 if on else 0.0)
-        assert switch.decision != "measuring"
+        assert trial.decision != "measuring"
         # The seconds of the tokens it timed with prefetch.
-        return switch.enabled, {round(t, 6) for t in switch._tokens[True]}
+        return trial.enabled, {round(t, 6) for t in trial._tokens[True]}
 
     assert trial(block=4, settle=0) == (True, {0.08})  # the old trial: every token lent
     assert trial(block=16, settle=0)[1] == {0.08, 0.12}
     assert trial(block=8, settle=4) == (False, {0.12})
     assert trial(block=16, settle=4) == (False, {0.12})
-    default = PrefetchSwitch(first_layer=0, max_tokens=8)
+    default = PrefetchTrial(first_layer=0, max_tokens=8)
     assert (default.block, default.settle) == (16, 4)
 
 
 def test_auto_prefetch_stops_a_trial_it_clearly_loses():
-    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
+    from mlx_streaming.runtime.prefetch.trial import PrefetchTrial, TrialPlan
 
     # The default trial (blocks of 16, the first 4 untimed): prefetch 10%
     # or more slower is dropped once 4 tokens with it are timed, 8 tokens
@@ -726,18 +726,18 @@ def test_auto_prefetch_stops_a_trial_it_clearly_loses():
     # or the end. Each token with prefetch that loses is paid for.
     def run(on_seconds):
         clock = FakeClock()
-        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(warmup=2), clock=clock)
+        trial = PrefetchTrial(first_layer=0, max_tokens=8, plan=TrialPlan(warmup=2), clock=clock)
         with_it = 0
         for _ in range(80):
-            switch.on_call(0, 1)
-            on = switch.enabled
+            trial.on_call(0, 1)
+            on = trial.enabled
             with_it += on
-            switch.on_stall(5, 0.0 if on else 0.05)
+            trial.on_stall(5, 0.0 if on else 0.05)
             if on:
                 clock.now += on_seconds() if callable(on_seconds) else on_seconds
             else:
                 clock.now += 0.1
-        return switch.enabled, with_it, len(switch._tokens[True])
+        return trial.enabled, with_it, len(trial._tokens[True])
 
     assert run(0.12) == (False, 8, 4)
     assert run(0.112) == (False, 8, 4)
@@ -751,36 +751,36 @@ def test_auto_prefetch_stops_a_trial_it_clearly_loses():
 
 
 def test_auto_prefetch_does_not_time_a_prefill_as_a_token():
-    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
+    from mlx_streaming.runtime.prefetch.trial import PrefetchTrial, TrialPlan
 
     # Prefetch is faster (0.06 against 0.1 s); a 5 s prefill of a new
     # request after every fourth token, with it or not, must not count as
     # a token's time.
     clock = FakeClock()
-    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=32, block=4, settle=0, warmup=2), clock=clock)
+    trial = PrefetchTrial(first_layer=0, max_tokens=8, plan=TrialPlan(tokens=32, block=4, settle=0, warmup=2), clock=clock)
     for token in range(50):
-        switch.on_call(0, 1)
-        on = switch.enabled
-        switch.on_stall(5, 0.0 if on else 0.05)
+        trial.on_call(0, 1)
+        on = trial.enabled
+        trial.on_stall(5, 0.0 if on else 0.05)
         clock.now += 0.06 if on else 0.1
         if token % 4 == 3:
-            switch.on_call(0, 100)  # the prefill
+            trial.on_call(0, 100)  # the prefill
             clock.now += 5.0
-    assert all(t < 1 for side in switch._tokens.values() for t in side)
-    assert switch.enabled and switch.decision.startswith("on")
+    assert all(t < 1 for side in trial._tokens.values() for t in side)
+    assert trial.enabled and trial.decision.startswith("on")
     # Prefills after every token of one side leave it untimed: off, said so.
     clock = FakeClock()
-    switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=16, block=2, settle=0, warmup=2), clock=clock)
+    trial = PrefetchTrial(first_layer=0, max_tokens=8, plan=TrialPlan(tokens=16, block=2, settle=0, warmup=2), clock=clock)
     for token in range(30):
-        switch.on_call(0, 1)
+        trial.on_call(0, 1)
         clock.now += 0.1
-        if switch.enabled:
-            switch.on_call(0, 100)
-    assert not switch.enabled and "timed no decode token" in switch.decision
+        if trial.enabled:
+            trial.on_call(0, 100)
+    assert not trial.enabled and "timed no decode token" in trial.decision
 
 
 def test_auto_prefetch_keeps_what_measures_faster():
-    from mlx_streaming.runtime.prefetch.switch import PrefetchSwitch, Trial
+    from mlx_streaming.runtime.prefetch.trial import PrefetchTrial, TrialPlan
 
     # Faster with it: kept. Slower, or within the 2% margin: dropped. A
     # difference of 10% or more decides halfway (after token 10).
@@ -788,7 +788,7 @@ def test_auto_prefetch_keeps_what_measures_faster():
                                              (0.115, False, 10), (0.088, True, 10),
                                              (0.099, False, None), (0.095, True, None)):
         clock = FakeClock()
-        switch = PrefetchSwitch(first_layer=0, max_tokens=8, trial=Trial(tokens=16, block=2, settle=0, warmup=2), clock=clock)
+        trial = PrefetchTrial(first_layer=0, max_tokens=8, plan=TrialPlan(tokens=16, block=2, settle=0, warmup=2), clock=clock)
 
         def seconds(on, on_seconds=on_seconds):
             return on_seconds if on else 0.1
@@ -797,14 +797,14 @@ def test_auto_prefetch_keeps_what_measures_faster():
             return 0.0 if on else 0.05
 
         for token in range(1, 18):  # the whole trial ends at token 18
-            _decode(switch, clock, 1, seconds, stall)
-            decided = switch.decision != "measuring"
+            _decode(trial, clock, 1, seconds, stall)
+            decided = trial.decision != "measuring"
             assert decided == (decided_at is not None and token >= decided_at), token
-        _decode(switch, clock, 2, seconds, stall)
-        assert switch.enabled is expected, switch.decision
-        assert switch.decision.startswith("on" if expected else "off")
+        _decode(trial, clock, 2, seconds, stall)
+        assert trial.enabled is expected, trial.decision
+        assert trial.decision.startswith("on" if expected else "off")
         # Prefill calls and other layers change nothing once decided.
-        switch.on_call(0, 100)
-        switch.on_call(3, 1)
-        _decode(switch, clock, 5, lambda on: 0.1, lambda on: 0.0)
-        assert switch.enabled is expected
+        trial.on_call(0, 100)
+        trial.on_call(3, 1)
+        _decode(trial, clock, 5, lambda on: 0.1, lambda on: 0.0)
+        assert trial.enabled is expected

@@ -28,7 +28,7 @@ from ..format import DenseSpec, dense_checksum, dense_path, dtype_from_name
 from ..io.python import buffer_at
 from ..models.discover import get_module, parent_path
 from .store import BlobWatch
-from .wrap import route_calls
+from .wrap import hook_calls
 
 
 def typed_views(raw: mx.array, spec: DenseSpec) -> Dict[str, mx.array]:
@@ -344,4 +344,4 @@ def stream_layer(module: nn.Module, ring: SpineRing, layer: int) -> None:
         ring.after(layer, out, _caches(args, kwargs))
         return out
 
-    route_calls(module, from_ring)
+    hook_calls(module, from_ring)

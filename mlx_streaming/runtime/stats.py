@@ -269,7 +269,7 @@ def _prefetch_decision(runtime) -> str:
         return "off"
     if not runtime.paged:
         return "off: every expert resident"
-    return runtime.prefetch.switch.decision
+    return runtime.prefetch.trial.decision
 
 
 def _bandwidth_of(runtime):

@@ -254,7 +254,7 @@ class NativeStore(ExpertStore):
             self.file, self.spec.stride, self.pool.segments,
             getattr(self.policy, "decay", 1.0), getattr(self.policy, "regret_decay", 1.0),
             getattr(self.policy, "lru_margin", 1.0),
-            getattr(self.ext.Verify, self.checksums.replace("-", "_")), blob)
+            getattr(self.ext.Checksums, self.checksums.replace("-", "_")), blob)
         self.index.clock = self.policy.clock
         # (calls, records read, seconds) of the calls made inside the graph
         # since ``take_graph_reads``: whether a layer's calls should sync to

@@ -12,7 +12,7 @@ _ROUTED: Dict[type, type] = {}
 _HOOK = "_mlxs_hook"
 
 
-def route_calls(module: nn.Module, hook: Callable) -> None:
+def hook_calls(module: nn.Module, hook: Callable) -> None:
     """Make ``module(*args, **kwargs)`` run ``hook(call, *args, **kwargs)``,
     ``call`` being the module's own ``__call__`` bound to it. The module's
     class is swapped for a subclass, so its attributes and the model's
@@ -49,4 +49,4 @@ def one_pass_at_a_time(model: nn.Module, runtime) -> None:
         with runtime.call():
             return call(*args, **kwargs)
 
-    route_calls(model, in_one_pass)
+    hook_calls(model, in_one_pass)

@@ -17,22 +17,22 @@ from .learn import (
     ReadEveryPrediction,
 )
 from .predict import NextLayerPrefetch, Shared, Target, scores_calibrated
-from .switch import PrefetchSwitch
+from .trial import PrefetchTrial
 
 
 @dataclass
 class Prefetch:
     """The parts of one model's prefetch that its layers share. ``on`` is
     False where prefetch is off or every expert is resident: then only the
-    switch (always on) and the rank counter exist, and nothing reads ahead.
-    ``calibration`` is ``ranks`` itself where every prediction is read
+    trial (always on) and the counter by position exist, and nothing reads ahead.
+    ``calibration`` is ``by_position`` itself where every prediction is read
     (``prefetch_precision`` 0)."""
 
     on: bool
-    switch: object  # PrefetchSwitch, or AlwaysOn
+    trial: object  # PrefetchTrial, or AlwaysOn
     bandwidth: Optional[PrefetchBandwidth]
     calibration: object  # PrefetchCalibration, or ReadEveryPrediction
-    ranks: ReadEveryPrediction  # the layers a sigmoid router predicts
+    by_position: ReadEveryPrediction  # the layers a sigmoid router predicts
     affinity: Optional[Affinity]
     control: PrefetchControl
     staging: object = None  # the reader's staging area (the memory plan counted it)
@@ -48,14 +48,14 @@ def make_prefetch(config: StreamConfig, manifest: Manifest, reader, paged: bool)
     channel that feeds what they learn (which learner hears what)."""
     first = manifest.layers[0].layer
     on_call, on_route, on_stall = [], [], []
-    switch = AlwaysOn()
+    trial = AlwaysOn()
     if config.prefetch == "auto":
-        switch = PrefetchSwitch(first, config.prefetch_max_tokens)
-        on_call.append(switch.on_call)
-        on_stall.append(switch.on_stall)
-    ranks = ReadEveryPrediction()
-    parts = Prefetch(on=config.prefetch != "off" and paged, switch=switch, bandwidth=None,
-                     calibration=ranks, ranks=ranks, affinity=None,
+        trial = PrefetchTrial(first, config.prefetch_max_tokens)
+        on_call.append(trial.on_call)
+        on_stall.append(trial.on_stall)
+    by_position = ReadEveryPrediction()
+    parts = Prefetch(on=config.prefetch != "off" and paged, trial=trial, bandwidth=None,
+                     calibration=by_position, by_position=by_position, affinity=None,
                      control=PrefetchControl())
     if parts.on:
         parts.staging = reader.staging(*staging_shape(manifest, config))
@@ -70,7 +70,7 @@ def make_prefetch(config: StreamConfig, manifest: Manifest, reader, paged: bool)
             parts.affinity = Affinity([(a.layer, a.num_experts, b.layer, b.num_experts)
                                        for a, b in prefetch_pairs(layers)])
             on_route.append(parts.affinity.on_route)
-        on_route.append(ranks.on_route)
+        on_route.append(by_position.on_route)
         if config.prefetch_precision > 0:
             parts.calibration = PrefetchCalibration([spec.layer for spec in layers],
                                                     config.prefetch_precision)
@@ -85,7 +85,7 @@ def make_prefetchers(model, config: StreamConfig, parts: Prefetch, stores: List,
     (and, with affinity, the last layer's, for the first layer of the next
     token), keyed by layer."""
     stores = [s for s in stores if not is_mtp(s.spec)]  # MTP runs only to draft
-    shared = Shared(parts.switch, parts.bandwidth, parts.affinity, events,
+    shared = Shared(parts.trial, parts.bandwidth, parts.affinity, events,
                     config.prefetch_max_tokens)
     out = {}
     for i, (store, nxt) in enumerate(zip(stores, stores[1:])):
@@ -121,7 +121,7 @@ def _calibration(parts: Prefetch, layer: int, scorer):
     if scores_calibrated(scorer):
         return parts.calibration
     parts.calibration.forget(layer)
-    return parts.ranks
+    return parts.by_position
 
 
 def is_mtp(spec: LayerSpec) -> bool:

@@ -18,7 +18,7 @@ StallHook = Callable[[int, float], None]  # (layer, seconds the device waited)
 
 
 class PrefetchControl(Observer):
-    """Feeds prefetch's learners (the switch, the bandwidth, affinity, the
+    """Feeds prefetch's learners (the trial, the bandwidth, affinity, the
     calibration) from the paged calls' events. The factory says which
     learner hears what."""
 
@@ -53,7 +53,7 @@ class NoPrefetch:
 
 
 class AlwaysOn:
-    """The switch of ``prefetch="next-layer"``: no trial."""
+    """The trial of ``prefetch="next-layer"``: none, always on."""
 
     enabled = True
     decision = "on"
@@ -189,7 +189,7 @@ class Affinity:
 
 class UseCounts:
     """How often a layer's predictions were used, counted per bucket (a
-    score's bin, a rank): every candidate of a selection, read or not,
+    score's bin, a position): every candidate of a selection, read or not,
     counts in its bucket, and the layer's next call says whether it was
     used. Calls of several tokens (verifying drafts) are counted apart, and
     judged only by a call of as many tokens (not by the prefill that
@@ -261,15 +261,15 @@ class ReadEveryPrediction(UseCounts):
     """``prefetch_precision=0``, and the layers a sigmoid router predicts:
     every prediction is worth a read (within the bandwidth). For the record
     that the bandwidth covers only in part (``within_bandwidth``) it counts
-    how often each rank of a layer's candidates was used: its chance."""
+    how often each position of a layer's candidates was used: its chance."""
 
-    RANKS = 64  # ranks counted; those past it count as the last
+    POSITIONS = 64  # positions counted; those past it count as the last
 
     def __init__(self, window: int = 4096):
-        super().__init__(self.RANKS, window)
+        super().__init__(self.POSITIONS, window)
 
     def _bucket(self, order, scores):
-        return np.minimum(np.arange(len(order)), self.RANKS - 1)
+        return np.minimum(np.arange(len(order)), self.POSITIONS - 1)
 
     def _read(self, layer, order, buckets, rows):
         return order
@@ -304,7 +304,7 @@ class PrefetchCalibration(UseCounts):
     factor of ~3 of each other, too few bins to tell (the loader gives
     those layers ``ReadEveryPrediction``).
 
-    Scores tell more than ranks (docs/prefetch.md, "precision").
+    Scores tell more than positions (docs/prefetch.md, "precision").
 
     Nothing is read ahead until a layer's predictions have been counted,
     and the lowest bin read always has counts.

@@ -35,11 +35,11 @@ class Target:
 
 @dataclass(frozen=True)
 class Shared:
-    """What every layer's prefetcher shares: the model's switch, bandwidth
+    """What every layer's prefetcher shares: the model's trial, bandwidth
     and affinity, the events, and the width and token limit of a
     prediction."""
 
-    switch: object
+    trial: object
     bandwidth: object
     affinity: object  # an Affinity, or None
     events: Events
@@ -71,7 +71,7 @@ class NextLayerPrefetch:
     def predict(self, x: mx.array, tokens: int):
         """The arrays to evaluate in this layer's sync, or None: no prefetch
         in this call."""
-        if tokens > self.shared.max_tokens or not self.shared.switch.enabled:
+        if tokens > self.shared.max_tokens or not self.shared.trial.enabled:
             return None
         if self.next.scorer is None:
             return ()

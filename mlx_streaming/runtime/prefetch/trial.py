@@ -8,7 +8,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Trial:
+class TrialPlan:
     """How ``prefetch="auto"`` times prefetch against no prefetch: after
     ``warmup`` decode tokens (a cold pool stalls on every first read), a
     trial of ``tokens`` tokens turns prefetch off and on every ``block``
@@ -42,23 +42,23 @@ class Trial:
                 f"(got {self.stop_after})")
 
 
-class PrefetchSwitch:
-    """``prefetch="auto"``: decides from a ``Trial`` whether prefetch pays.
+class PrefetchTrial:
+    """``prefetch="auto"``: decides from a ``TrialPlan`` whether prefetch pays.
     Slow spells of a shared machine and changes in the text hit both sides
     of the trial alike, since it alternates in blocks."""
 
-    def __init__(self, first_layer: int, max_tokens: int, trial: Trial = Trial(),
+    def __init__(self, first_layer: int, max_tokens: int, plan: TrialPlan = TrialPlan(),
                  clock=time.perf_counter):
         self.first_layer = first_layer
         self.max_tokens = max_tokens
-        self.trial = trial.tokens
-        self.block = trial.block
-        self.settle = trial.settle
-        self.warmup = trial.warmup
-        self.min_stall_share = trial.min_stall_share
-        self.margin = trial.margin
-        self.early = trial.early
-        self.stop_after = trial.stop_after
+        self.trial_tokens = plan.tokens
+        self.block = plan.block
+        self.settle = plan.settle
+        self.warmup = plan.warmup
+        self.min_stall_share = plan.min_stall_share
+        self.margin = plan.margin
+        self.early = plan.early
+        self.stop_after = plan.stop_after
         self.clock = clock
         self.enabled = False
         self.decision = "measuring"
@@ -87,7 +87,7 @@ class PrefetchSwitch:
         self._last, self._stall = now, 0.0
         self._seen += 1
         trial_step = self._seen - self.warmup
-        if trial_step >= self.trial or self._clear(trial_step, timed):
+        if trial_step >= self.trial_tokens or self._clear(trial_step, timed):
             self._decide()
         elif trial_step >= 0:
             self.enabled = (trial_step // self.block) % 2 == 1
@@ -106,7 +106,7 @@ class PrefetchSwitch:
         if timed and self.enabled and len(self._tokens[True]) == self.stop_after \
                 and speedup <= 1 - self.early:
             return True
-        return trial_step == self.trial // 2 and abs(speedup - 1) >= self.early
+        return trial_step == self.trial_tokens // 2 and abs(speedup - 1) >= self.early
 
     def _speedup(self) -> float:
         """Median token without prefetch over median token with it."""
