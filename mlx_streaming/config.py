@@ -69,6 +69,7 @@ def default_io_threads() -> int:
 def _option(default, help: str, **cli):
     # same_on_ranks=True: the option changes what a split model computes, so
     # every rank must load with the same value (runtime.sharding.agree).
+    # measurement=True: it exists to measure (the benchmarks); its help says so.
     return field(default=default, metadata=dict(help=help, **cli))
 
 
@@ -104,11 +105,11 @@ class StreamConfig:
                               type=int, bounds=dict(low=1, high=MAX_IO_THREADS),
                               shown_default="CPU count, at least 8")
     read_pace_mbps: Optional[float] = _option(
-        None, "benchmarks: emulate a slower disk; every read of the model's reader (experts, "
+        None, "emulate a slower disk; every read of the model's reader (experts, "
         "streamed spine layers, page-cache hits too) ends no earlier than on a disk that "
         f"reads this many MB/s ({MIN_PACE_MBPS:g} or more), one read after another, with no "
         "credit for its idle time (unlike a cgroup throttle)", type=float,
-        bounds=dict(low=MIN_PACE_MBPS, high=MAX_GB * 1e3, optional=True))
+        bounds=dict(low=MIN_PACE_MBPS, high=MAX_GB * 1e3, optional=True), measurement=True)
     prefetch: str = _option("off", "next-layer: read the next layer's predicted experts "
                             "ahead; auto: measure and keep it only if it pays",
                             choices=PREFETCH_CHOICES)
@@ -209,7 +210,8 @@ class StreamConfig:
         DEFAULT_PRESSURE_GB, "when available memory falls below this many GB during a run "
         "(or half the reserve where that is less), the expert pools shrink, and grow back "
         "when it returns; 0: never", type=float, bounds=dict(low=0, high=MAX_GB))
-    trace: Optional[str] = _option(None, "write the routing of every MoE call to this file")
+    trace: Optional[str] = _option(None, "write the routing of every MoE call to this file "
+                                   "(bench cache and predict --trace read it)", measurement=True)
     mtp: bool = _option(False, "load the model's multi-token-prediction layers (kept by "
                         "convert when the checkpoint has them) to draft with (--draft mtp)",
                         action="store_true")
@@ -358,17 +360,33 @@ def renamed_options(options: dict) -> dict:
     return out
 
 
+# Metadata of the options page and load()'s checks, not argparse's.
+_NOT_ARGPARSE = ("bounds", "shown_default", "same_on_ranks", "parse", "measurement")
+
+
+def option_help(name: str) -> str:
+    """A field's help, as its flags and the options page give it."""
+    meta = fields_by_name()[name].metadata
+    return ("measurement only: " if meta.get("measurement") else "") + meta["help"]
+
+
+def flag_value(f):
+    """A field's default as its flag spells it (``on``/``off`` for choices
+    given as a map)."""
+    choices = f.metadata.get("choices")
+    if isinstance(choices, dict):
+        return next(k for k, v in choices.items() if v == f.default)
+    return f.default
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per ``StreamConfig`` field, from the field's metadata."""
     group = parser.add_argument_group("streaming options (mlx_streaming.load keywords)")
     for f in fields(StreamConfig):
-        meta = dict(f.metadata)
-        meta.pop("bounds", None)
-        meta.pop("shown_default", None)
-        meta.pop("same_on_ranks", None)
-        if meta.pop("parse", None) == "percent":
+        meta = {k: v for k, v in f.metadata.items() if k not in _NOT_ARGPARSE}
+        if f.metadata.get("parse") == "percent":
             meta["type"] = percent
-        meta["help"] = meta["help"].replace("%", "%%")  # argparse formats help with %
+        meta["help"] = option_help(f.name).replace("%", "%%")  # argparse formats help with %
         flag = "--" + f.name.replace("_", "-")
         choices = meta.pop("choices", None)
         if isinstance(choices, dict):
@@ -383,21 +401,22 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                            choices=list(choices) if choices else None, help=argparse.SUPPRESS)
 
 
-def add_option_flag(parser, name: str, *flags: str, help: Optional[str] = None) -> None:
+def add_option_flag(parser, name: str, *flags: str, note: Optional[str] = None) -> None:
     """One ``StreamConfig`` field's flag where a command takes only some of
     them (the benchmarks): its type, bounds, choices and help from the
-    field, under ``flags`` (default ``--name``), its dest the field's name."""
+    field (after ``note``, what the command applies it to), under ``flags``
+    (default ``--name``), its dest the field's name, None when not given."""
     from .flags import count, number
 
-    meta = dict(fields_by_name()[name].metadata)
-    bounds = meta.pop("bounds", None)
-    for key in ("shown_default", "same_on_ranks", "parse"):
-        meta.pop(key, None)
+    bounds = fields_by_name()[name].metadata.get("bounds")
+    meta = {k: v for k, v in fields_by_name()[name].metadata.items() if k not in _NOT_ARGPARSE}
     if bounds is not None:
         make = count if meta["type"] is int else number
         limits = dict(open_low=bounds.get("open_low", False)) if make is number else {}
         meta["type"] = make(bounds["low"], bounds.get("high"), **limits)
-    meta["help"] = (meta["help"] if help is None else help).replace("%", "%%")
+    if "choices" in meta:
+        meta["choices"] = list(meta["choices"])
+    meta["help"] = ((f"{note}: " if note else "") + option_help(name)).replace("%", "%%")
     parser.add_argument(*(flags or ("--" + name.replace("_", "-"),)), dest=name, default=None,
                         **meta)
 
@@ -406,14 +425,20 @@ def fields_by_name() -> dict:
     return {f.name: f for f in fields(StreamConfig)}
 
 
+def config_options(args: argparse.Namespace, names=None) -> dict:
+    """``load()`` keywords of the option flags given in ``args`` (of
+    ``names``, default all): the flags' spellings as the fields take them."""
+    options = {}
+    for name in names or config_fields():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        choices = fields_by_name()[name].metadata.get("choices")
+        options[name] = choices[value] if isinstance(choices, dict) else value
+    return options
+
+
 def config_from_args(args: argparse.Namespace) -> StreamConfig:
     """The ``StreamConfig`` of the flags that ``add_config_flags`` added;
     flags left unset keep the field defaults."""
-    options = {}
-    for f in fields(StreamConfig):
-        value = getattr(args, f.name, None)
-        if value is None:
-            continue
-        choices = f.metadata.get("choices")
-        options[f.name] = choices[value] if isinstance(choices, dict) else value
-    return StreamConfig(**options)
+    return StreamConfig(**config_options(args))

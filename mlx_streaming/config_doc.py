@@ -3,7 +3,7 @@ scripts/options_doc.py`` writes it; a test checks it is current)."""
 
 from dataclasses import fields
 
-from .config import RENAMED, StreamConfig, shown
+from .config import RENAMED, StreamConfig, flag_value, option_help, shown
 
 
 def options_doc() -> str:
@@ -11,11 +11,13 @@ def options_doc() -> str:
     lines = [
         "# Options",
         "",
-        "Every option is a keyword of `mlx_streaming.load` and a flag of `generate`, the",
-        "server and `bench` (`cache_gb` is `--cache-gb`). This page is generated from",
-        "`StreamConfig` by `python scripts/options_doc.py`; the topic docs explain the",
-        "mechanisms ([design](design.md), [prefetch](prefetch.md), [spine](spine.md),",
-        "[Hub](hub.md)).",
+        "Every option is a keyword of `mlx_streaming.load` and a flag of `generate` and the",
+        "server (`cache_gb` is `--cache-gb`); each `bench` subcommand takes those its cases",
+        "vary, with the same help and checks, some as comma-separated lists to compare side",
+        "by side. Options marked *measurement only* exist to measure (the benchmarks set",
+        "them): a run needs none of them. This page is generated from `StreamConfig` by",
+        "`python scripts/options_doc.py`; the topic docs explain the mechanisms",
+        "([design](design.md), [prefetch](prefetch.md), [spine](spine.md), [Hub](hub.md)).",
         "",
         "| option | flag | default | values | meaning |",
         "|---|---|---|---|---|",
@@ -38,19 +40,13 @@ def options_doc() -> str:
         default = meta.get("shown_default")
         if default is None:
             known = f.default is not None or isinstance(choices, dict)
-            default = f"`{_doc_value(f)}`" if known else "-"
+            default = f"`{flag_value(f)}`" if known else "-"
         flag = "--" + f.name.replace("_", "-")
-        help_text = " ".join(meta["help"].split())
+        help_text = " ".join(option_help(f.name).split())
+        if meta.get("measurement"):
+            help_text = help_text.replace("measurement only:", "*measurement only*:", 1)
         lines.append(f"| `{f.name}` | `{flag}` | {default} | {values} | {help_text} |")
     lines += ["", "Renamed options, still taken with a warning: "
               + ", ".join(f"`{old}` (now `{new}`)" for old, new in RENAMED.items()) + ".", ""]
     return "\n".join(lines)
 
-
-def _doc_value(f) -> str:
-    """A field's default as its flag takes it (``on``/``off`` for choices
-    given as a map)."""
-    choices = f.metadata.get("choices")
-    if isinstance(choices, dict):
-        return next(k for k, v in choices.items() if v == f.default)
-    return f.default

@@ -420,7 +420,7 @@ def test_decode_refuses_a_misspelt_choice_before_it_runs(tmp_path, capsys, flag,
     assert bench_main(["decode", "--model", str(tmp_path / "none"), flag, value,
                        "--out", str(tmp_path / "d")]) == 1
     err = capsys.readouterr().err
-    assert f"{flag} takes" in err and said in err
+    assert flag in err and said in err
 
 
 @pytest.mark.parametrize("command, flag, value", [
@@ -438,8 +438,7 @@ def test_values_no_case_could_run_are_refused_up_front(tmp_path, capsys, command
     assert bench_main([command, "--model", str(tmp_path / "none"), flag, value,
                        "--out", str(tmp_path / "d")]) == 1
     err = capsys.readouterr().err
-    said = "got '', '', ''" if value == ",," else repr(value)
-    assert flag in err and said in err and "Traceback" not in err, err
+    assert flag in err and repr(value) in err and "Traceback" not in err, err
     assert not (tmp_path / "d").exists()
 
 
@@ -483,7 +482,7 @@ def _trace(path, tokens=40, predicted=False, predicted2=False, probs=False):
      "does not model prefetch"),
     (dict(predicted=True), ["--prefetch", "next-layer", "--prefetch-precision", "2"],
      "--prefetch-precision: must be a finite number at least 0 and at most 1"),
-    (dict(), ["--policies", "lru,bogus"], "--policies takes values of policy"),
+    (dict(), ["--policies", "lru,bogus"], "--policies: must be values of policy"),
     (dict(tokens=3), [], "holds 3 decode tokens"),
     (dict(tokens=0), [], "holds 0 decode tokens"),
 ])

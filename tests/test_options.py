@@ -285,3 +285,37 @@ def test_only_commands_take_ctrl_c_quietly_while_starting():
     library = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=60)
     assert library.stdout.strip() == "False", library.stderr  # an import leaves Ctrl-C alone
+
+
+def test_bench_flags_named_as_options_are_the_options():
+    """A bench flag spelt as an option (or its plural, values to compare)
+    is that option's: declared from its StreamConfig field, so its help is
+    the field's and its values are checked as load() checks them."""
+    import argparse
+
+    from mlx_streaming.bench.__main__ import setup_arg_parser
+    from mlx_streaming.config import config_fields, option_help
+
+    # Same spelling, another meaning: a routing trace to read, not to write.
+    inputs = {"--trace"}
+    names = {}
+    for name in config_fields():
+        flag = "--" + name.replace("_", "-")
+        names.update({flag: name, (flag[:-1] + "ies" if flag.endswith("y") else flag + "s"): name})
+    sub = next(a for a in setup_arg_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    checked, by_hand = [], []
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            if inputs & set(action.option_strings):
+                continue
+            options = {names[s] for s in action.option_strings if s in names}
+            options |= {action.dest} & set(config_fields())
+            for name in options:
+                said = " ".join(option_help(name).replace("%", "%%").split())
+                where = f"bench {command} {'/'.join(action.option_strings)}"
+                in_help = said in " ".join((action.help or "").split())
+                (checked if in_help else by_hand).append(where)
+    assert not by_hand, f"declared by hand, not from StreamConfig: {by_hand}"
+    assert {"bench decode --policies", "bench io --io-threads/--threads",
+            "bench speculative --overlap"} <= set(checked)

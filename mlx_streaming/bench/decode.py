@@ -13,22 +13,12 @@ when I/O overlaps compute perfectly, and their sum when it does not.
 import itertools
 from pathlib import Path
 
-from ..config import (
-    CHECKSUM_CHOICES,
-    DIRECT_IO_CHOICES,
-    IO_CHOICES,
-    MAX_GB,
-    ON_OFF,
-    POLICY_CHOICES,
-    PREFETCH_CHOICES,
-    StreamConfig,
-)
-from ..errors import ConfigError
+from ..config import ON_OFF, add_option_flag, config_options
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, temperature
 from ..format import blob_path, read_manifest
 from ..predict.against import against, read_forecast
 from . import ranks, routing
-from .inputs import BenchError, add_read_rate_flags, on_off, pool_slots
+from .inputs import BenchError, add_option_list_flag, add_read_rate_flags, pool_slots
 from .limits import disk_read_gbps, drop_page_cache
 from .report import figure, finish
 from .runs import median_run, paired_ratio, run_case
@@ -55,34 +45,18 @@ def add_arguments(p) -> None:
     p.add_argument("--pools", default="0.25,0.5",
                    help="pool sizes as fractions of each layer's experts")
     p.add_argument("--memory-limit-gb", type=number(0, open_low=True), default=None)
-    p.add_argument("--cache-gb", type=number(0, MAX_GB, open_low=True), default=None,
-                   help="streaming cases load with this whole-model budget instead of "
-                        "--pools: the spine layers that do not fit are streamed")
+    add_option_flag(p, "cache_gb", note="the streaming cases' budget, instead of --pools")
     p.add_argument("--cold", action="store_true", help="drop the page cache before each case")
     p.add_argument("--temp", type=temperature, default=0.0,
                    help="sampling temperature of the decode runs (0: greedy)")
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
     p.add_argument("--prompt-tokens", type=count(1, MAX_TOKENS), default=32)
-    p.add_argument("--io", choices=IO_CHOICES, default="auto")
-    p.add_argument("--prefetch", default="off")
-    p.add_argument("--prefetch-precision", default=None,
-                   help="prefetch's least used share per layer, comma-separated to compare "
-                        "(e.g. 0,0.75; default: load()'s)")
-    p.add_argument("--prefetch-depth", default=None,
-                   help="MoE layers ahead that prefetch reads for, comma-separated to "
-                        "compare (e.g. 1,2; default: load()'s)")
-    p.add_argument("--prefetch-affinity", default=None,
-                   help="on, off or on,off to compare (default: load()'s)")
-    p.add_argument("--overlap", default=None, help="on, off or on,off: synced calls compute "
-                   "their resident experts while their misses are read")
-    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
-                   help="uncached expert reads (auto: as load() decides)")
-    p.add_argument("--checksums", default="first-read",
-                   help="checksum modes to compare side by side, comma-separated "
-                        "(e.g. first-read,always)")
-    p.add_argument("--policies", default=None,
-                   help="eviction policies to compare side by side, comma-separated "
-                        "(default: load()'s default)")
+    add_option_flag(p, "io")
+    for name in ("prefetch", "prefetch_precision", "prefetch_depth", "prefetch_affinity",
+                 "overlap", "checksums"):
+        add_option_list_flag(p, name)
+    add_option_flag(p, "direct_io")
+    add_option_list_flag(p, "policy", "--policies")
     add_read_rate_flags(p, "the cases'", pace=True)
     p.add_argument("--routing-tokens", type=count(1, MAX_TOKENS), default=64)
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=1,
@@ -131,37 +105,11 @@ def _summary(name, r, pool=None):
 
 
 def _check_choices(args) -> None:
-    """Refuse a misspelt --prefetch or --policies before any case runs (a
-    case would only fail, after the models loaded)."""
-    for flag, value, choices in [("--prefetch", args.prefetch, PREFETCH_CHOICES),
-                                 ("--policies", args.policies, POLICY_CHOICES),
-                                 ("--checksums", args.checksums, CHECKSUM_CHOICES)]:
-        bad = [v for v in (value.split(",") if value is not None else []) if v not in choices]
-        if bad:
-            raise BenchError(f"{flag} takes {', '.join(choices)} (comma-separated), "
-                             f"got {', '.join(map(repr, bad))}")
-    config_values("--prefetch-precision", args.prefetch_precision, "prefetch_precision", float)
-    config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
-    if args.read_pace_mbps is not None:
-        if args.read_mbps:
-            raise BenchError("--pace-mbps and --read-mbps are two ways to emulate a slower "
-                             "disk: give one")
-
-
-def config_values(flag: str, text, field: str, parse) -> list:
-    """A comma-separated list of values of a ``StreamConfig`` field to
-    compare, each checked as load() would check it; [None] when not given
-    (load()'s default)."""
-    if text is None:
-        return [None]
-    try:
-        values = [parse(v) for v in text.split(",")]
-        for v in values:
-            StreamConfig(**{field: v})
-    except (ValueError, ConfigError) as e:
-        raise BenchError(f"{flag} takes values of {field} (comma-separated), got {text!r}: "
-                         f"{e}") from None
-    return values
+    """Refuse what no case could run before any case runs (the options
+    compared are checked as they are parsed)."""
+    if args.read_pace_mbps is not None and args.read_mbps:
+        raise BenchError("--pace-mbps and --read-mbps are two ways to emulate a slower "
+                         "disk: give one")
 
 
 def _pools(text: str) -> list:
@@ -183,8 +131,7 @@ def run(args) -> dict:
     if args.ranks > 1 or args.tp_model:
         return ranks.run(args)
     forecast = read_forecast(args.forecast) if args.forecast else None
-    affinities = on_off("--prefetch-affinity", args.prefetch_affinity)
-    overlaps = on_off("--overlap", args.overlap)
+    affinities, overlaps = args.prefetch_affinity, args.overlap
     # A cache size in GB sizes the pools instead of --pools.
     pools = _pools(args.pools) if args.cache_gb is None else [None]
     stream_dir = Path(args.model)
@@ -203,31 +150,21 @@ def run(args) -> dict:
         # no memory limit, the page cache warm.
         cases.append(("(a) mlx_streaming all resident", None,
                       dict(common, kind="streaming", model=str(stream_dir),
-                           load=dict(slots_per_layer=num_experts, io=args.io)), None))
-    modes = args.checksums.split(",")
-    policies = args.policies.split(",") if args.policies else [None]
-    prefetches = args.prefetch.split(",")
-    precisions = config_values("--prefetch-precision", args.prefetch_precision,
-                                "prefetch_precision", float)
-    depths = config_values("--prefetch-depth", args.prefetch_depth, "prefetch_depth", int)
+                           load=dict(config_options(args, ["io"]),
+                                     slots_per_layer=num_experts)), None))
+    modes, policies, prefetches = args.checksums, args.policies, args.prefetch
+    precisions, depths = args.prefetch_precision, args.prefetch_depth
     for pool, overlap in itertools.product(pools, overlaps):
         size = dict(cache_gb=args.cache_gb)
         if pool is not None:
             size = dict(slots_per_layer=pool_slots(manifest.layers[0], pool))
         for checksums, policy, prefetch, precision, affinity, depth in _variants(
                 modes, policies, prefetches, precisions, affinities, depths):
-            load = dict(size, io=args.io, prefetch=prefetch,
-                        direct_io=DIRECT_IO_CHOICES[args.direct_io], checksums=checksums)
-            if policy:
-                load["policy"] = policy
-            if precision is not None:
-                load["prefetch_precision"] = precision
-            if affinity is not None:
-                load["prefetch_affinity"] = ON_OFF[affinity]
-            if depth is not None:
-                load["prefetch_depth"] = depth
-            if overlap is not None:
-                load["overlap"] = ON_OFF[overlap]
+            load = dict(size, **config_options(args, ["io", "direct_io"]), prefetch=prefetch,
+                        checksums=checksums, policy=policy, overlap=ON_OFF[overlap])
+            if prefetch != "off":
+                load.update(prefetch_precision=precision, prefetch_affinity=ON_OFF[affinity],
+                            prefetch_depth=depth)
             if args.read_pace_mbps:
                 load["read_pace_mbps"] = args.read_pace_mbps
             name = "(c) mlx_streaming" + "".join(

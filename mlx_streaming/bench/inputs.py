@@ -1,13 +1,21 @@
-"""What the benchmarks take in: their error, on/off flags, pool sizes,
-prompts of real text, and the routing statistics of a trace."""
+"""What the benchmarks take in: their error, the options they compare,
+pool sizes, prompts of real text, and the routing statistics of a trace."""
 
+import argparse
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..config import ON_OFF, add_option_flag
-from ..errors import StreamingError
+from ..config import (
+    StreamConfig,
+    add_option_flag,
+    fields_by_name,
+    flag_value,
+    option_help,
+    percent,
+)
+from ..errors import ConfigError, StreamingError
 from ..flags import number
 from ..runtime.trace import read_trace
 
@@ -16,12 +24,40 @@ class BenchError(StreamingError):
     """A benchmark cannot run as asked (permissions, platform, input)."""
 
 
-def on_off(flag: str, text) -> list:
-    """An on/off flag's values to compare (``[None]``: load()'s default)."""
-    values = text.split(",") if text else [None]
-    bad = [v for v in values if v is not None and v not in ON_OFF]
-    if bad:
-        raise BenchError(f"{flag} takes on, off or on,off, got {bad[0]!r}")
+def add_option_list_flag(p, name: str, *flags: str, note: Optional[str] = None) -> None:
+    """A ``StreamConfig`` field's values to compare side by side, under
+    ``flags`` (default ``--name``): comma-separated, as its flag spells
+    them, each checked as load() checks it when parsed; its help the
+    field's; the field's default alone when not given."""
+    f = fields_by_name()[name]
+    choices = f.metadata.get("choices")
+    values = f"any of {', '.join(choices)}, " if choices else ""
+    help = (f"{note}: " if note else "") + option_help(name) + (
+        f"; {values}comma-separated to compare (default: {flag_value(f)})")
+    p.add_argument(*(flags or ("--" + name.replace("_", "-"),)), type=option_values(name),
+                   default=[flag_value(f)], help=help.replace("%", "%%"))
+
+
+def option_values(name: str):
+    """An ``argparse`` type: a comma-separated list of values of the
+    ``StreamConfig`` field ``name`` as its flag spells them, each checked
+    as load() would check it."""
+    meta = fields_by_name()[name].metadata
+    choices = meta.get("choices")
+    parse = percent if meta.get("parse") == "percent" else meta.get("type", str)
+
+    def values(text: str) -> list:
+        try:
+            out = [parse(v) for v in text.split(",")]
+            for v in out:
+                if isinstance(choices, dict) and v not in choices:
+                    raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {v!r}")
+                StreamConfig(**{name: choices[v] if isinstance(choices, dict) else v})
+        except (ValueError, argparse.ArgumentTypeError) as e:  # ConfigError is a ValueError
+            raise argparse.ArgumentTypeError(f"must be values of {name}, comma-separated, got "
+                                             f"{text!r}: {e}") from None
+        return out
+
     return values
 
 

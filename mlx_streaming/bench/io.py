@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DIRECT_IO_CHOICES, MAX_BUDGET, MAX_COUNT, MAX_IO_THREADS
+from ..config import add_option_flag, config_options
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, fractions, listed, number, size, temperature
 from ..io.native import NativeReader, load_extension
 from ..io.python import PythonReader, aligned_empty
@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", type=listed(size(4096, 1 << 30, multiple=4096)), default="256K,1M,4M,16M")
     p.add_argument("--blob-gb", type=number(0, 1024, open_low=True), default=1.0)
     p.add_argument("--batch", type=count(1, 1024), default=8, help="records per read call")
-    p.add_argument("--threads", type=count(1, MAX_IO_THREADS), default=None)
+    add_option_flag(p, "io_threads", "--io-threads", "--threads", note="the throughput readers")
     p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=3,
                    help="cold measurements per reader, interleaved with dd; medians reported")
     p.add_argument("--no-cold", action="store_true", help="skip cold reads (needs root)")
@@ -38,18 +38,15 @@ def add_arguments(p) -> None:
                    help="only the prefetch decode runs")
     p.add_argument("--model", help="stream directory for the prefetch decode runs")
     p.add_argument("--pools", type=fractions, default="0.25,0.5")
-    p.add_argument("--prefetch-records", type=count(0, MAX_BUDGET), default=None,
-                   help="records prefetched per layer at most (default: measured)")
-    p.add_argument("--prefetch-width", type=count(1, MAX_COUNT), default=None,
-                   help="experts predicted per token (default: load()'s, 2 x top-k)")
+    add_option_flag(p, "prefetch_records", note="the decode runs")
+    add_option_flag(p, "prefetch_width", note="the decode runs")
     p.add_argument("--repeats", type=count(1, MAX_ROUNDS), default=3,
                    help="rounds of the prefetch decode cases, interleaved; medians reported")
     p.add_argument("--temp", type=temperature, default=0.0,
                    help="sampling temperature of the decode runs (0: greedy)")
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=24)
-    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
-                   help="uncached reads in the decode runs ('on': every miss goes to the "
-                        "disk, as when the blobs are far larger than memory)")
+    add_option_flag(p, "direct_io", note="the decode runs (on: every miss goes to the disk, "
+                    "as when the blobs are far larger than memory)")
     p.add_argument("--out", type=Path, default=Path("bench-results/io"))
 
 
@@ -107,7 +104,7 @@ def throughput(args) -> list:
     slow spells hit every reader alike."""
     from ..config import default_io_threads
 
-    threads = args.threads or default_io_threads()
+    threads = args.io_threads or default_io_threads()
     readers = _readers(threads)
     rows = []
     for stride in args.sizes:
@@ -180,10 +177,9 @@ def prefetch_decode(args) -> list:
             for prefetch in modes:
                 case = dict(op="decode", kind="streaming", model=str(args.model),
                             max_tokens=args.max_tokens, prompt_tokens=16, temp=args.temp,
-                            load=dict(slots_per_layer=slots, prefetch=prefetch,
-                                      prefetch_width=args.prefetch_width,
-                                      prefetch_records=args.prefetch_records,
-                                      direct_io=DIRECT_IO_CHOICES[args.direct_io]))
+                            load=dict(config_options(args, ["prefetch_width",
+                                                            "prefetch_records", "direct_io"]),
+                                      slots_per_layer=slots, prefetch=prefetch))
                 runs[prefetch].append(run_case(case, cold=not args.no_cold))
         for prefetch in modes:
             rows.append(_prefetch_row(runs[prefetch], slots / spec.num_experts, prefetch))
@@ -231,7 +227,7 @@ def run(args) -> dict:
             ("recall", "recall", ".0%"), ("issued", "issued", "d"), ("useful", "useful", "d"),
             ("syncs_per_token", "syncs/tok", ".1f"), ("decision", "decision", "s")],
             "bench io: decode with prefetch, page cache dropped before each case"
-            + f", direct I/O {args.direct_io}")
+            + f", direct I/O {args.direct_io or 'auto'}")
         from . import routing
 
         result["routing"] = routing.measure(Path(args.model), args.out)

@@ -37,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..config import DEFAULT_POLICY
+from ..config import DEFAULT_POLICY, add_option_flag
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number
 from ..format import read_manifest
 from ..models.discover import find_router, input_dims_of
@@ -51,11 +51,10 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=count(1, 10**7), default=2000, help="calls per timed piece")
     p.add_argument("--tokens", type=count(1, MAX_TOKENS), default=64, help="decode tokens per round")
     p.add_argument("--rounds", type=count(1, MAX_ROUNDS), default=3, help="interleaved decode rounds")
-    p.add_argument("--policy", default=DEFAULT_POLICY)
+    add_option_flag(p, "policy")
     p.add_argument("--pool", type=number(0, 1, open_low=True), default=0.25,
                    help="pool of the partial case, a fraction of each layer's experts")
-    p.add_argument("--prefetch-precision", type=number(0, 1), default=None,
-                   help="the prefetch case's prefetch_precision (default: load()'s)")
+    add_option_flag(p, "prefetch_precision", note="the prefetch case")
     p.add_argument("--out", type=Path, default=Path("bench-results/overhead"))
 
 
@@ -223,25 +222,26 @@ def run(args) -> dict:
     from ..runtime.loader import load
 
     args.out.mkdir(parents=True, exist_ok=True)
+    policy = args.policy or DEFAULT_POLICY
     manifest = read_manifest(args.model)
     spec = manifest.layers[0]
     experts = max(spec.num_experts for spec in manifest.layers)
-    paged, tok = load(args.model, slots_per_layer=experts, policy=args.policy)
+    paged, tok = load(args.model, slots_per_layer=experts, policy=policy)
     _force_paged(paged)
     timings = pieces(paged, args.repeats)
     resident, _ = load(args.model, slots_per_layer=experts)
     slots = max(spec.top_k, round(args.pool * experts))
-    partial, _ = load(args.model, slots_per_layer=slots, policy=args.policy, overlap=False)
+    partial, _ = load(args.model, slots_per_layer=slots, policy=policy, overlap=False)
     # The reference path: route and ensure in Python (and the Python reader).
     # Synced calls run without their overlap here, so that the stall is
     # every read's whole cost (bench simulate models the overlap apart).
-    python, _ = load(args.model, slots_per_layer=slots, policy=args.policy, io="python",
+    python, _ = load(args.model, slots_per_layer=slots, policy=policy, io="python",
                      overlap=False)
     # Prefetch's path: a host sync per call for the ids and the next layer's
     # prediction, route and ensure in Python (the path of every call on a GPU).
     precision = {} if args.prefetch_precision is None else dict(
         prefetch_precision=args.prefetch_precision)
-    prefetch, _ = load(args.model, slots_per_layer=slots, policy=args.policy,
+    prefetch, _ = load(args.model, slots_per_layer=slots, policy=policy,
                        prefetch="next-layer", overlap=False, **precision)
     cases = {"resident": resident, "paged, all hits": paged,
              f"paged, pool {args.pool:.0%}": partial,
@@ -256,8 +256,8 @@ def run(args) -> dict:
         rows.append(dict(piece=f"{name}: tok/s vs resident (paired rounds)",
                          us=paired_ratio(d["runs_tps"], decode["resident"]["runs_tps"])))
     result = dict(rows=rows, pieces=timings, decode=decode, moe_layers=len(manifest.layers),
-                  policy=args.policy, model=str(args.model), pool=args.pool)
-    title = (f"bench overhead: microseconds per paged MoE call ({args.policy}); resident "
+                  policy=policy, model=str(args.model), pool=args.pool)
+    title = (f"bench overhead: microseconds per paged MoE call ({policy}); resident "
              f"{r:.0f} tok/s")
     return finish(args.out, "overhead", result, rows,
                   [("piece", "piece", "s"), ("us", "us (ratio for vs rows)", ".2f")],

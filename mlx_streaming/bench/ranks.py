@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..config import DIRECT_IO_CHOICES
+from ..config import config_options
 from ..format import read_manifest
 from .inputs import BenchError
 from .limits import MemoryLimit, ReadLimit, drop_page_cache
@@ -57,7 +57,7 @@ def run(args) -> dict:
     check(args)
     common = dict(op="decode", max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                   temp=args.temp)
-    load = dict(io=args.io, prefetch="off", direct_io=DIRECT_IO_CHOICES[args.direct_io])
+    load = dict(config_options(args, ["io", "direct_io"]), prefetch="off")
     if args.read_pace_mbps:
         load["read_pace_mbps"] = args.read_pace_mbps
     n, budget = args.ranks, args.cache_gb

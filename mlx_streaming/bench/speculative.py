@@ -11,11 +11,11 @@ at K = 1. Draft cost is not counted.
 
 from pathlib import Path
 
-from ..config import DIRECT_IO_CHOICES, ON_OFF
+from ..config import ON_OFF, add_option_flag, config_options
 from ..flags import MAX_NUM_DRAFT, MAX_ROUNDS, MAX_TOKENS, count, draft, fractions, listed, number
 from ..format import read_manifest
 from . import routing
-from .inputs import BenchError, add_read_rate_flags, on_off, pool_slots
+from .inputs import BenchError, add_option_list_flag, add_read_rate_flags, pool_slots
 from .report import figure, finish
 from .runs import run_case
 
@@ -40,12 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--draft-tokens", type=listed(count(1, MAX_NUM_DRAFT)), default="2,4", help="K values for --drafts")
     p.add_argument("--pools", type=fractions, default="0.25,0.5,1.0", help="pool sizes for --drafts")
     p.add_argument("--tokens", type=count(1, MAX_TOKENS), default=64, help="tokens decoded per prompt")
-    p.add_argument("--overlap", default=None,
-                   help="--drafts: on, off or on,off: synced calls compute their resident "
-                        "experts while their misses are read (default: load()'s)")
-    p.add_argument("--direct-io", choices=list(DIRECT_IO_CHOICES), default="auto",
-                   help="--drafts: uncached expert reads (auto: as load() decides; on "
-                        "with --read-mbps)")
+    add_option_list_flag(p, "overlap", note="--drafts")
+    add_option_flag(p, "direct_io", note="--drafts (on with --read-mbps)")
     add_read_rate_flags(p, "the streamed cases'", pace=False)
 
 
@@ -83,7 +79,7 @@ def run_drafts(args) -> dict:
     """Speculative decoding with real drafts: each pool streamed, and the
     model resident (mlx-lm's own speculative decoding for model drafts),
     one process per case, the repeats interleaved."""
-    overlaps = on_off("--overlap", args.overlap)
+    overlaps = args.overlap
     if args.read_mbps and args.direct_io == "off":
         raise BenchError("--read-mbps throttles uncached reads: drop --direct-io off")
     stream_dir = Path(args.model)
@@ -95,12 +91,12 @@ def run_drafts(args) -> dict:
         slots = pool_slots(spec, pool)
         for overlap in overlaps:
             load = dict(slots_per_layer=slots, mtp="mtp" in common["drafts"],
-                        direct_io=DIRECT_IO_CHOICES[args.direct_io])
+                        **config_options(args, ["direct_io"]))
             if args.read_mbps:
                 load["direct_io"] = True  # the page cache would hide the throttle
             label = f"streamed {slots}/{spec.num_experts}"
-            if overlap is not None:
-                load["overlap"] = ON_OFF[overlap]
+            load["overlap"] = ON_OFF[overlap]
+            if len(overlaps) > 1:
                 label += f" overlap {overlap}"
             cases.append((label, dict(common, kind="streaming", model=str(stream_dir),
                                       load=load)))

@@ -16,9 +16,9 @@ on this machine and on Apple Silicon profiles.
 
 from pathlib import Path
 
-from ...config import DEFAULT_POLICY
-from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, number, temperature
-from ..inputs import BenchError, add_read_rate_flags
+from ...config import add_option_flag
+from ...flags import MAX_ROUNDS, MAX_TOKENS, count, existing_file, temperature
+from ..inputs import BenchError, add_option_list_flag, add_read_rate_flags
 from .project import project
 from .validate import validate
 
@@ -41,15 +41,10 @@ def add_arguments(p) -> None:
                         "(e.g. 1,2,4): each holds a slice of every expert and reads it from "
                         "its own SSD")
     p.add_argument("--pools", default="0.25,0.5")
-    p.add_argument("--policies", default=DEFAULT_POLICY)
-    p.add_argument("--prefetch", default="off",
-                   help="validate: off, next-layer, or both comma-separated (project: off)")
-    p.add_argument("--prefetch-precision", type=number(0, 1), default=None,
-                   help="prefetch_precision of the decode and overhead cases (validate; "
-                        "default: load()'s)")
-    p.add_argument("--prefetch-depth", default=None,
-                   help="validate: prefetch_depth, comma-separated to compare (e.g. 1,2; "
-                        "default: load()'s)")
+    add_option_list_flag(p, "policy", "--policies")
+    add_option_list_flag(p, "prefetch", note="validate (project: off)")
+    add_option_flag(p, "prefetch_precision", note="validate: the decode and overhead cases")
+    add_option_list_flag(p, "prefetch_depth", note="validate")
     add_read_rate_flags(p, "the validation's", pace=True)
     p.add_argument("--max-tokens", type=count(1, MAX_TOKENS), default=32)
     p.add_argument("--temp", type=temperature, default=0.0)

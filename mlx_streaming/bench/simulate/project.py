@@ -33,15 +33,12 @@ def project(args) -> dict:
     if not Path(trace).is_file():
         raise BenchError(f"no routing trace at {trace}: bench cache --model STREAM records one "
                          "(routing-trace-w*.jsonl in its --out)")
-    if args.prefetch != "off":
+    if args.prefetch != ["off"]:
         raise BenchError("--project forecasts with predict's speed model, which does not model "
                          "prefetch: leave --prefetch off (--validate runs prefetch's cases)")
     calls = _read_trace(Path(trace))
-    from ..decode import config_values
-
-    policies = config_values("--policies", args.policies, "policy", str)
     curves = {p: replay_curve(calls, p, Path(trace).name, warmup=WARMUP_TOKENS)
-              for p in policies}
+              for p in args.policies}
     rows = []
     for (key, mac), (name, whole), ranks in itertools.product(
             MACHINES.items(), _shapes().items(), _ranks(args)):

@@ -35,11 +35,12 @@ def validate(args) -> dict:
     parser = argparse.ArgumentParser()
     decode.add_arguments(parser)
     ns = parser.parse_args(["--model", str(args.model)])
+    if args.prefetch_precision is not None:
+        ns.prefetch_precision = [args.prefetch_precision]
     vars(ns).update(
         mlx_model=args.mlx_model, pools=args.pools, temp=args.temp,
         max_tokens=args.max_tokens, prefetch=args.prefetch,
-        prefetch_precision=None if args.prefetch_precision is None else str(
-            args.prefetch_precision), prefetch_depth=args.prefetch_depth,
+        prefetch_depth=args.prefetch_depth,
         direct_io="on" if args.read_mbps or args.read_pace_mbps else "auto",
         policies=args.policies, read_mbps=args.read_mbps, read_pace_mbps=args.read_pace_mbps,
         repeats=args.repeats, out=args.out / "decode")
