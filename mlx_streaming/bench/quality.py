@@ -27,7 +27,7 @@ import numpy as np
 
 from ..flags import MAX_ROUNDS, MAX_TOKENS, count, number, text_file
 from ..format import LOW_BITS, read_manifest
-from ..runtime.low_bits import scratch_slots
+from ..runtime.low_bits import copy_slots
 from .inputs import BenchError, add_read_rate_flags, pool_slots
 from .ranks import run_ranks
 from .report import figure, finish
@@ -165,7 +165,7 @@ def equal_memory_slots(manifest, slots: int, bits: Optional[int],
                        flag: str = "--settings") -> int:
     """The pool a setting gets so that every setting holds the same expert
     memory: with low-bit copies, ``slots`` less the records' worth of the
-    copies' scratch pool (rounded up)."""
+    copies' pool (rounded up)."""
     if bits is None:
         return slots
     copies = manifest.low_copies(bits)
@@ -182,8 +182,8 @@ def equal_memory_slots(manifest, slots: int, bits: Optional[int],
         raise BenchError(f"{flag}: the model holds no {bits}-bit copies (add them: "
                          f"python -m mlx_streaming.convert --out DIR --miss-bits {bits})")
     full, low = manifest.layers[0], copies.layers[0]
-    scratch = scratch_slots(low) * low.expert_nbytes
-    return slots - -(-scratch // full.expert_nbytes)
+    copies = copy_slots(low) * low.expert_nbytes
+    return slots - -(-copies // full.expert_nbytes)
 
 
 def held_out_text(out: Path, tokens: int) -> Path:
@@ -210,7 +210,7 @@ def run(args) -> dict:
     for s in settings:
         s["slots"] = equal_memory_slots(manifest, slots, s["load"].get("miss_bits"))
         if s["slots"] < spec.top_k:
-            raise BenchError(f"--settings {s['name']}: its copies' scratch pool leaves the "
+            raise BenchError(f"--settings {s['name']}: its copies' pool leaves the "
                              f"pool {s['slots']} slots, fewer than a token's {spec.top_k} "
                              "experts; use a larger --pool")
     out = Path(args.out)

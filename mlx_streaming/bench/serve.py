@@ -211,7 +211,7 @@ def _servers(args, slots: int, manifest) -> Dict[str, tuple]:
             continue
         options = setting_options(setting, spec.top_k, spec.num_experts,
                                   f"--cases {case}") if setting else {}
-        # As in bench quality: a low-bit copies' scratch comes out of the pool.
+        # As in bench quality: the low-bit copies' pool comes out of the pool.
         pool = equal_memory_slots(manifest, slots, options.get("miss_bits"), f"--cases {case}")
         command = [sys.executable, "-m", "mlx_streaming.server", "--model", str(args.model),
                    "--slots-per-layer", str(pool), "--max-queue", str(max(args.clients)),

@@ -117,7 +117,7 @@ class Paged:
     """
 
     def __init__(self, store: ExpertStore, events: Events, prefetch=None, router=None,
-                 overlap=None, low=None):
+                 overlap=None, copies=None):
         self.store = store
         self.layer = store.layer
         self.events = events
@@ -133,7 +133,7 @@ class Paged:
         self.read_per_call = 0.0
         self.pending = []
         # Low-bit copies a miss may read instead (low_bits.LowBitMisses), or None.
-        self.low = low
+        self.copies = copies
 
     def __call__(self, inner, x, indices):
         predicted, probs, y = self._start(inner, x, indices)
@@ -190,26 +190,26 @@ class Paged:
     def _low_bit_misses(self, ids, experts, probs) -> np.ndarray:
         """The missed experts this call computes from low-bit copies (none
         without them, or when the call's experts outnumber the pool)."""
-        if self.low is None:
+        if self.copies is None:
             return experts[:0]
-        missing, fits = self.low.misses(experts[~self.store.resident(experts)],
+        missing, fits = self.copies.misses(experts[~self.store.resident(experts)],
                                         len(experts) <= self.store.pool.slots)
         if not fits or not len(missing):
             return experts[:0]
         rows = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
-        return self.low.choose(missing, rows, probs)
+        return self.copies.choose(missing, rows, probs)
 
     def _with_low_bits(self, inner, x, indices, ids, experts, low):
         """The call with ``low`` computed from their low-bit copies and the
         rest (hits, and misses read in full) from the pool, pair by pair
         (``_pairs``), put back in the router's order."""
         full = np.setdiff1d(experts, low, assume_unique=True)
-        self._stalled(self.store.ensure(full) + self.low.load(low))
+        self._stalled(self.store.ensure(full) + self.copies.load(low))
         flat = ids.reshape(-1)
         is_low = np.isin(flat, low)
         parts, positions = [], []
         for pairs, module, slots in ((np.nonzero(~is_low)[0], inner, self._slot_ids),
-                                     (np.nonzero(is_low)[0], self.low.inner, self.low.slot_ids)):
+                                     (np.nonzero(is_low)[0], self.copies.inner, self.copies.slot_ids)):
             if len(pairs):
                 parts.append(self._pairs(module, x, indices, pairs, slots(flat[pairs])))
                 positions.append(pairs)
@@ -343,9 +343,9 @@ class NativePaged(Paged):
     slow enough to overlap (``_overlap_pays``). ``Paged`` is the reference;
     the two agree call for call (tests/test_native_paging.py)."""
 
-    def __init__(self, store, events, prefetch=None, router=None, overlap=None, low=None,
+    def __init__(self, store, events, prefetch=None, router=None, overlap=None, copies=None,
                  in_graph: bool = False):
-        super().__init__(store, events, prefetch, router, overlap, low)
+        super().__init__(store, events, prefetch, router, overlap, copies)
         self.in_graph = in_graph
         # Whether this layer's decode calls sync (``_overlap_pays``).
         self.synced = False

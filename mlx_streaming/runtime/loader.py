@@ -41,7 +41,7 @@ def approximations(runtime) -> List[str]:
     config, found = runtime.config, []
     if runtime.routers and not all(r.exact for r in runtime.routers):
         found.append(f"routing={config.routing!r} ({runtime.routers[0].describe()})")
-    if any(r.low is not None for r in runtime.residencies):
+    if any(r.copies is not None for r in runtime.residencies):
         which = ("misses but each token's top expert" if config.miss_bits_weight is None else
                  f"misses below {config.miss_bits_weight:g} of their token's routed weight")
         found.append(f"miss_bits={config.miss_bits} ({which} computed from "

@@ -38,7 +38,7 @@ def low_inner(inner: nn.Module, spec: LayerSpec, pool: SlotPool, bind) -> nn.Mod
 
 
 class LowBitMisses:
-    """One paged layer's low-bit copies: their store (a scratch pool of a
+    """One paged layer's low-bit copies: their store (a pool of a
     decode call's copies, LRU), the expert module that computes with them,
     and which misses of a call take them (``choose``)."""
 
@@ -52,7 +52,7 @@ class LowBitMisses:
     def choose(self, missing: np.ndarray, ids: np.ndarray,
                probs: Optional[np.ndarray]) -> np.ndarray:
         """The missed experts of a call that take their low-bit copy, the
-        least weighty first, as many as the scratch pool holds. An
+        least weighty first, as many as their pool holds. An
         expert's weight in a token is its share of the router's
         probability over the token's routed experts (``ids``, [tokens,
         k]). With ``weight``: the misses whose share stays below it for
@@ -75,9 +75,9 @@ class LowBitMisses:
         return np.sort(missing[: self.store.pool.slots])
 
     def load(self, experts: np.ndarray) -> float:
-        """Bring the copies of ``experts`` into the scratch pool (every
+        """Bring the copies of ``experts`` into their pool (every
         earlier reader of it was evaluated by this layer's sync). The
-        scratch keeps the copies it holds, least recently used out first:
+        pool keeps the copies it holds, least recently used out first:
         a copy needed again soon is not read again, in the same memory."""
         self.store.policy.observe(experts, None)
         try:
@@ -93,8 +93,8 @@ class LowBitMisses:
         return mx.array(self.store.pool.slot_of_expert[experts].astype(np.int32))
 
 
-def scratch_slots(spec: LayerSpec) -> int:
-    """Copies a layer's scratch pool holds: what one decode call misses."""
+def copy_slots(spec: LayerSpec) -> int:
+    """Copies a layer's pool of them holds: what one decode call misses."""
     return min(spec.top_k, spec.num_experts)
 
 

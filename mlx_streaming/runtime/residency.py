@@ -21,7 +21,7 @@ from ..models.discover import (
     set_module,
 )
 from .block import NativePaged, Paged, Resident, StreamingExperts, calls_in_graph
-from .low_bits import LowBitMisses, check_low_bits, low_inner, scratch_slots
+from .low_bits import LowBitMisses, check_low_bits, copy_slots, low_inner
 from .policy import LRU, make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
@@ -89,8 +89,8 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
     if prefetch.on:
         prefetchers = make_prefetchers(model, config, prefetch, runtime.stores, blocks,
                                        runtime.events)
-    copies = check_low_bits(manifest, config, runtime)
-    copies = {} if copies is None else {spec.module: spec for spec in copies.layers}
+    found = check_low_bits(manifest, config, runtime)
+    copies = {} if found is None else {spec.module: spec for spec in found.layers}
     # The routers' own scorers, found before cache-aware routing wraps them.
     scorers = {store.layer: _scorer(model, store, blocks, config, bool(copies))
                for store in runtime.stores if runtime.paged}
@@ -98,19 +98,20 @@ def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) ->
     for store in runtime.stores:
         module = store.spec.module
         if runtime.paged:
-            low_spec = copies.get(module)  # MTP layers have no copies
-            low = make_low(path, low_spec, blocks[module], runtime) if low_spec else None
+            copy_spec = copies.get(module)  # MTP layers have no copies
+            low_bit = (make_copies(path, copy_spec, blocks[module], runtime)
+                       if copy_spec else None)
             residency = make_paged(store, runtime, prefetchers.get(store.layer),
-                                   scorers[store.layer], low)
+                                   scorers[store.layer], low_bit)
         else:
             store.preload()
             residency = Resident(store.layer, runtime.events)
         set_module(model, module, StreamingExperts(blocks[module], residency,
                                                    restore.get(store.layer)))
     if copies:
-        runtime.reserve(sum(r.low.store.pool.nbytes for r in runtime.residencies
-                            if r.low is not None),
-                        f"the scratch pools of {config.miss_bits}-bit copies")
+        runtime.reserve(sum(r.copies.store.pool.nbytes for r in runtime.residencies
+                            if r.copies is not None),
+                        f"the pools of {config.miss_bits}-bit copies")
 
 
 def _scorer(model: nn.Module, store: ExpertStore, blocks: dict, config, copies: bool):
@@ -147,11 +148,11 @@ def _install_routers(model: nn.Module, blocks: dict, runtime) -> dict:
             for store, router in zip(runtime.stores, runtime.routers)}
 
 
-def make_low(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMisses:
-    """A paged layer's low-bit copies: a scratch pool of as many as a
+def make_copies(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMisses:
+    """A paged layer's low-bit copies: a pool of as many as a
     decode call misses, their store (checked as the records are) and the
     expert module that computes with them."""
-    pool = SlotPool(spec, scratch_slots(spec))
+    pool = SlotPool(spec, copy_slots(spec))
     blob = blob_path(path, spec)
     source = RecordSource(runtime.reader, runtime.reader.open(str(blob)), None, blob)
     store = ExpertStore(spec, pool, source, LRU(spec.num_experts), runtime.config.checksums,
@@ -172,10 +173,10 @@ def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
 
 
 def make_paged(store: ExpertStore, runtime, prefetcher=None, router=None,
-               low: Optional[LowBitMisses] = None) -> Paged:
+               copies: Optional[LowBitMisses] = None) -> Paged:
     """A paged residency over ``store``: calls inside the graph on that
     path, else host-synced calls."""
-    args = (store, runtime.events, prefetcher, router, runtime.overlap_reads(), low)
+    args = (store, runtime.events, prefetcher, router, runtime.overlap_reads(), copies)
     if isinstance(store, NativeStore):
         residency = NativePaged(*args, in_graph=runtime.path.residency == "native in graph")
     else:

@@ -116,7 +116,7 @@ def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -
     step = runtime.plan.prefill_step if runtime is not None else 0
     options = same_on_ranks(runtime.config) if runtime is not None else {}
     digest = _checksum(options)
-    copies = runtime is not None and any(r.low is not None for r in runtime.residencies)
+    copies = runtime is not None and any(r.copies is not None for r in runtime.residencies)
     mine = [int(failure is None), identity >> 16, identity & 0xFFFF, step,
             digest >> 16, digest & 0xFFFF, int(copies)]
     try:
