@@ -50,14 +50,15 @@ def _spread_router_bias(model: nn.Module) -> None:
 
 
 def save_mlx_model(model: nn.Module, config: dict, out: Path, tokenizer_dir: Optional[Path],
-                   quantize: bool = False, group_size: int = 64, bits: int = 4) -> Path:
+                   quantize: bool = False, group_size: int = 64, bits: int = 4,
+                   mode: str = "affine") -> Path:
     """Save ``model`` as an mlx-lm model directory (optionally quantized with
-    mlx-lm's own quantizer) with the tokenizer of ``tokenizer_dir``."""
+    mlx-lm's own quantizer, in ``mode``) with the tokenizer of ``tokenizer_dir``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(config)
     if quantize:
-        model, config = quantize_model(model, config, group_size, bits)
+        model, config = quantize_model(model, config, group_size, bits, mode=mode)
     save_model(out, model)
     save_config(config, out / "config.json")
     if tokenizer_dir is not None:
