@@ -205,14 +205,3 @@ def test_version_is_the_installed_distributions():
     # pyproject takes the version from the package: one place.
     assert version("mlx_streaming") == mlx_streaming.__version__
 
-
-def test_the_convert_command_is_never_imported_over_the_function():
-    """``mlx_streaming.convert`` stays the function: the command's module
-    refuses to be imported (Python would bind it over the function)."""
-    import pytest
-
-    import mlx_streaming
-
-    with pytest.raises(ImportError, match="python -m mlx_streaming.convert"):
-        import mlx_streaming.convert  # noqa: F401
-    assert callable(mlx_streaming.convert) and mlx_streaming.convert.__name__ == "convert"

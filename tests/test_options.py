@@ -177,8 +177,15 @@ def test_tilde_paths_are_expanded(tmp_path, qwen, monkeypatch):
 
 
 def test_importing_the_convert_module_keeps_convert_callable(tmp_path, qwen):
+    """The command's module refuses to be imported (Python would bind it
+    over the package's ``convert`` function), and the function works."""
     script = f"""
-import mlx_streaming.convert
+try:
+    import mlx_streaming.convert
+except ImportError as e:
+    assert "python -m mlx_streaming.convert" in str(e)
+else:
+    raise SystemExit("imported")
 import mlx_streaming
 out = mlx_streaming.convert({str(qwen[0])!r}, {str(tmp_path / 's')!r}, progress=False)
 print(mlx_streaming.format.read_manifest(out).layers[0].file)

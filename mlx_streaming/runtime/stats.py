@@ -257,7 +257,7 @@ def _miss_bits_of(runtime, total: dict) -> Optional[dict]:
     """Low-bit miss reads: their width and threshold, and the missed
     (token, expert) pairs computed from low-bit copies (of all misses)."""
     config = runtime.config
-    if not any(getattr(r, "low", None) is not None for r in runtime.residencies):
+    if not any(r.copies is not None for r in runtime.residencies):
         return None
     low = total["low_bit_pairs"]
     return dict(bits=config.miss_bits, weight=config.miss_bits_weight, substituted=low,
