@@ -1,12 +1,5 @@
-"""Several prompts decoded together through one model: mlx-lm's continuous
-batching (``BatchGenerator``) on a streamed model, so that each step makes
-one call per MoE layer for the whole batch and reads the union of the
-sequences' missed experts once.
-
-The outputs are mlx-lm's own for the same batch on the resident model, bit
-for bit: a streamed block computes each (token, expert) pair as mlx-lm's
-would, whatever the pool holds.
-"""
+"""Several prompts decoded together: mlx-lm's continuous batching on a streamed
+model, bit for bit mlx-lm's output (docs/design.md, "decode/batch.py")."""
 
 from typing import Generator, List, Sequence, Tuple, Union
 

@@ -1,5 +1,4 @@
-"""Drafts from the model's own MTP layers (``models.mtp``).
-"""
+"""Drafts from the model's own MTP layers (``models.mtp``)."""
 
 from typing import List, Optional, Sequence, Tuple
 
@@ -13,13 +12,8 @@ PREFILL_STEP = 512
 
 
 class MtpDraft:
-    """Drafts from the model's own MTP layer.
-
-    Position ``i`` of the MTP layer takes the target's hidden state at
-    ``i`` and the token at ``i + 1`` and predicts the token at ``i + 2``.
-    Its cache holds the pairs of the text; further drafts feed the MTP
-    layer its own output and are trimmed away once the target has spoken.
-    """
+    """Drafts from the model's own MTP layer: position ``i`` takes the target's
+    hidden state at ``i`` and token ``i + 1``, and predicts token ``i + 2``."""
 
     name = "mtp"
     needs_hidden = True
@@ -39,8 +33,7 @@ class MtpDraft:
         self.proposed = False
 
     def start(self, prompt: Sequence[int], hidden: Optional[mx.array]) -> None:
-        """``hidden``: the target's states at ``prompt[:-1]`` (None when
-        the prompt is one token)."""
+        """``hidden``: the target's states at ``prompt[:-1]`` (None: one token)."""
         # The family's own cache type for its last layer (MLA, sparse ...).
         self.cache = make_prompt_cache(self.model)[-1]
         self.pairs = (list(prompt[1:]), hidden)
@@ -77,8 +70,7 @@ class MtpDraft:
         return drafts[:k], None
 
     def commit(self, drafts: List[int], n: int, nxt: int, hidden: mx.array) -> None:
-        """``hidden``: the target's states at the kept tokens of the call
-        (the one before the drafts, and the ``n`` accepted)."""
+        """``hidden``: the target's states at the call's kept tokens (y, accepted)."""
         if self.speculative:
             self.cache.trim(self.speculative)
             self.speculative = 0

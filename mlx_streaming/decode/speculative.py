@@ -1,23 +1,6 @@
-"""Speculative decoding through a streamed model: drafts checked K at a time.
-
-A verify call of K drafted tokens needs the union of their experts, read
-once, where plain decoding reads each token's misses in its own call; every
-accepted draft saves a call. Drafts come from
-
-- ``NgramDraft``: prompt lookup, the tokens that followed the latest earlier
-  occurrence of the last few tokens (no second model);
-- ``ModelDraft``: a small mlx-lm model sharing the tokenizer.
-
-Lossless: at temperature 0 a draft is kept while it equals the target's
-argmax, so the tokens are greedy decoding's; with sampling, the standard
-rule (keep draft ``x`` with probability ``min(1, p(x) / q(x))``, else sample
-from ``max(p - q, 0)`` normalised) keeps the target's distribution.
-
-Caches: a call that is partly rejected is undone. Trimmable caches (KV) are
-trimmed; recurrent states (``ArraysCache``: GatedDeltaNet, Mamba, delta
-attention), which cannot be trimmed, are restored from a snapshot taken
-before the call and the accepted tokens are fed again.
-"""
+"""Speculative decoding through a streamed model: drafts checked K at a time,
+lossless (greedy: the same tokens; sampling: the target's distribution), the
+caches of a partly rejected call undone (docs/design.md, "decode/speculative.py")."""
 
 import time
 from typing import Generator, List, Optional, Sequence, Tuple
@@ -71,11 +54,8 @@ class NgramDraft:
 
 
 class ModelDraft:
-    """Drafts from a small mlx-lm model (same tokenizer), with its own cache.
-
-    Its cache holds the text but ``pending`` (tokens it has not been fed);
-    ``propose`` returns the drafted tokens and, when sampling, the draft's
-    probabilities at each (``[k, vocab]``)."""
+    """Drafts from a small mlx-lm model (same tokenizer) with its own cache, which
+    holds the text but ``pending``; sampling, also its probabilities [k, vocab]."""
 
     name = "model"
 
@@ -140,12 +120,11 @@ def _prefill(model, cache, tokens: List[int]) -> None:
 
 
 def _forward(model, tokens: List[int], cache, hidden: bool):
-    """Logits of ``tokens`` (and, with ``hidden``, the final hidden states
-    mlx-lm's ``model.model`` returns, before the head)."""
+    """Logits of ``tokens``, and with ``hidden`` the final hidden states (pre-head)."""
     if not hidden:
         return model(mx.array(tokens)[None], cache=cache)[0], None
     runtime = model.streaming
-    with runtime.call():  # as the model's own __call__ (loader.serialize_calls)
+    with runtime.call():  # as the model's own __call__ (wrap.one_pass_at_a_time)
         h = model.model(mx.array(tokens)[None], cache)
         logits = model.lm_head(h)
         mx.eval(logits, h)
@@ -171,14 +150,8 @@ def _vocab_size(model) -> Optional[int]:
 
 
 class Checkpoint:
-    """The caches before a call of ``n`` tokens that may be partly undone.
-
-    A cache that stays trimmable through the call is trimmed. The others
-    are restored from a snapshot, then the kept tokens are fed again:
-    recurrent states (``ArraysCache``, which replaces its arrays and never
-    writes into them) by reference, any other cache (a sliding window that
-    fills up, whose one-token updates write in place) by copy.
-    """
+    """The caches before a call of ``n`` tokens that may be partly undone:
+    trimmed, or restored from a snapshot and fed again (docs/design.md)."""
 
     def __init__(self, cache, n: int):
         self.cache = cache
@@ -186,9 +159,8 @@ class Checkpoint:
         self.trimmable = all(s is None for s in self.saved)
 
     def undo(self, model, fed: Sequence[int], keep: int, held: Optional[int] = None) -> bool:
-        """``fed`` tokens went in since the checkpoint, of which the cache
-        holds the first ``held`` (all by default); keep the first ``keep``.
-        Returns whether tokens were fed again."""
+        """``fed`` tokens went in since the checkpoint, the cache holding the first
+        ``held`` (default all); keep ``keep``. Returns whether any were fed again."""
         held = len(fed) if held is None else held
         if keep >= held:
             return False
@@ -246,10 +218,8 @@ def accept_greedy(target: np.ndarray, drafts: Sequence[int]) -> Tuple[int, int]:
 
 def accept_sampled(p: np.ndarray, drafts: Sequence[int], q: Optional[np.ndarray],
                    rng: np.random.Generator) -> Tuple[int, int]:
-    """Speculative sampling. ``p``: ``[k + 1, V]`` target probabilities;
-    ``q``: ``[k, V]`` draft probabilities, or None for deterministic drafts
-    (one-hot). Returns (drafts accepted, the next token), the next token
-    distributed as the target's at that position."""
+    """Speculative sampling: ``p`` [k + 1, V] target and ``q`` [k, V] draft
+    probabilities (None: one-hot drafts); returns (drafts accepted, next token)."""
     for i, x in enumerate(drafts):
         qx = 1.0 if q is None else float(q[i, x])
         if rng.random() * qx < p[i, x]:  # keep with probability min(1, p/q)
@@ -276,21 +246,18 @@ def speculative_generate_step(
     prompt_cache=None, stats: Optional[SpecStats] = None, context: Sequence[int] = (),
     settle: bool = False,
 ) -> Generator[Tuple[int, bool], None, None]:
-    """Yield ``(token, from_draft)`` of the target ``model``'s decoding of
-    ``prompt``, drafting ``num_draft_tokens`` at a time with ``draft``.
+    """Yield ``(token, logprobs, from_draft)`` of the target ``model``'s decoding
+    of ``prompt``, drafting ``num_draft_tokens`` at a time with ``draft``.
 
     Args:
-        draft: an ``NgramDraft`` or ``ModelDraft``.
+        draft: an ``NgramDraft``, ``ModelDraft`` or ``mtp.MtpDraft``.
         temp: 0 for greedy (token-identical to plain greedy decoding), else
             the sampling temperature (the target's distribution is kept).
         seed: of the acceptance rule's random numbers.
-        stats: counters to update (default: the streamed model's, which
-            ``stats(model)["speculative"]`` reports).
-        context: tokens before ``prompt`` that ``prompt_cache`` already
-            holds: text for an n-gram or model draft to start from.
-        settle: when the generator ends or is closed, leave the cache
-            holding the prompt and exactly the tokens yielded (one more
-            call, or a trim), as mlx-lm's server expects of a kept cache.
+        stats: counters to update (default: ``stats(model)["speculative"]``'s).
+        context: tokens before ``prompt`` that ``prompt_cache`` already holds.
+        settle: at the end, leave the cache holding the prompt and exactly the
+            tokens yielded, as mlx-lm's server expects of a kept cache.
     """
     if not 1 <= num_draft_tokens <= MAX_NUM_DRAFT:
         raise ConfigError(f"num_draft_tokens must be between 1 and {MAX_NUM_DRAFT}, "
@@ -354,10 +321,8 @@ def speculative_generate_step(
 
 
 def _settle(model, cache, seq: List[int], cached: int, step) -> None:
-    """Make the cache hold exactly ``seq`` (the prompt and every token
-    yielded), as mlx-lm's generation leaves it: its server keys the cache
-    it keeps by those tokens. It holds ``seq[:cached]`` and drafts accepted
-    in the last call but not yet yielded."""
+    """Make the cache hold exactly ``seq`` (the prompt and every token yielded), as
+    mlx-lm's server expects; it holds ``seq[:cached]`` and unyielded accepted drafts."""
     if cached < len(seq):
         model(mx.array(seq[cached:])[None], cache=cache)
         mx.eval([c.state for c in cache])

@@ -1,3 +1,2 @@
-"""Reading expert records from disk: what every reader offers (``reader``),
-the native reader and the Python one (``native``, ``python``), which one a
-load gets (``choice``), and their byte and time counters (``meters``)."""
+"""Reading expert records: what every reader offers (``reader``), the native and
+Python readers, which one a load gets (``choice``), their counters (``meters``)."""

@@ -1,5 +1,4 @@
-"""Which reader a model reads its records with, and whether uncached.
-"""
+"""Which reader a model reads its records with, and whether uncached."""
 
 import warnings
 from pathlib import Path
@@ -35,13 +34,8 @@ def make_reader(config: StreamConfig, direct: bool) -> Tuple[object, str]:
 
 def choose_direct_io(config: StreamConfig, path: Path, manifest: Manifest,
                      resident_bytes: int) -> Tuple[bool, str]:
-    """Uncached reads or not, and why.
-
-    A warm page cache serves experts several times faster than uncached
-    reads, which are as fast when it is cold (docs/results.md, "bench io").
-    So cached reads win while the blobs fit in the memory the pools and the
-    spine leave; beyond that they would only be read twice.
-    """
+    """Uncached reads or not, and why: cached while the blobs fit the memory the
+    pools and the spine leave (docs/design.md, "Reads")."""
     if config.direct_io is not None:
         return config.direct_io, "asked for"
     room = total_memory_bytes() - resident_bytes

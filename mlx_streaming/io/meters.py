@@ -1,6 +1,5 @@
-"""What a reader measures of its disk, and the paced disk that benchmarks
-emulate (the C++ reader has the same two, native/reader.h).
-"""
+"""What a reader measures of its disk, and the paced disk benchmarks emulate
+(the C++ reader has both, native/reader.h)."""
 
 import threading
 import time
@@ -8,11 +7,8 @@ from typing import Tuple
 
 
 class ReadPace:
-    """A disk of ``bytes_per_s`` emulated on a faster one, for benchmarks
-    (native/reader.h's ``ReadPace``): each read ends no earlier than a
-    device serving one stream of bytes at that rate would end it, and idle
-    time earns no credit (a cgroup blkio throttle banks it, and lets the
-    next reads through in a burst)."""
+    """A disk of ``bytes_per_s`` emulated on a faster one, for benchmarks: no read
+    ends earlier than at that rate, and idle time earns no credit."""
 
     def __init__(self, bytes_per_s: float):
         self._seconds_per_byte = 1.0 / bytes_per_s
@@ -20,17 +16,15 @@ class ReadPace:
         self._lock = threading.Lock()
 
     def book(self, nbytes: int) -> float:
-        """Books ``nbytes`` on the device; the read may end at the time
-        returned (``time.monotonic``)."""
+        """Book ``nbytes`` on the device; the read may end at the time returned."""
         with self._lock:
             self._free = max(self._free, time.monotonic()) + nbytes * self._seconds_per_byte
             return self._free
 
 
 class BusyMeter:
-    """What the disk did (native/reader.h's ``BusyMeter``): bytes read and
-    the seconds in which at least one read was in flight, overlapping reads
-    counted once. Prefetch's budget takes the disk's rate from their ratio."""
+    """Bytes read and the seconds with a read in flight (overlaps counted once),
+    as native/reader.h's ``BusyMeter``: prefetch's rate of the disk."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -1,11 +1,6 @@
-"""The Python reader: ``os.preadv`` straight into slot memory, records
-spread over threads (the GIL is released while the kernel copies). The
-reference path, always available.
-
-Prefetch reads land in a *staging* area of whole records, never in slots:
-a wrongly predicted expert costs a read but evicts nothing. ``take`` moves
-a staged record into its slot when the expert is really routed.
-"""
+"""The Python reader, the reference path: ``os.preadv`` straight into slot
+memory over threads; prefetch reads land in a staging area of whole records
+(docs/design.md, "io/python.py")."""
 
 import ctypes
 import os
@@ -25,8 +20,7 @@ from .meters import BusyMeter, ReadPace
 DIRECT_ALIGNMENT = 4096
 
 
-# Below this many bytes a read job runs on the calling thread: handing it to
-# the pool costs more than it saves.
+# Below this many bytes a read runs on the calling thread: the pool costs more.
 INLINE_READ_BYTES = 1 << 20
 
 
@@ -36,8 +30,7 @@ def buffer_at(address: int, nbytes: int):
 
 
 def scatter_record(record: np.ndarray, segments, dst_row, want_crc: bool) -> int:
-    """Copy a whole record's segments to their slot addresses; returns the
-    CRC-32 of the segment bytes when asked (else 0)."""
+    """Copy a record's segments to their slot addresses; their CRC-32 if asked, else 0."""
     crc = 0
     for (seg_off, nbytes), address in zip(segments, dst_row):
         src = record[seg_off : seg_off + nbytes]
@@ -63,8 +56,7 @@ def uncached_supported() -> bool:
 
 
 def direct_io_works(path) -> bool:
-    """Whether ``path`` can be read uncached (tmpfs and some overlay file
-    systems refuse O_DIRECT)."""
+    """Whether ``path`` reads uncached (tmpfs and some overlay file systems refuse)."""
     if not direct_supported():
         return uncached_supported()  # F_NOCACHE is set per file, never refused
     try:
@@ -95,9 +87,7 @@ class PythonReader:
         self._pace = ReadPace(pace_mbps * 1e6) if pace_mbps else None
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mlxs-read")
-        # Prefetch reads get threads of their own: demand reads, which the
-        # forward pass waits for, never queue behind them.
-        # Prefetch reads one at a time, best prediction first (as native).
+        # Prefetch reads: a thread of their own, one at a time, best first (as native).
         self._background = ThreadPoolExecutor(1, thread_name_prefix="mlxs-prefetch")
         self._files: List[Tuple[int, str]] = []
         self._bounce = threading.local()
@@ -115,8 +105,7 @@ class PythonReader:
         except OSError as e:
             raise ExpertReadError(f"cannot open {path}: {e.strerror}") from None
         if not self.direct and hasattr(os, "posix_fadvise"):
-            # Experts are read in no particular order: readahead would only
-            # read bytes nobody asked for.
+            # Experts are read in no particular order: no readahead.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._files.append((fd, str(path)))
         return len(self._files) - 1
@@ -154,18 +143,10 @@ class PythonReader:
         checksum: np.ndarray,
         stride: int,
     ) -> np.ndarray:
-        """Read records at ``offsets`` of ``file`` into ``dst``.
-
-        Args:
-            offsets: ``[n]`` record offsets in the file.
-            segments: ``[S, 2]`` (offset in record, nbytes) per segment.
-            dst: ``[n, S]`` destination address per record and segment.
-            checksum: ``[n]`` bool, compute the CRC-32 of these records.
-            stride: the record stride (the unit of a direct read).
-
-        Returns:
-            ``[n]`` uint32 CRC-32 per record (0 where not asked).
-        """
+        """Read the records at ``offsets`` [n] of ``file`` into ``dst`` [n, S] (an
+        address per record and segment); ``segments`` [S, 2] (offset in record,
+        nbytes), ``checksum`` [n] bool, ``stride`` the unit of a direct read.
+        Returns [n] uint32 CRC-32s (0 where not asked)."""
         self._check_open()
         n = len(offsets)
         crcs = np.zeros(n, dtype=np.uint32)
@@ -248,8 +229,7 @@ class PythonReader:
 
 
 class PythonStaging:
-    """Prefetched whole records, keyed by (layer, expert), read in the
-    background on the reader's threads."""
+    """Prefetched whole records by (layer, expert), read on the reader's background thread."""
 
     def __init__(self, reader: PythonReader, capacity: int, stride: int):
         self.reader = reader
@@ -261,8 +241,7 @@ class PythonStaging:
         self._cancelled = 0
 
     def stage(self, layer: int, file: int, experts: np.ndarray, offsets: np.ndarray) -> int:
-        """Start background reads of the records of ``experts`` (skipping
-        those already staged). Returns the number of reads issued."""
+        """Start background reads of ``experts`` not yet staged; returns reads issued."""
         issued = 0
         for expert, offset in zip(experts.tolist(), offsets.tolist()):
             key = (layer, expert)
@@ -280,13 +259,8 @@ class PythonStaging:
     def take(
         self, layer: int, expert: int, segments: np.ndarray, dst_row: np.ndarray, want_crc: bool
     ) -> Optional[int]:
-        """Move a staged record into its slot; waits if the read is in flight.
-
-        Returns:
-            The record's CRC-32 (0 if not asked), or None when the expert was
-            not staged, its read failed, or had not started (it is cancelled):
-            the caller then reads it itself.
-        """
+        """Move a staged record into its slot (waiting for a read in flight): its
+        CRC-32, or None (not staged, failed, or cancelled unstarted): read it then."""
         with self._lock:
             entry = self._entries.pop((layer, expert), None)
         if entry is None:
@@ -307,14 +281,12 @@ class PythonStaging:
         return crc
 
     def drop(self, layer: int) -> int:
-        """Discard the staged records of ``layer`` that were not taken.
-        Returns how many there were (wasted prefetch reads)."""
+        """Discard ``layer``'s untaken staged records; returns how many (wasted)."""
         with self._lock:
             keys = [k for k in self._entries if k[0] == layer]
             entries = [self._entries.pop(k) for k in keys]
         for slot, future in entries:
-            # Reads not started are cancelled; a buffer is reusable only once
-            # its read has finished (or was cancelled).
+            # Cancel reads not started; a buffer is free once its read ended or was cancelled.
             self._cancelled += future.cancel()
             future.add_done_callback(lambda _, s=slot: self._release(s))
         return len(entries)

@@ -1,6 +1,5 @@
-"""What every reader of expert and spine records offers (the Python, native
-and remote readers), so that the rest of the package asks a reader what it
-can do instead of what it is called."""
+"""What every reader of expert and spine records offers (Python, native,
+remote), so that the package asks a reader what it can do, not what it is."""
 
 from typing import Optional, Protocol, Tuple
 

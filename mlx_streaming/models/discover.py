@@ -1,11 +1,5 @@
-"""Find the routed-expert blocks of an mlx-lm model, and their routers.
-
-Every mlx-lm MoE family builds its routed experts from ``SwitchGLU`` or
-``SwitchMLP``; finding those modules is all the converter and the loader need
-to know about a family. The router is only needed for prefetch: the block's
-parent owns it, as a ``Linear`` with one output per expert (``gate``,
-``router``) or, for DeepSeek, a gate module holding a ``[E, D]`` weight.
-"""
+"""Find the routed-expert blocks of an mlx-lm model (its ``SwitchGLU`` and
+``SwitchMLP``), and their routers (docs/design.md, "models/discover.py")."""
 
 from typing import Callable, List, Optional, Tuple
 
@@ -20,8 +14,7 @@ EXPERT_BLOCK_TYPES = (SwitchGLU, SwitchMLP)
 
 
 def find_expert_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """Every ``SwitchGLU``/``SwitchMLP`` of ``model`` with its module path,
-    in layer order."""
+    """Every ``SwitchGLU``/``SwitchMLP`` of ``model`` with its path, in layer order."""
     blocks = [
         (path, m)
         for path, m in model.named_modules()
@@ -73,14 +66,8 @@ def is_router(module, num_experts: int, input_dims: int) -> bool:
 
 
 class RouterScorer:
-    """Scores a MoE block's experts for an input; the top scores are the
-    experts the block's own router would most likely pick.
-
-    Softmax routers are scored by their logits (softmax keeps the order);
-    sigmoid routers with a selection bias (DeepSeek-V3, Kimi) by
-    ``sigmoid(logits) + bias``. Group-limited selection is not modelled:
-    the scores serve prediction, never the model's own routing.
-    """
+    """Scores a MoE block's experts for an input as its router ranks them, for
+    prediction only (docs/design.md, "models/discover.py")."""
 
     def __init__(self, gate: nn.Module, bias_owner: Optional[nn.Module]):
         self.gate = gate
@@ -98,13 +85,11 @@ class RouterScorer:
 
     @property
     def softmax(self) -> bool:
-        """Whether the softmax of the scores is the router's own
-        probability (else a sigmoid router: only the order means much)."""
+        """Whether the scores' softmax is the router's own probability (else sigmoid)."""
         return self.bias_owner is None
 
     def probabilities(self, x: mx.array) -> mx.array:
-        """Softmax of the scores: for softmax routers the router's own
-        probabilities; for the others a normalised ranking signal."""
+        """Softmax of the scores: a softmax router's probabilities, else a ranking."""
         return mx.softmax(self(x).astype(mx.float32), axis=-1)
 
 
@@ -126,8 +111,7 @@ def find_router(
 
 
 def _routers(parent: nn.Module, num_experts: int, input_dims: int):
-    """``(name, module)`` of the children of ``parent`` that look like the
-    router of its ``num_experts``-expert block taking ``input_dims``."""
+    """``(name, module)`` of ``parent``'s children that look like its block's router."""
     for name, child in parent.children().items():
         if isinstance(child, nn.Module) and is_router(child, num_experts, input_dims):
             if isinstance(child, nn.QuantizedLinear):
@@ -145,8 +129,7 @@ def router_paths(model: nn.Module, block_path: str, num_experts: int,
 
 
 def layers_path(block_path: str) -> Optional[str]:
-    """The path of the list of transformer layers a block sits in: its path
-    up to the first integer (``model.layers`` of ``model.layers.3.mlp.x``)."""
+    """The path of a block's layer list: up to the first integer (``model.layers``)."""
     parts = block_path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
@@ -193,23 +176,16 @@ class Routed(Exception):
 
 
 class RoutingProbe(nn.Module):
-    """Stands in for an expert block and stops the parent's call as soon as
-    the router hands it the expert ids."""
+    """Stands in for an expert block; raises ``Routed`` with the router's top-k."""
 
     def __call__(self, x, indices, *args, **kwargs):
         raise Routed(int(indices.shape[-1]))
 
 
 def probe_top_k(model: nn.Module, block_path: str, widths) -> Optional[int]:
-    """Experts per token of the block at ``block_path``, read off the
-    instantiated model: its parent (the MoE module) is called on a dummy
-    input of each width in ``widths`` until its router hands the block
-    expert ids. Shapes are known without evaluation, so no weight is read
-    but the router's. None when the parent cannot be called that way.
-
-    Families name this number differently in their configs (``moe_k``,
-    ``moe_topk``, ``num_experts_per_tok`` ...); the model knows it.
-    """
+    """Experts per token of the block at ``block_path``, read off the model: its
+    parent is called on zeros of each width until the router hands the block
+    ids (no weight but the router's is read); None when it cannot be so called."""
     parent = get_module(model, parent_path(block_path))
     name = block_path.rsplit(".", 1)[-1]
     if not isinstance(parent, nn.Module) or name not in parent:

@@ -1,18 +1,6 @@
 """Multi-token-prediction (MTP) layers: kept by the converter, attached at
-load (``load(..., mtp=True)``), drafted with (``decode.mtp.MtpDraft``).
-
-DeepSeek-V3-style checkpoints (``num_nextn_predict_layers`` in config.json)
-carry, after the last decoder layer, a module that predicts the token after
-next: ``eh_proj([enorm(embed(t[i+1])), hnorm(h[i])])`` run through one more
-decoder layer of the family, then the shared norm and head give ``t[i+2]``.
-mlx-lm drops these weights at load; ``mlx_streaming convert`` keeps them
-(``mtp.safetensors`` and one more blob per MTP layer, whose routed experts
-stream like any other layer's).
-
-The decoder layer is the family's own mlx-lm class, and the MTP tensors go
-through the family's own ``sanitize`` (renamed as if they were layer 0),
-so nothing of the model's code is copied here.
-"""
+load (``load(..., mtp=True)``), drafted with (``decode.mtp.MtpDraft``); built
+from the family's own classes (docs/design.md, "models/mtp.py")."""
 
 import re
 from typing import Dict, List, Optional, Sequence
@@ -101,9 +89,8 @@ def source_tensors(files: Sequence, first: int, count: int) -> Dict[int, Dict[st
 
 
 def sanitize(model: nn.Module, tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    """The family's own ``sanitize`` on one MTP layer's tensors: renamed as
-    layer 0's, sanitized (experts stacked, attention reshaped, fp8
-    dequantized), renamed back into ``MTPLayer``'s names."""
+    """The family's own ``sanitize`` on one MTP layer's tensors, renamed as layer
+    0's and back into ``MTPLayer``'s names."""
     own = {k: v for k, v in tensors.items() if k.startswith(OWN)}
     layer = {f"model.layers.0.{k}": v for k, v in tensors.items()
              if not k.startswith(OWN) and not k.startswith(SHARED)}

@@ -1,23 +1,7 @@
-"""The streaming expert block that replaces mlx-lm's ``SwitchGLU`` /
-``SwitchMLP``.
-
-``StreamingExperts`` keeps the model's own expert module (``inner``: its
-activation, biases and ``gather_qmm``/``gather_mm`` arguments), whose
-projections now hold ``[slots, ...]`` pool arrays instead of
-``[num_experts, ...]`` weights. The router's expert ids are turned into slot
-ids and the inner module runs unchanged, so the numerics are mlx-lm's.
-
-How ids become slots is a residency strategy chosen at load:
-
-- ``Resident``: the pool holds every expert in the slot of its own index, so
-  the ids are the slots: no remap, no host sync.
-- ``Paged``: a partial pool. One host sync per call evaluates the router's
-  ids; misses are read into the slots the policy values least; the ids are
-  remapped to slots on the device with the layer's table. With ``overlap``,
-  a call computes its resident experts while its misses are read.
-- ``NativePaged``: ``Paged`` with the host's bookkeeping of a call in C++
-  (``store.NativeStore``), when the extension and the policy allow it.
-"""
+"""The expert block that replaces mlx-lm's ``SwitchGLU`` / ``SwitchMLP``:
+the router's expert ids become slot ids of a pool, and mlx-lm's own module
+computes with them. Residencies: ``Resident``, ``Paged``, ``NativePaged``
+(docs/design.md, "runtime/block.py")."""
 import math
 import time
 from concurrent.futures import wait
@@ -30,34 +14,25 @@ from .events import Events
 from .prefetch.learn import NoPrefetch
 from .store import ExpertStore
 
-# An overlapped call costs the host more than a plain one (a hand-off to the
-# read worker, a second sync, a second expert call; docs/results.md,
-# "overlap"), so a call overlaps only when its misses are expected to take
-# longer than this to read (a decayed mean per layer of what they took).
-# On the CPU backend it is also the bar at which a layer's decode calls
-# leave the graph, where they cannot overlap (``NativePaged``).
+# Misses expected to take this long make a call overlap, and on the CPU a
+# layer's decode calls leave the graph (docs/design.md, "runtime/block.py").
 OVERLAP_MIN_READ_S = 1e-3
 
 
 OVERLAP_SMOOTHING = 0.2
 
 
-# A layer out of the graph goes back in only when its reads fall below this
-# share of the bar: a layer whose reads hover at the bar (a busy machine, a
-# page cache half warm) would otherwise change paths every few calls.
+# Back into the graph only below this share of the bar: no flapping at it.
 OVERLAP_RETURN_SHARE = 0.5
 
 
-# mlx-lm's expert call sorts a call of this many ids or more by expert
-# (switch_layers: ``indices.size >= 64``), which a GPU may compute with
-# another kernel than fewer ids: such a call is never split.
+# mlx-lm sorts a call of this many ids or more by expert: never split.
 SORTED_GATHER_IDS = 64
 
 
 def _finished(future):
-    """The worker's reads, waited for to their end even when this thread
-    is interrupted (an interrupt is re-raised after): they write slots that
-    the next call could otherwise hand out again."""
+    """The worker's reads, waited for even through an interrupt (re-raised
+    after): they write slots the next call could hand out again."""
     interrupted = None
     while True:
         try:
@@ -71,8 +46,7 @@ def _finished(future):
 
 
 class StreamingExperts(nn.Module):
-    """Drop-in for ``SwitchGLU``/``SwitchMLP``: same ``(x, indices)`` call,
-    same output, experts gathered from a slot pool."""
+    """Drop-in for ``SwitchGLU``/``SwitchMLP``, experts gathered from a slot pool."""
 
     def __init__(self, inner: nn.Module, residency, after_routing=None):
         super().__init__()
@@ -105,16 +79,8 @@ class Resident:
 
 
 class Paged:
-    """A partial pool: sync once, fill misses, remap ids to slots on device.
-
-    Safety rule for writing slots in place: every output computed from the
-    pool is kept in ``pending`` until the next host sync, which evaluates it
-    together with the router's ids. So when ``ensure`` overwrites a slot, no
-    computation that reads that slot or the table is pending or in flight:
-    an overlapped call's resident experts compute meanwhile, but from slots
-    that ``ensure`` never hands out in that call, named by a copy of their
-    slot ids.
-    """
+    """A partial pool: one host sync per call, misses read into slots, ids
+    remapped to slots on the device (docs/design.md, "runtime/block.py")."""
 
     def __init__(self, store: ExpertStore, events: Events, prefetch=None, router=None,
                  overlap=None, copies=None):
@@ -122,18 +88,14 @@ class Paged:
         self.layer = store.layer
         self.events = events
         self.prefetch = prefetch or NoPrefetch()
-        # This layer's own router scorer, applied again to the block's input
-        # when the policy or a trace wants the router's probabilities.
+        # This layer's router scorer, for a policy or trace that wants probabilities.
         self.router = router
-        # The thread that reads a call's misses while its resident experts
-        # compute (an executor of one worker, the runtime's), or None.
-        self.overlap = overlap
+        self.overlap = overlap  # one worker that reads misses while experts compute
         # Seconds, measured (_measured): whether overlap pays.
         self.read_per_miss = 0.0
         self.read_per_call = 0.0
         self.pending = []
-        # Low-bit copies a miss may read instead (low_bits.LowBitMisses), or None.
-        self.copies = copies
+        self.copies = copies  # low-bit copies a miss may read (low_bits.LowBitMisses), or None
 
     def __call__(self, inner, x, indices):
         predicted, probs, y = self._start(inner, x, indices)
@@ -151,21 +113,16 @@ class Paged:
             self._launch(y)
         else:
             y = self._chunked(inner, x, indices, ids, experts)
-        # What this layer's call did not take is dropped first, freeing its
-        # staging buffers for the reads ahead. Those queue behind this
-        # layer's demand reads (done by now) and run while its experts
-        # compute.
+        # Unused staging goes first: the reads ahead need its buffers.
         self.store.drop_staged()
         self.prefetch.issue(predicted, ids)
         return y
 
-    # The steps of a call, small methods so that ``bench overhead`` can time
-    # each one in a real decode by overriding them.
+    # Small steps, so that ``bench overhead`` can time each by overriding it.
 
     def _start(self, inner, x, indices):
-        """Start the router (and the prediction) computing, and build the
-        expert call on the table while they run: the table is written in
-        place by ``ensure``, before the call is evaluated."""
+        """Start the router and the prediction; build the expert call on the
+        table meanwhile (``ensure`` writes it in place before evaluation)."""
         predicted = self.prefetch.predict(x, call_tokens(indices))
         probs = () if self.router is None else (self.router.probabilities(x),)
         mx.async_eval(indices, *(predicted or ()), *probs)
@@ -173,14 +130,13 @@ class Paged:
         return predicted, probs, y
 
     def _sync(self, indices, predicted, probs) -> None:
-        """The one host sync of this call: the ids, the prediction for the
-        next layer, and every earlier reader of this pool."""
+        """The call's one host sync: ids, prediction, earlier pool readers."""
         mx.eval(indices, *self.pending, *(predicted or ()), *probs)
         self.pending = []
 
     def _route(self, indices, probs):
-        """The host's view of the routing: the policy, counters and trace,
-        and prefetch's learners (observers of ``events``)."""
+        """The host's view of the routing: policy, counters, trace, learners."""
+        # ids [..., top_k]; probs [tokens, experts] or None
         ids = np.array(indices)
         probs = np.array(probs[0]).reshape(-1, probs[0].shape[-1]) if probs else None
         hits, experts = self.store.route(ids, probs)
@@ -188,24 +144,21 @@ class Paged:
         return ids, experts, probs
 
     def _low_bit_misses(self, ids, experts, probs) -> np.ndarray:
-        """The missed experts this call computes from low-bit copies (none
-        without them, or when the call's experts outnumber the pool)."""
+        """The misses computed from low-bit copies (none when the call outgrows the pool)."""
         if self.copies is None:
             return experts[:0]
         missing, fits = self.copies.misses(experts[~self.store.resident(experts)],
                                         len(experts) <= self.store.pool.slots)
         if not fits or not len(missing):
             return experts[:0]
-        rows = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
+        rows = ids.reshape(-1, ids.shape[-1]).astype(np.int64)  # [tokens, top_k]
         return self.copies.choose(missing, rows, probs)
 
     def _with_low_bits(self, inner, x, indices, ids, experts, low):
-        """The call with ``low`` computed from their low-bit copies and the
-        rest (hits, and misses read in full) from the pool, pair by pair
-        (``_pairs``), put back in the router's order."""
+        """``low`` from low-bit copies, the rest from the pool, in router order."""
         full = np.setdiff1d(experts, low, assume_unique=True)
         self._stalled(self.store.ensure(full) + self.copies.load(low))
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1)  # [tokens * top_k]
         is_low = np.isin(flat, low)
         parts, positions = [], []
         for pairs, module, slots in ((np.nonzero(~is_low)[0], inner, self._slot_ids),
@@ -217,15 +170,12 @@ class Paged:
         return _in_router_order(parts, positions, indices)
 
     def _launch(self, y) -> None:
-        # Start the experts now: they compute while Python builds the next
-        # layer's graph, which the next sync would otherwise serialize.
+        # The experts compute while Python builds the next layer's graph.
         mx.async_eval(y)
         self.pending.append(y)
 
     def _overlapped(self, inner, x, indices, ids, experts, y):
-        """The call ``y`` after its reads, or split (``_split``) when some
-        of its experts are resident, some missing, and the misses are
-        expected to take long enough to read."""
+        """``y`` after its reads, or ``_split`` when overlapping pays."""
         missing = int(np.count_nonzero(~self.store.resident(experts)))
         if 0 < missing < len(experts) and missing * self.read_per_miss >= OVERLAP_MIN_READ_S:
             return self._split(inner, x, indices, ids, experts, missing)
@@ -235,15 +185,9 @@ class Paged:
         return y
 
     def _split(self, inner, x, indices, ids, experts, missing):
-        """The resident experts compute while the worker reads the misses,
-        then the rest. Each (token, expert) pair is computed as in one
-        ``inner`` call over all of them (expert matmuls are independent per
-        row and column, ``_pairs``), and the pairs are put back in the
-        router's order, so the output is the same bits. The misses take
-        slots that no resident expert of this call holds (``ensure``), so
-        the compute in flight never reads a slot being written. The device
-        stalled only from the end of that compute to the end of the reads."""
-        flat = ids.reshape(-1)
+        """Resident experts compute while the worker reads the misses, then the
+        rest: the same bits as one call (docs/design.md, "Overlap")."""
+        flat = ids.reshape(-1)  # [tokens * top_k]
         resident = self.store.resident(flat)
         first, rest = np.nonzero(resident)[0], np.nonzero(~resident)[0]
         slots_first = self._slot_ids(flat[first])
@@ -254,8 +198,7 @@ class Paged:
             mx.eval(y_first)
             computed = time.perf_counter()
         finally:
-            # None: interrupted around the submit, which may have queued the
-            # reads all the same; a no-op queued behind them waits for them.
+            # No future (interrupted at submit): a no-op queued behind waits for the reads.
             waited = _finished(reading if reading is not None else self.overlap.submit(int))
         self._stalled(time.perf_counter() - computed)
         self._measured(waited, missing)
@@ -263,27 +206,21 @@ class Paged:
         return _in_router_order([y_first, y_rest], [first, rest], indices)
 
     def _stalled(self, seconds: float) -> None:
-        """The device waited ``seconds`` for this call's reads."""
         self.events.on_stall(self.layer, seconds)
 
     def _measured(self, waited: float, missing: int) -> None:
-        """Keep decayed means of the seconds a call's misses and a missing
-        expert took to bring in (read, or taken from prefetch's staging)."""
         self.read_per_call += OVERLAP_SMOOTHING * (waited - self.read_per_call)
         if missing:
             per_miss = waited / missing
             self.read_per_miss += OVERLAP_SMOOTHING * (per_miss - self.read_per_miss)
 
     def _slot_ids(self, experts):
-        """The slots of resident ``experts``, a copy taken now: the table is
-        written while the experts compute."""
+        """Slots of resident ``experts``, copied now: the table changes in compute."""
         return mx.array(self.store.pool.slot_of_expert[experts].astype(np.int32))
 
     def _pairs(self, inner, x, indices, pairs, slots):
-        """``inner`` on the call's (token, expert) ``pairs`` (positions in
-        its flat ids) at their ``slots``, shaped (pairs, dims): one token's
-        as the columns of one call, several tokens' as one row per pair (as
-        ``_chunked`` computes them)."""
+        """``inner`` on the (token, expert) ``pairs`` (positions in the flat ids)
+        at their ``slots``, ``[pairs, dims]``: one token as columns, else rows."""
         if call_tokens(indices) == 1:
             y = inner(x, slots.reshape(*indices.shape[:-1], len(pairs)))
             return y.reshape(len(pairs), y.shape[-1])
@@ -291,12 +228,10 @@ class Paged:
         return inner(x.reshape(-1, x.shape[-1])[rows], slots[:, None])[:, 0]
 
     def _chunked(self, inner, x, indices, ids, experts):
-        """More distinct experts than slots: run the (token, expert) pairs in
-        groups of experts that fit, each group evaluated before the next one
-        overwrites slots. Every pair is computed exactly as in one call
-        because expert matmuls are independent per row (``_pairs``)."""
+        """More distinct experts than slots: groups that fit, each evaluated
+        before the next overwrites slots (exact: rows are independent)."""
         slots = self.store.pool.slots
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1)  # [tokens * top_k]
         # Resident experts first: the first group then reads nothing.
         resident = self.store.resident(experts)
         order = np.concatenate([experts[resident], experts[~resident]])
@@ -314,34 +249,20 @@ class Paged:
 
 
 def _in_router_order(parts, positions, indices):
-    """A call's ``parts``, each computed for the (token, expert) pairs at
-    ``positions`` in its flat ids, put back in the router's order and
-    shape."""
+    """``parts`` of the pairs at ``positions``, in the router's order and shape."""
     order = mx.array(np.argsort(np.concatenate(positions)))
     y = mx.concatenate(parts)[order]
     return y.reshape(*indices.shape, y.shape[-1])
 
 
 def calls_in_graph() -> bool:
-    """Whether paged calls can run inside the graph now: the remap
-    primitive has a CPU implementation only (a GPU would need the host
-    between kernels). Asked at load and again per call, since the stream a
-    call runs on (``mx.stream``) is chosen by the caller."""
+    """Whether paged calls can run in the graph (CPU only); asked per call."""
     return mx.default_device() == mx.cpu
 
 
 class NativePaged(Paged):
-    """``Paged`` on a ``NativeStore``. With ``in_graph`` (the CPU backend), a
-    call of at most ``slots`` ids (decode, short verify calls) makes no host
-    sync at all: its ids become slots through ``store.remap``, an MLX
-    primitive that routes, reads the misses and maps them on the stream's
-    thread once the router has computed the ids. That thread runs the
-    stream's work in order, so the call's expert compute, queued after it,
-    sees the filled slots, and every earlier reader of the pool finished
-    before it. Larger calls (prefill) sync as ``Paged`` does, with the
-    native route and ensure, and so do the calls of a layer whose reads are
-    slow enough to overlap (``_overlap_pays``). ``Paged`` is the reference;
-    the two agree call for call (tests/test_native_paging.py)."""
+    """``Paged`` on a ``NativeStore``: with ``in_graph`` (CPU), a call of at
+    most ``slots`` ids makes no host sync (docs/design.md, "runtime/block.py")."""
 
     def __init__(self, store, events, prefetch=None, router=None, overlap=None, copies=None,
                  in_graph: bool = False):
@@ -358,14 +279,8 @@ class NativePaged(Paged):
         return super().__call__(inner, x, indices)
 
     def _overlap_pays(self) -> bool:
-        """Whether this layer's misses take long enough to read (a decayed
-        mean per call, at least ``_overlapped``'s bar) that its calls should
-        sync: a call in the graph reads its misses on the stream's thread
-        before any of its experts compute, a synced one computes its
-        resident experts meanwhile. Measured on both paths, so a layer goes
-        back into the graph when its reads get fast (the page cache warm):
-        below ``OVERLAP_RETURN_SHARE`` of the bar, so that it does not
-        change paths on every slow read."""
+        """Whether this layer's misses are slow enough that its calls should
+        sync and overlap; back in the graph below ``OVERLAP_RETURN_SHARE``."""
         if self.overlap is None:
             return False
         calls, records, seconds = self.store.take_graph_reads()
@@ -380,13 +295,10 @@ class NativePaged(Paged):
 
     def _in_graph(self, inner, x, indices):
         if self.pending:
-            # Readers of this pool left by a call that did not finish its
-            # pass (an exception, a call outside the runtime): evaluated
-            # first, or MLX might run this remap before them.
+            # Readers left by an unfinished pass first, or this remap might run before them.
             mx.eval(self.pending)
             self.pending = []
         y = inner(x, self.store.remap(indices))
-        # Evaluated by the runtime at the end of the forward pass (and by
-        # this layer's next sync), before anything else may write the pool.
+        # Evaluated at the pass's end (or the next sync), before the pool is written.
         self.pending.append(y)
         return y

@@ -1,7 +1,5 @@
 """What the stores and blocks announce (a lookup, a read, a host sync, a
-routing decision), and the observers that hear it. Nothing here sits in
-the arithmetic of a forward pass.
-"""
+routing decision), and the observers that hear it, outside the arithmetic."""
 
 from __future__ import annotations
 
@@ -23,24 +21,19 @@ class Observer:
                  probs: Optional[np.ndarray] = None) -> None: ...
     def on_predict(self, layer: int, ids: np.ndarray, scores: Optional[np.ndarray] = None,
                    distance: int = 1, softmax: bool = True) -> None:
-        """Prefetch's prediction of ``layer``'s routing, made ``distance``
-        MoE layers before it: ``ids`` ``[tokens, width]`` best first, and
-        their ``scores`` (share of the row's probability times the number of
-        experts), as the calibration bins them; ``softmax`` False: ``layer``
-        has a sigmoid router, whose scores prefetch does not calibrate."""
+        """Prefetch's prediction of ``layer``'s routing, ``distance`` MoE layers ahead:
+        ``ids`` [tokens, width], their ``scores``; ``softmax`` False: a sigmoid router."""
     def on_prefetch(self, layer: int, issued: int = 0, useful: int = 0, wasted: int = 0) -> None: ...
     def on_low_bits(self, layer: int, pairs: int) -> None:
         """``pairs`` missed (token, expert) pairs computed from low-bit copies."""
     def on_graph_calls(self, layer: int, calls: int, tokens: int, hits: int, misses: int,
                        distinct: int, records: int, nbytes: int, read_seconds: float,
                        stall_seconds: float) -> None:
-        """Paged calls made inside the graph, with no sync (store.NativeStore),
-        summed over one forward pass."""
+        """Paged calls made inside the graph (store.NativeStore), summed per forward pass."""
 
     def on_paged_call(self, layer: int, tokens: int, ids: np.ndarray, experts: np.ndarray,
                       hits: int, probs: Optional[np.ndarray] = None) -> None:
-        """A paged call after its sync: one event for the hot path, which
-        an observer may count at once; by default the four finer ones."""
+        """A paged call after its sync: one event for the hot path (default: four finer)."""
         self.on_sync(layer)
         self.on_call(layer, tokens)
         self.on_route(layer, ids, experts, probs)

@@ -1,17 +1,10 @@
-"""How much memory one sequence's caches take at a given length: what a
-batch of sequences adds to the model's weights.
-
-Measured on the model itself, with one token through a fresh cache (any
-family: plain KV caches, MLA's latent ones, sliding windows, recurrent
-states), then scaled: a growing cache by the tokens it will hold, a window
-no further than its size, a recurrent state not at all.
-"""
+"""How much memory one sequence's caches take at a given length, measured on
+the model itself and scaled by cache kind (docs/design.md, "runtime/kv.py")."""
 
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
-# Tokens of a prompt that go through the model at once (mlx-lm's default
-# prefill step).
+# mlx-lm's default prefill step: tokens of a prompt per model call.
 PREFILL_CHUNK = 2048
 
 

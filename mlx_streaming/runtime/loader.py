@@ -1,6 +1,5 @@
 """``load()``: a stream directory becomes a normal mlx-lm model whose routed
-experts are streamed from SSD through per-layer slot pools.
-"""
+experts are streamed from SSD through per-layer slot pools."""
 
 import warnings
 import weakref
@@ -36,8 +35,7 @@ from .wrap import one_pass_at_a_time
 
 
 def approximations(runtime) -> List[str]:
-    """What makes ``runtime``'s output approximate, one short phrase each
-    (none: bit-identical to mlx-lm)."""
+    """What makes ``runtime``'s output approximate, a phrase each (none: exact)."""
     config, found = runtime.config, []
     if runtime.routers and not all(r.exact for r in runtime.routers):
         found.append(f"routing={config.routing!r} ({runtime.routers[0].describe()})")
@@ -165,8 +163,7 @@ def sharded_load(
     _check_arguments(tokenizer_config, None, None)
     sharding.check_options(config, pipeline_group, tensor_group)
     groups = (pipeline_group, tensor_group)
-    # Every rank loads alone, then all meet once: a rank that failed is
-    # known to the others, which would otherwise wait for it forever.
+    # All ranks meet once after loading: one that failed is known to the others.
     try:
         model, tokenizer, model_config = _open(path_or_hf_repo, None, config, tokenizer_config,
                                                None, trust_remote_code, False, groups)
@@ -192,8 +189,7 @@ def _check_arguments(tokenizer_config, model_config, adapter_path) -> None:
 
 def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
           trust_remote_code: bool, lazy: bool, groups=None):
-    """``(model, tokenizer, model config)``; split over ``groups``
-    (pipeline, tensor) where given."""
+    """``(model, tokenizer, model config)``, sharded over ``groups`` where given."""
     # A split model's rank fetches only its own dense records from a repo.
     path, repo = _locate(str(name), revision, config, dense=groups is None)
     if config.trace is not None and Path(config.trace).resolve().is_relative_to(path.resolve()):
@@ -209,8 +205,7 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
     check_experts_compute_here(manifest)
     check_keep(manifest.layers, config)
     model, model_config = load_spine(path, manifest, model_config, trust_remote_code)
-    # Before the runtime and the weights: a broken tokenizer is known
-    # without waiting for a large model to load.
+    # Before the weights: a broken tokenizer is known without a long load.
     tokenizer = _load_tokenizer(path, tokenizer_config, model_config)
     split = None
     if groups is not None:
@@ -255,14 +250,12 @@ def _start(model: nn.Module, runtime: Runtime) -> None:
     config = runtime.config
     runtime.stats.reset()
     if runtime.plan.headroom != int(config.reserve_gb * GB):
-        # A small machine (a quarter of what is available) or a reserve raised
-        # to the least the process needs: freed buffers go back to the OS.
+        # A headroom other than reserve_gb: cap MLX's cache of freed buffers.
         runtime.cap_buffer_cache(runtime.plan.headroom // 4)
     model.streaming = runtime
     weakref.finalize(model, runtime.close)
     if runtime.paged and config.pressure_gb > 0:
-        # Below half the headroom: a load that leaves the headroom free
-        # does not shrink at its first check.
+        # At most half the headroom: a load that leaves it free does not shrink at once.
         threshold = min(int(config.pressure_gb * GB), runtime.plan.headroom // 2)
         runtime.pressure = PressureWatch(runtime, threshold,
                                          bytes_per_slot(runtime.manifest),

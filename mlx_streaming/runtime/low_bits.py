@@ -1,8 +1,6 @@
-"""Low-bit miss reads (``StreamConfig.miss_bits``, approximate): a paged
-layer may compute a missed expert from its low-bit copy (``convert
---miss-bits``), read into a small pool of its own, instead of reading the
-full record into the main pool. Hits always compute with the full weights.
-"""
+"""Low-bit miss reads (``StreamConfig.miss_bits``, approximate): a paged layer
+may compute a missed expert from its low-bit copy, read into a small pool of
+its own; hits always compute with the full weights."""
 
 import copy
 from typing import Optional
@@ -20,9 +18,8 @@ from .rank_routing import OwnMisses
 
 
 def low_inner(inner: nn.Module, spec: LayerSpec, pool: SlotPool, bind) -> nn.Module:
-    """A copy of the expert module ``inner`` whose projections compute
-    with the low-bit pool: mlx-lm's own ``QuantizedSwitchLinear`` at the
-    copies' width, bound to ``pool`` by ``bind`` (``residency.bind_pool``)."""
+    """A copy of the expert module ``inner`` computing with the copies' pool:
+    mlx-lm's ``QuantizedSwitchLinear`` at their width, bound by ``bind``."""
     low = copy.copy(inner)
     for name in projections(inner):
         q = spec.quantization[name]
@@ -38,9 +35,7 @@ def low_inner(inner: nn.Module, spec: LayerSpec, pool: SlotPool, bind) -> nn.Mod
 
 
 class LowBitMisses:
-    """One paged layer's low-bit copies: their store (a pool of a
-    decode call's copies, LRU), the expert module that computes with them,
-    and which misses of a call take them (``choose``)."""
+    """One paged layer's low-bit copies: their store, module and ``choose``."""
 
     def __init__(self, store, inner: nn.Module, weight: Optional[float], misses=OwnMisses()):
         self.store = store
@@ -51,16 +46,11 @@ class LowBitMisses:
 
     def choose(self, missing: np.ndarray, ids: np.ndarray,
                probs: Optional[np.ndarray]) -> np.ndarray:
-        """The missed experts of a call that take their low-bit copy, the
-        least weighty first, as many as their pool holds. An
-        expert's weight in a token is its share of the router's
-        probability over the token's routed experts (``ids``, [tokens,
-        k]). With ``weight``: the misses whose share stays below it for
-        every token of the call; without: all but each token's weightiest
-        routed expert (all, where the router's probabilities are not
-        known). The others are read in full and join the pool."""
+        """The misses of a call that take their low-bit copy, least weighty first,
+        as many as the pool holds: those below ``weight`` of the routed probability
+        in every token, else all but each token's weightiest; ``ids`` [tokens, k]."""
         if probs is not None:
-            routed = np.take_along_axis(probs, ids, axis=-1)
+            routed = np.take_along_axis(probs, ids, axis=-1)  # [tokens, k]
             shares = routed / np.maximum(routed.sum(axis=-1, keepdims=True), 1e-30)
             top = np.zeros(probs.shape[-1])
             np.maximum.at(top, ids.reshape(-1), shares.reshape(-1))
@@ -75,10 +65,8 @@ class LowBitMisses:
         return np.sort(missing[: self.store.pool.slots])
 
     def load(self, experts: np.ndarray) -> float:
-        """Bring the copies of ``experts`` into their pool (every
-        earlier reader of it was evaluated by this layer's sync). The
-        pool keeps the copies it holds, least recently used out first:
-        a copy needed again soon is not read again, in the same memory."""
+        """Bring the copies of ``experts`` into their pool (LRU: a copy needed again
+        soon is not read again); this layer's sync evaluated every earlier reader."""
         self.store.policy.observe(experts, None)
         try:
             return self.store.ensure(experts)
@@ -99,13 +87,8 @@ def copy_slots(spec: LayerSpec) -> int:
 
 
 def check_low_bits(manifest, config, runtime):
-    """The low-bit copies ``config.miss_bits`` asks for, or None (none
-    asked, or every expert resident).
-
-    Raises:
-        ConfigError: the directory holds no copies of that width, or the
-            run cannot use them.
-    """
+    """The low-bit copies ``config.miss_bits`` asks for, or None (none asked, or all
+    resident); ConfigError where the directory lacks them or the run cannot use them."""
     if config.miss_bits is None:
         return None
     copies = manifest.low_copies(config.miss_bits)

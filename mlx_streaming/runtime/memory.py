@@ -1,8 +1,5 @@
-"""The memory plan: how one budget is split between the resident spine,
-one token's experts, the spine layers, the expert slots and prefetch's
-staging area, and the refusals (with the number that fits) when it
-cannot be.
-"""
+"""The memory plan: one budget split between the spine, the expert pools and
+prefetch's staging, or refused naming what fits (docs/design.md, "runtime/memory.py")."""
 
 import math
 from dataclasses import dataclass, replace
@@ -37,16 +34,13 @@ def prefetch_width(cfg: StreamConfig, spec) -> int:
 
 
 def staging_records(cfg: StreamConfig, specs) -> int:
-    """Records of prefetch's staging area for layers ``specs``: room for
-    one layer's predictions in flight beside those staged a layer earlier
-    (``prefetch_depth`` 2) or still being dropped; a layer stages its
-    successor's before the layer after next's."""
+    """Records of prefetch's staging for ``specs``: one layer's predictions in
+    flight beside those staged a layer earlier or still being dropped."""
     return 2 * max(prefetch_width(cfg, s) for s in specs)
 
 
 def staging_shape(manifest: Manifest, cfg: StreamConfig) -> Tuple[int, int]:
-    """(records, bytes per record) of prefetch's staging area, each record
-    the size of the largest."""
+    """(records, bytes per record) of prefetch's staging, each the largest's size."""
     return staging_records(cfg, manifest.layers), max(s.stride for s in manifest.layers)
 
 
@@ -60,16 +54,7 @@ def staging_bytes(manifest: Manifest, cfg: StreamConfig) -> int:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How one memory budget is split (``stats(model)["memory"]``).
-
-    Per token, a spine layer that is not pinned is read whole, while an
-    expert slot saves a read only when a token routes to its expert (at
-    most ``top_k`` of ``num_experts`` per layer): a byte of pinned spine
-    saves at least as much as a byte of pool. So after the always-resident
-    spine (embeddings, head, norms, routers) and one token's experts per
-    layer, the spine layers are pinned first (leaving a ring of layer
-    buffers for the rest), and the pools get what remains.
-    """
+    """How one memory budget is split (``stats(model)["memory"]``)."""
 
     budget: int  # bytes the split may use
     source: str  # where the budget came from
@@ -106,10 +91,8 @@ class MemoryPlan:
 
 def _split_spine(dense: Sequence[DenseSpec], room: int, buffers: int,
                  pinned_layers: Optional[int]):
-    """``(pinned layers, streamed layers, ring buffers, ring bytes, pinned
-    bytes)`` for ``room`` bytes of spine memory: everything pinned when it
-    fits, else a ring and as many pins as the rest holds (``_spread`` says
-    which). ``room`` may come out short: the caller checks."""
+    """(pinned, streamed, ring buffers, ring bytes, pinned bytes) for ``room``
+    bytes of spine: all pinned if it fits, else a ring and pins; the caller checks."""
     total = sum(d.nbytes for d in dense)
     if not dense or (pinned_layers is None and total <= room):
         return tuple(d.layer for d in dense), (), 0, 0, total
@@ -130,10 +113,8 @@ def _split_spine(dense: Sequence[DenseSpec], room: int, buffers: int,
 
 
 def _spread(dense: Sequence[DenseSpec], count: int) -> set:
-    """The ``count`` layers to pin: the largest records first (a smaller
-    largest streamed record makes a smaller ring), and among records of one
-    size, layers spread over the depth (bit-reversed order), so that pinned
-    layers' compute time falls between streamed ones."""
+    """The ``count`` layers to pin: the largest records first (a smaller ring),
+    then spread over the depth (docs/design.md, "runtime/memory.py")."""
     bits = max(1, (len(dense) - 1).bit_length())
     spread = lambda i: int(f"{i:0{bits}b}"[::-1], 2)  # noqa: E731
     order = sorted(range(len(dense)), key=lambda i: (-dense[i].nbytes, spread(i)))
@@ -143,38 +124,20 @@ def _spread(dense: Sequence[DenseSpec], count: int) -> set:
 def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
                 available=available_memory_bytes, model_config: Optional[dict] = None,
                 ) -> MemoryPlan:
-    """Split the budget between the spine and the expert pools.
-
-    ``base_bytes`` is the always-resident spine. A headroom stays free for
-    the rest of the process (its activations, caches, the libraries):
-    ``reserve_gb``, or a quarter of what is available where that is less.
-    The budget is ``cache_gb``, or what is available less the headroom; with
-    an explicit ``slots_per_layer`` the pools are that size and the spine
-    gets what is available besides. No size is accepted that would eat into
-    the headroom: a plan that loads, runs. The headroom also decides how
-    many prompt tokens go through the model at once (``prefill_step``,
-    from ``model_config``'s sizes): mlx-lm's step, or fewer where the
-    headroom would not hold its activations; it grows to hold the least
-    step. With prefetch on, its staging
-    area comes out of the budget (with an explicit ``slots_per_layer``, it
-    is added to what the pools need), unless every expert is resident and
-    no trace is asked for (a trace keeps the pools paged). Without an
-    explicit ``spine_ring``, a ring of one buffer is tried before refusing.
+    """Split the budget between the spine and the expert pools, keeping a
+    headroom free for the rest of the process and choosing the prefill step
+    it holds (docs/design.md, "The memory plan: one budget").
 
     Raises:
-        BudgetError: the budget holds less than the resident spine, one
-            token's experts, the ring and the staging area, or a size
-            needs more memory than is available besides the headroom: the
-            message names the number that fits, refused here rather than
-            killed by the OS later.
+        BudgetError: the budget or a size does not fit; the message names
+            the number that does.
     """
     avail = available()
     headroom = min(int(cfg.reserve_gb * GB), avail // 4)
     per_token = bytes_per_token(model_config, manifest)
     step = prefill_step(headroom, per_token)
     if step == MIN_PREFILL_STEP:
-        # Whatever reserve_gb says: a headroom below the least step's
-        # activations is one the process is killed in, not refused.
+        # A headroom below the least step's activations would get the process killed.
         headroom = max(headroom, min(room_for(step, per_token), avail // 2))
     rings = (cfg.spine_ring,) if cfg.spine_ring is not None else (DEFAULT_SPINE_RING, 1)
     for ring in rings:
@@ -189,8 +152,7 @@ def plan_memory(manifest: Manifest, cfg: StreamConfig, base_bytes: int,
 
 @dataclass(frozen=True)
 class _Room:
-    """What a plan is made in: memory available now, the headroom kept
-    free of it, and the spine ring's buffers."""
+    """Memory available now, the headroom kept free of it, the ring's buffers."""
 
     avail: int
     headroom: int
@@ -205,8 +167,7 @@ def _plan(manifest: Manifest, cfg: StreamConfig, base_bytes: int, room: _Room) -
     need = min_slots(manifest)
     per_slot = bytes_per_slot(manifest)
     dense = manifest.dense
-    # The least the spine can run in: base and a ring of the largest record
-    # (or every record pinned, when that is less).
+    # The least the spine runs in: base and a ring of the largest record (or all).
     least_spine = base_bytes + (min(min(room.ring, len(dense)) * max(d.nbytes for d in dense),
                                     sum(d.nbytes for d in dense)) if dense else 0)
     if dense and cfg.pinned_layers is not None:
@@ -215,8 +176,7 @@ def _plan(manifest: Manifest, cfg: StreamConfig, base_bytes: int, room: _Room) -
     everything = max_slots(manifest)
 
     def staging_of(slots: int) -> int:
-        # Prefetch stages outside the pools where there are pools to miss
-        # in (a trace keeps every pool paged).
+        # Staging only where there are pools to miss in (a trace keeps them paged).
         return (staging_bytes(manifest, cfg)
                 if slots < everything or cfg.trace is not None else 0)
 
@@ -262,8 +222,7 @@ def _plan(manifest: Manifest, cfg: StreamConfig, base_bytes: int, room: _Room) -
 
 def _plan_slots(manifest, cfg, base_bytes, room: _Room, least_spine: int, least: int,
                 staging_of) -> MemoryPlan:
-    """The plan of an explicit ``slots_per_layer``: the pools as asked, the
-    spine pinned as far as the memory left allows."""
+    """An explicit ``slots_per_layer``: the pools as asked, the spine pinned as room allows."""
     need, per_slot, dense = min_slots(manifest), bytes_per_slot(manifest), manifest.dense
     slots = cfg.slots_per_layer
     if slots < need:
@@ -272,8 +231,7 @@ def _plan_slots(manifest, cfg, base_bytes, room: _Room, least_spine: int, least:
     slots = min(slots, max_slots(manifest))
     asked = least_spine + slots * per_slot + staging_of(slots)
     if asked > room.usable:
-        # The advice keeps the spine resident when it can be: streaming it
-        # costs more reads than the slots it would make room for save.
+        # The advice keeps the spine resident where it can (docs/design.md, "runtime/memory.py").
         whole = base_bytes + sum(d.nbytes for d in dense)
         spine = whole if whole + need * per_slot + staging_of(need) <= room.usable \
             else least_spine
@@ -297,13 +255,8 @@ def _plan_slots(manifest, cfg, base_bytes, room: _Room, least_spine: int, least:
 
 
 def reserved_plan(plan: MemoryPlan, manifest: Manifest, nbytes: int, what: str) -> MemoryPlan:
-    """``plan`` keeping ``nbytes`` of its room for ``what`` (a batch's KV
-    caches): the pools give up the slots the room left does not hold.
-
-    Raises:
-        BudgetError: even pools of one token's experts leave too little;
-            the message says how much the model and ``what`` need.
-    """
+    """``plan`` keeping ``nbytes`` of its room for ``what`` (a batch's KV caches),
+    the pools giving up slots; BudgetError when even the smallest leave too little."""
     per_slot = bytes_per_slot(manifest)
     # What earlier reservations keep stays theirs.
     short = nbytes - (plan.usable - plan.total - plan.reserved)
@@ -333,16 +286,14 @@ def _no_room(least: int, room: _Room) -> str:
 
 def _cache_advice(least: int, room: _Room) -> str:
     """A ``--cache-gb`` that loads and leaves the headroom free, or none."""
-    # 1% under the room where that still fits: available memory moves between
-    # this run and the next.
+    # 1% under the room where that fits: available memory moves between runs.
     margin = int(room.usable * 0.99)
     value = _gb_in(least, margin if margin >= least else room.usable, high_end=True)
     return f"use --cache-gb {value} or less" if value is not None else _no_room(least, room)
 
 
 def _gb_in(low: int, high: int, high_end: bool = False) -> Optional[str]:
-    """The shortest GB figure (4 to 12 significant digits) whose bytes lie
-    in ``[low, high]``, near ``high`` or near ``low``; None if none."""
+    """The shortest GB figure (4 to 12 digits) within ``[low, high]``, or None."""
     if high < low or high <= 0:
         return None
     for digits in range(4, 13):
@@ -353,8 +304,7 @@ def _gb_in(low: int, high: int, high_end: bool = False) -> Optional[str]:
 
 
 def _gb(n: int, up: bool = False, digits: int = 4) -> str:
-    """``n`` bytes in GB to ``digits`` significant digits, rounded down (or
-    up), so that advice to use at most (or at least) that is right."""
+    """``n`` bytes in GB to ``digits`` digits, rounded down (or up), for advice."""
     x = n / GB
     if x <= 0:
         return "0"

@@ -1,6 +1,5 @@
 """The mlx-lm model built around a stream directory: its spine loaded and
-checked against the manifest, its MTP layers attached.
-"""
+checked against the manifest, its MTP layers attached."""
 
 import json
 from dataclasses import replace
@@ -19,9 +18,8 @@ from ..models.discover import find_expert_blocks, num_experts
 
 
 def load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_code=False):
-    """Build the mlx-lm model lazily and load everything but the experts
-    and the dense records. The config returned is the model's own (without
-    the per-module quantization handed to mlx-lm for the records)."""
+    """Build the mlx-lm model lazily and load all but the experts and dense
+    records; the config returned is the model's own (without theirs)."""
     for f in spine_files(path):
         check_safetensors(f)
     overrides, added = _dense_quantization(path, manifest, model_config or {})
@@ -51,10 +49,8 @@ def load_spine(path: Path, manifest: Manifest, model_config=None, trust_remote_c
 
 
 def _dense_quantization(path: Path, manifest: Manifest, model_config: dict):
-    """``model_config`` with a per-module quantization entry (mlx-lm's own
-    per-layer mechanism) for each quantized module of the dense records:
-    mlx-lm quantizes a module only when the safetensors hold its scales,
-    and theirs are in the records. Also returns the keys it added."""
+    """``model_config`` with mlx-lm's per-module quantization for the dense records'
+    quantized modules (whose scales are not in safetensors), and the keys added."""
     extra = {f"{d.prefix}.{name}": q for d in manifest.dense for name, q in d.quantization.items()}
     if not extra:
         return model_config, []
@@ -102,9 +98,8 @@ def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> N
 
 def attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: dict,
                 config: StreamConfig) -> Manifest:
-    """Build the MTP layers (``models.mtp``) as ``model.mtp`` with their
-    non-expert weights; returns the manifest with their expert layers, which
-    then stream like the others."""
+    """Build the MTP layers (``models.mtp``) as ``model.mtp`` with their non-expert
+    weights; returns the manifest with their expert layers, streamed like the rest."""
     if manifest.mtp is None:
         raise ConfigError(
             f"{path} has no MTP layers: the model declares none, or it was converted "
@@ -136,12 +131,7 @@ def spine_bytes(path: Path) -> int:
 
 def check_experts_compute_here(manifest: Manifest) -> None:
     """Refuse unquantized half-precision experts on MLX's CPU backend, whose
-    expert matmul (``gather_mm``) computes float32 only: one line at load
-    instead of a RuntimeError at the first token.
-
-    Raises:
-        FormatError: such experts, with the device the CPU.
-    """
+    ``gather_mm`` computes float32 only: an error at load, not at the first token."""
     if mx.default_device() != mx.cpu:
         return
     for spec in manifest.layers:

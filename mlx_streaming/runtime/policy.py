@@ -1,16 +1,6 @@
 """Eviction policies of a slot pool: which resident experts give way to the
-ones a call needs. ``mlx_streaming bench cache`` replays routing traces
-through the same classes, so the live policy and the studied one agree.
-
-A policy keeps its state by expert id, not by slot, so that what it learned
-about an expert survives the expert's eviction. Each call it is told
-``observe(experts, ids, probs)``: the distinct experts the call routed to,
-the ``[tokens, k]`` routing, and, for policies that ask for it
-(``router = True``), the router's ``[tokens, num_experts]`` probabilities.
-``victims(n, protected)`` names the slots to overwrite, reading which
-expert each slot holds from the pool's host table (``bind``). ``filled``
-reports the experts just read in.
-"""
+ones a call needs. State is kept by expert id, not slot; ``bench cache``
+replays traces through the same classes (docs/design.md, "runtime/policy.py")."""
 
 from collections import OrderedDict
 from typing import Optional
@@ -32,9 +22,7 @@ class Policy:
         self.expert_of_slot: Optional[np.ndarray] = None
 
     def _scores(self, fill: float) -> np.ndarray:
-        """A per-expert array with one more entry, -inf, that an empty
-        slot's id (-1) indexes: so empty slots are always the first victims
-        with no mask to build on the hot path."""
+        """Per-expert scores and a last entry, -inf, that empty slots (id -1) index."""
         a = np.full(self.num_experts + 1, fill, dtype=np.float64)
         a[-1] = -np.inf
         return a
@@ -55,8 +43,7 @@ class Policy:
         """Experts predicted for this layer's next call (prefetch's guess)."""
 
     def keep_score(self) -> np.ndarray:
-        """``[num_experts + 1]``: higher is kept longer; the last entry is
-        -inf (the empty slot's)."""
+        """``[num_experts + 1]``: higher is kept longer; the last is -inf (empty slot)."""
         raise NotImplementedError
 
     def _recency(self) -> np.ndarray:
@@ -66,8 +53,7 @@ class Policy:
     def victims(self, n: int, protected: np.ndarray) -> np.ndarray:
         key = self.keep_score()[self.expert_of_slot]  # a fresh array
         key[protected] = np.inf
-        # Stable: ties go to the lowest slot, as in the native step
-        # (native/paged.cpp), so both paths fill the same slots.
+        # Stable: ties go to the lowest slot, as in native/paged.cpp.
         return np.argsort(key, kind="stable")[:n]
 
 
@@ -106,9 +92,8 @@ def _decay(half_life: float) -> float:
 
 
 class DecayedLFU(Policy):
-    """LFU with aging: each expert's use count decays by half every
-    ``half_life`` calls and is kept while the expert is evicted, so an
-    expert that was popular a while ago outranks one used once just now."""
+    """LFU whose counts halve every ``half_life`` calls and survive eviction:
+    an expert popular a while ago outranks one used once just now."""
 
     def __init__(self, num_experts, half_life: float = 32):
         super().__init__(num_experts)
@@ -146,9 +131,8 @@ class LRUK(Policy):
 
 
 class RouterEMA(Policy):
-    """Decayed sum of the router's probabilities over every expert, chosen
-    or not: an expert the router nearly picked is likely to be picked soon.
-    ``chosen_only`` sums only the weights of the experts a token used."""
+    """Decayed sum of the router's probabilities over every expert, chosen or
+    not (``chosen_only``: the chosen experts' weights only)."""
 
     router = True
 
@@ -176,9 +160,7 @@ class RouterEMA(Policy):
 
 class ARC(Policy):
     """Adaptive Replacement Cache (Megiddo & Modha, 2003) over expert ids:
-    a recency list (used once) and a frequency list (used again), ghost lists
-    of the recently evicted of each, and a target size of the recency list
-    that each ghost hit moves toward the list that would have kept it."""
+    recency and frequency lists, their ghosts, and an adapting target size."""
 
     name = "arc"
 
@@ -236,14 +218,8 @@ class ARC(Policy):
 
 
 class Adaptive(DecayedLFU):
-    """Evicts as LRU or as decayed LFU, whichever is missing less, per
-    layer. Each arm runs a shadow pool of the real pool's size over expert
-    ids (what that policy alone would hold); each call adds an arm's shadow
-    misses to its decayed miss count (half-life ``window`` calls), and the
-    arm with fewer is followed. LRU must miss ``lru_margin`` times decayed
-    LFU's or less: short noisy spells do not move it off the arm that wins
-    more often (docs/results.md, "Which eviction policy?"). The native
-    step (native/paged.cpp) keeps the same state the same way."""
+    """Evicts per layer as LRU or decayed LFU, whichever misses less in its
+    shadow pool; state as in native/paged.cpp (docs/design.md, "Eviction")."""
 
     def __init__(self, num_experts, half_life: float = 32, window: float = 16,
                  lru_margin: float = 0.9):

@@ -1,15 +1,6 @@
-"""The resident slot pool of one MoE layer.
-
-A pool holds ``slots`` experts: for every tensor of an expert record one
-preallocated array ``[slots, ...]`` that the block's ``gather_qmm`` /
-``gather_mm`` reads with slot indices, and the expert-to-slot table that
-maps router output to those indices on the device.
-
-Expert bytes are read straight into the pool arrays through writable numpy
-views of their (evaluated, CPU / unified) memory: no per-token allocation and
-no copy of the pool. The price is the rule the store enforces before every
-write: no pending or in-flight computation may still read the slot.
-"""
+"""The slot pool of one MoE layer: a ``[slots, ...]`` array per tensor of an
+expert record, written in place through numpy views, and the expert-to-slot
+table (docs/design.md, "runtime/pool.py")."""
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +11,7 @@ from ..format import LayerSpec, dtype_from_name
 def distinct(ids: np.ndarray) -> np.ndarray:
     """The sorted distinct expert ids of a call, as int64."""
     if ids.size <= 64:
-        # np.unique costs ~50 us on a few ids; a set ~2 us.
+        # A set is far cheaper than np.unique on a few ids.
         return np.array(sorted(set(ids.ravel().tolist())), dtype=np.int64)
     return np.unique(ids).astype(np.int64)
 
@@ -30,16 +21,11 @@ class SlotPool:
 
     def __init__(self, spec: LayerSpec, slots: int):
         self.spec = spec
-        # The module attributes that hold this pool's arrays (bind), set
-        # again when the pool is resized.
+        # (module, attribute, array name) bound to this pool, again after a resize.
         self.bindings = []
         self._allocate(slots)
         self.expert_of_slot = np.full(slots, -1, dtype=np.int64)
-        # The expert-to-slot table lives in one device array whose memory the
-        # host writes through a numpy view, as the slots are: no new array per
-        # change, and a graph may be built on it before the call's sync. The
-        # same rule covers it: nothing that reads it is pending while it is
-        # written (the layer's sync evaluated every earlier reader).
+        # [experts] slot of each expert (-1: none), written through a numpy view.
         self.table = mx.array(np.full(spec.num_experts, -1, dtype=np.int32))
         mx.eval(self.table)
         self.slot_of_expert = np.array(self.table, copy=False)
@@ -62,7 +48,7 @@ class SlotPool:
             # A broadcast or copied buffer would silently drop our writes.
             assert v.flags.c_contiguous and v.flags.writeable
             assert v.shape == (slots, s.nbytes)
-        # Destination address of every (slot, segment), for the readers.
+        # [slots, segments]: the address of each (slot, segment), for the readers.
         self.addresses = np.stack(
             [v.ctypes.data + np.arange(slots, dtype=np.int64) * s.nbytes
              for v, s in zip(self.views, spec.segments)],
@@ -73,15 +59,13 @@ class SlotPool:
         )
 
     def bind(self, module, key: str, name: str) -> None:
-        """Make ``module.key`` this pool's array ``name``, now and after
-        every resize."""
+        """Make ``module.key`` this pool's array ``name``, now and after every resize."""
         self.bindings.append((module, key, name))
         setattr(module, key, self.arrays[name])
 
     def resize(self, slots: int, keep: np.ndarray) -> None:
-        """Reallocate to ``slots`` slots holding the experts of the slots
-        ``keep`` (at most ``slots`` of them), the rest empty. The caller
-        guarantees that no pending computation reads the pool."""
+        """Reallocate to ``slots`` slots holding the experts of slots ``keep``;
+        the caller guarantees that nothing pending reads the pool."""
         keep = np.asarray(keep, dtype=np.int64)[:slots]
         old_views, old_experts = self.views, self.expert_of_slot
         self._allocate(slots)
@@ -100,8 +84,7 @@ class SlotPool:
         return self.slots * self.spec.expert_nbytes
 
     def assign(self, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Record that ``experts`` now live in ``slots``, which ``evict``
-        emptied, in the host and device tables at once."""
+        """``experts`` now live in ``slots`` (emptied by ``evict``), in both tables."""
         self.expert_of_slot[slots] = experts
         self.slot_of_expert[experts] = slots
 

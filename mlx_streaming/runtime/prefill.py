@@ -1,14 +1,6 @@
 """How many prompt tokens go through the model at once: mlx-lm's prefill
-step, or fewer where the memory kept free besides the weights would not
-hold a step's activations.
-
-A streamed model computes one layer at a time, so a prefill step's
-working memory is about one layer's: the hidden states, one attention row
-per head and token (the CPU backend's attention builds the scores), and
-the expert calls' (token, expert) pairs in float32. The estimate comes from
-the model's config; docs/results.md (memory) compares it with a
-measurement.
-"""
+step, or fewer where the headroom would not hold a step's activations
+(docs/design.md, "runtime/prefill.py")."""
 
 from typing import Callable, Optional
 
@@ -31,16 +23,14 @@ def bytes_per_token(config: Optional[dict], manifest: Manifest) -> Callable[[int
         return lambda step: 0
     top_k = max(spec.top_k for spec in manifest.layers)
     experts = max(spec.num_experts for spec in manifest.layers)
-    # Each (token, expert) pair's gate, up and product rows, its input and
-    # output rows, twice (a gathered copy); the hidden states; router scores.
+    # Per (token, expert) pair: gate, up, product, input and output rows, twice.
     fixed = 2 * top_k * (3 * inner + 2 * hidden) + 8 * hidden + 2 * experts
     return lambda step: 4 * (fixed + heads * step)
 
 
 def prefill_step(room: int, per_token: Callable[[int], int]) -> int:
-    """The largest step, halving from mlx-lm's, whose working memory takes
-    at most half of ``room`` (the rest is the process's own growth and the
-    allocator's cache); at least ``MIN_PREFILL_STEP``."""
+    """The largest step, halving from mlx-lm's, whose working memory takes at
+    most half of ``room``; at least ``MIN_PREFILL_STEP``."""
     step = PREFILL_STEP
     while step > MIN_PREFILL_STEP and step * per_token(step) > room // 2:
         step //= 2
@@ -53,7 +43,6 @@ def room_for(step: int, per_token: Callable[[int], int]) -> int:
 
 
 def step_of(model) -> int:
-    """The prefill step of a streamed model's memory plan (mlx-lm's for
-    any other model)."""
+    """The prefill step of a streamed model's plan (mlx-lm's for any other model)."""
     plan = getattr(getattr(model, "streaming", None), "plan", None)
     return getattr(plan, "prefill_step", PREFILL_STEP)

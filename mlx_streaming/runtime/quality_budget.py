@@ -1,9 +1,6 @@
-"""A quality budget instead of knobs (``StreamConfig.routing_max_ppl``):
-cache-aware routing's ``routing_keep``, ``routing_window`` and
-``routing_bonus`` chosen by a
-short calibration, bench quality's own measurement on held-out text at the
-run's pool size, and the choice cached per model, pool and budget.
-"""
+"""A quality budget instead of knobs (``routing_max_ppl``): cache-aware routing's
+settings chosen by a short ``bench quality`` calibration, cached per model, pool
+and budget."""
 
 import json
 import subprocess
@@ -17,19 +14,16 @@ from typing import List
 from ..errors import ConfigError
 from ..format import Manifest
 
-# Tokens of held-out text each candidate reads: enough for a stable
-# perplexity on small models, seconds each.
+# Tokens of held-out text per candidate: a stable perplexity, seconds each.
 CALIBRATION_TOKENS = 256
 
 
-# Bonuses tried with keep 1 (docs/results.md: on a 4-of-32 model only a
-# bonus stayed within +1%).
+# Bonuses tried with keep 1 (docs/design.md, "runtime/quality_budget.py").
 BONUSES = (0.25, 0.5)
 
 
 def candidates(top_k: int, num_experts: int) -> List[str]:
-    """bench quality settings to try: fewer kept and wider windows read
-    less and cost more; a bonus weighs residency against the scores."""
+    """The ``bench quality`` settings to try: keep, window, and a residency bonus."""
     windows = sorted({min(num_experts, 2 * top_k), min(num_experts, 4 * top_k)})
     plain = [f"cache-aware:{keep}:{window}" for keep in range(1, top_k) for window in windows]
     return plain + [f"cache-aware:1:{windows[0]}:{b:g}" for b in BONUSES]
@@ -41,14 +35,8 @@ def choice_path(cache_dir: Path, identity: int, slots: int, max_ppl: float) -> P
 
 def resolve(path: Path, manifest: Manifest, config, slots: int, identity: int,
             cache_dir: Path):
-    """``config`` with the ``routing_keep``, ``routing_window`` and
-    ``routing_bonus`` the budget allows (the cheapest in bytes read whose perplexity change
-    stays within it); the router's own top-k (exact) where none does.
-    Says what it chose and measured.
-
-    Raises:
-        ConfigError: the calibration could not run.
-    """
+    """``config`` with the cheapest settings (bytes read) whose perplexity change
+    the budget allows, else exact; says what it chose. ConfigError if it fails."""
     spec = manifest.layers[0]
     cached = choice_path(cache_dir, identity, slots, config.routing_max_ppl)
     if cached.is_file():

@@ -1,16 +1,6 @@
-"""Approximate routing and low-bit miss reads on tensor-parallel ranks.
-Each rank holds a slice of every expert and the ranks' outputs are summed,
-so every rank must route each token to the same experts, and compute each
-from the same kind of weights. A router steers by the experts resident on
-every rank (``AgreedResidency``: an all-reduce of the layer's resident set
-per call, in the graph), the same input on each rank; ``RoutingCheck``
-compares the choices themselves (``StreamConfig.routing_check``). Low-bit
-copies are taken by the misses of any rank (``AgreedMisses``).
-
-Every collective here depends on the router's input and the layer's
-output on it, so all ranks run them in one order, whatever each rank
-evaluates early (a rank that syncs on the host, another that does not).
-"""
+"""Approximate routing and low-bit copies on tensor-parallel ranks: every
+rank must route each token to the same experts and compute each from the
+same kind of weights (docs/design.md, "runtime/rank_routing.py")."""
 
 from typing import List, Tuple
 
@@ -34,9 +24,7 @@ class PoolResidency:
 
 
 class AgreedResidency:
-    """Tensor parallel: the experts resident on every rank of ``group``.
-    Only they cost no rank a read, and every rank computes the same set
-    whatever its own pool holds (its budget, prefetch and policy may differ)."""
+    """Tensor parallel: the experts resident on every rank of ``group``."""
 
     def __init__(self, table: mx.array, group):
         self.table, self.group = table, group
@@ -57,9 +45,8 @@ class NoRoutingCheck:
 
 
 class RoutingCheck:
-    """Every MoE call's choices gathered from every rank of ``group`` and
-    compared with rank 0's (a collective per layer per pass); ``finish``,
-    at the end of each pass, stops every rank at the first difference."""
+    """Each MoE call's choices gathered from every rank and compared with rank
+    0's; ``finish``, at each pass's end, stops every rank at a difference."""
 
     def __init__(self, group):
         self.group = group
@@ -77,9 +64,8 @@ class RoutingCheck:
         return mx.depends(chosen, differs)
 
     def finish(self, report: bool = True) -> None:
-        """Raises RankError (on every rank alike) where a rank chose other
-        experts than rank 0 in a call of this pass (``report=False``: the
-        pass failed already; its checks are dropped)."""
+        """Raise RankError on every rank where one chose other experts than rank
+        0 in this pass (``report=False``: the pass failed already; drop them)."""
         pending, self.pending = self.pending, []
         if not report:
             return
@@ -102,10 +88,8 @@ class OwnMisses:
 
 
 class AgreedMisses:
-    """Tensor parallel: a call's experts missing on any rank, and whether
-    every rank's pool holds the call's experts (one host-side all-reduce
-    per call, after the call's ids were synced on every rank). Every rank
-    then chooses the same experts to compute from their low-bit copies."""
+    """Tensor parallel: a call's experts missing on any rank, and whether every
+    rank's pool holds them (one host all-reduce per call), so ranks choose alike."""
 
     def __init__(self, group, num_experts: int):
         self.group, self.num_experts = group, num_experts
@@ -124,17 +108,13 @@ def misses_of(num_experts: int, tensor_group):
 
 
 def residency_of(table: mx.array, tensor_group):
-    """What a router steers by: its pool alone, or tensor parallel, what
-    every rank holds."""
+    """What a router steers by: its pool, or (tensor parallel) every rank's."""
     return PoolResidency(table) if tensor_group is None else AgreedResidency(table, tensor_group)
 
 
 def routing_check(config, tensor_group):
-    """The check ``config.routing_check`` asks for.
-
-    Raises:
-        ConfigError: the check asked of a model not split tensor parallel.
-    """
+    """The check ``config.routing_check`` asks for; ConfigError on a model not
+    sharded tensor parallel."""
     if not config.routing_check:
         return NoRoutingCheck()
     if tensor_group is None:

@@ -1,6 +1,5 @@
 """The one place where each MoE block's residency is chosen: every expert
-resident, paged through Python, or paged with the native step.
-"""
+resident, paged through Python, or paged with the native step."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,20 +31,15 @@ from .store import NATIVE_POLICIES, ExpertStore, NativeStore, RecordSource
 
 @dataclass(frozen=True)
 class HotPath:
-    """How a loaded model's MoE calls run, chosen once at load
-    (``choose_path``) and reported by ``stats()``: ``residency`` is
-    ``"resident"``, ``"native in graph"`` (no host sync per decode call),
-    ``"native synced"`` or ``"python"`` (the reference); ``why`` says
-    what chose it."""
+    """How a model's MoE calls run, chosen once at load and reported by ``stats()``:
+    ``residency`` ("resident", "native in graph", "native synced", "python"), ``why``."""
 
     residency: str
     why: str
 
 
 def choose_path(runtime) -> HotPath:
-    """The path of every MoE call of ``runtime``'s model (per call, only
-    the call's size and the stream decide whether a native call stays in
-    the graph: ``block.NativePaged``)."""
+    """The path of every MoE call (per call, only size and stream decide in-graph)."""
     config = runtime.config
     if not runtime.paged:
         return HotPath("resident", "every expert fits in its layer's pool")
@@ -68,9 +62,7 @@ def choose_path(runtime) -> HotPath:
 
 
 def install_blocks(model: nn.Module, path: Path, manifest: Manifest, runtime) -> None:
-    """Replace every expert block of ``model`` by a ``StreamingExperts``
-    over a slot pool of ``runtime.slots`` slots, on the path
-    ``choose_path`` picks."""
+    """Replace every expert block by a ``StreamingExperts`` on ``choose_path``'s path."""
     config = runtime.config
     runtime.path = choose_path(runtime)
     blocks = dict(find_expert_blocks(model))
@@ -129,12 +121,8 @@ def _scorer(model: nn.Module, store: ExpertStore, blocks: dict, config, copies: 
 
 
 def _install_routers(model: nn.Module, blocks: dict, runtime) -> dict:
-    """Cache-aware (or cut) routing where ``routing`` asks for it: the
-    wrappers in ``runtime.routers``, and per layer what its block calls
-    first (the selection bias given back before prefetch reads it). A
-    static cut changes the routing at any pool size, a full one too; the
-    other modes only steer around missing experts. A tensor-parallel rank
-    holding every expert still routes with the others (and meets them)."""
+    """Cache-aware (or cut) routing where ``routing`` asks: the wrappers in
+    ``runtime.routers``, and per layer what its block calls first (``restore``)."""
     config = runtime.config
     split = runtime.sharding
     tensor = split.tensor if split is not None else None
@@ -149,9 +137,8 @@ def _install_routers(model: nn.Module, blocks: dict, runtime) -> dict:
 
 
 def make_copies(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBitMisses:
-    """A paged layer's low-bit copies: a pool of as many as a
-    decode call misses, their store (checked as the records are) and the
-    expert module that computes with them."""
+    """A paged layer's low-bit copies: a pool of as many as a decode call misses,
+    their store (checked as records are) and the module computing with them."""
     pool = SlotPool(spec, copy_slots(spec))
     blob = blob_path(path, spec)
     source = RecordSource(runtime.reader, runtime.reader.open(str(blob)), None, blob)
@@ -165,8 +152,7 @@ def make_copies(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBi
 
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
                runtime) -> ExpertStore:
-    """The store of one layer: the native step where the path is native,
-    else the Python reference."""
+    """One layer's store: the native step on a native path, else the Python reference."""
     native = runtime.path.residency.startswith("native")
     store_class = NativeStore if native else ExpertStore
     return store_class(spec, pool, source, policy, runtime.config.checksums, runtime.events)
@@ -174,8 +160,7 @@ def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
 
 def make_paged(store: ExpertStore, runtime, prefetcher=None, router=None,
                copies: Optional[LowBitMisses] = None) -> Paged:
-    """A paged residency over ``store``: calls inside the graph on that
-    path, else host-synced calls."""
+    """A paged residency over ``store``: in the graph on that path, else host-synced."""
     args = (store, runtime.events, prefetcher, router, runtime.overlap_reads(), copies)
     if isinstance(store, NativeStore):
         residency = NativePaged(*args, in_graph=runtime.path.residency == "native in graph")
@@ -186,12 +171,8 @@ def make_paged(store: ExpertStore, runtime, prefetcher=None, router=None,
 
 
 def bind_pool(inner: nn.Module, spec: LayerSpec, pool: SlotPool) -> None:
-    """Point the projections of ``inner`` at the pool arrays.
-
-    A projection the manifest records as quantized is first turned into a
-    quantized one with mlx-lm's own ``to_quantized`` (lazily: its random
-    init is never evaluated), so the gather arguments are mlx-lm's.
-    """
+    """Point the projections of ``inner`` at the pool arrays, quantized first
+    (lazily) with mlx-lm's ``to_quantized`` where the manifest says so."""
     for name in projections(inner):
         proj = inner[name]
         q = spec.quantization.get(name)
@@ -220,8 +201,7 @@ def bind_pool(inner: nn.Module, spec: LayerSpec, pool: SlotPool) -> None:
         for key in record:
             array, want = pool.arrays[f"{name}.{key}"], proj[key]
             floating = mx.issubdtype(array.dtype, mx.floating)
-            # Floating tensors may be stored in another float type than the
-            # model's init; integer ones (packed weights) must match exactly.
+            # Floats may be stored as another float type; integers (packed) must match.
             same_kind = (floating and mx.issubdtype(want.dtype, mx.floating)) or \
                 array.dtype == want.dtype
             if array.shape[1:] != want.shape[1:] or not same_kind:

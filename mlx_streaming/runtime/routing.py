@@ -1,24 +1,7 @@
 """Cache-aware routing (opt-in, approximate): among the router's top
-``window`` candidates, after keeping its own top ``keep``, a token takes
-resident experts before missing ones. Two baselines others ship run through
-the same mask: a static top-k cut (the router's top ``keep`` only) and
-skip-misses (its top-k less the missing ones, its top ``keep`` always).
-
-The router's module is wrapped; the family's own code still picks and
-weighs the experts. The wrapper scores the candidates as the family ranks
-them, chooses the ``top_k`` it prefers (``chosen``) and masks, with a large
-negative penalty on the gate's logits or on its selection bias, the
-candidates that rank above a chosen one but were passed over. So the
-family's top-k is the chosen set, and its softmax or sigmoid gives their
-weights. A token whose choice is the router's own gets no penalty at all:
-its logits are the exact ones, bit for bit (``keep == top_k`` is exact).
-
-Everything runs on the device in the router's graph: the resident set is
-the layer's expert-to-slot table, read before this call's misses are
-filled, so no host sync is added. In a batched decode call (several
-sequences, one token each), an expert another sequence keeps counts as
-resident: the call reads it once for all of them.
-"""
+``window`` candidates, after its own top ``keep``, a token takes resident
+experts first. The top-k-cut and skip-misses baselines use the same mask
+(docs/design.md, "runtime/routing.py")."""
 
 from typing import List, Optional, Tuple
 
@@ -37,31 +20,26 @@ from ..models.discover import (
 )
 from .rank_routing import NoRoutingCheck, residency_of
 
-# Added to the logit (or selection score) of a masked candidate: exp and
-# sigmoid of it are exactly 0 in float32, and it fits float16.
+# Added to a masked logit: exp and sigmoid of it are 0 in float32; fits float16.
 PENALTY = 1e4
 # The selection bias of DeepSeek-V3-style routers, by the names families give it.
 BIASES = ("e_score_correction_bias", "expert_bias")
 # Beyond any selection score: the top ``keep`` first, the outside of the window last.
 FAR = 1e30
 MAX_PENDING_COUNTS = 256
-# Logits within this of the weakest chosen one are masked too: a family
-# ranks equal or near logits its own way (bf16 ties, its own rounding).
+# Logits this near the weakest chosen one are masked too (ties, rounding).
 MARGIN = 1.0
-# A baseline's filler sits this far below the weakest chosen logit: a
-# weight of e^-60 of it, yet above every missing expert (exactly 0).
+# A baseline's filler, this far below the weakest chosen logit: weight e^-60.
 FILLER = 60.0
 
 
 def default_keep(top_k: int, mode: str = "cache-aware") -> int:
-    """The router's own top experts always taken: half of them (cache-aware,
-    top-k-cut), or the top one (skip-misses)."""
+    """The router's own top experts always taken: half (skip-misses: the top one)."""
     return 1 if mode == "skip-misses" else max(1, top_k // 2)
 
 
 def check_keep(specs, config) -> None:
-    """Refuse a baseline that keeps every expert the router picks (its
-    output would be exact while it says approximate)."""
+    """Refuse a baseline that keeps every routed expert: exact, yet called approximate."""
     if config.routing not in ("top-k-cut", "skip-misses"):
         return
     for spec in specs:
@@ -81,9 +59,8 @@ def default_window(top_k: int) -> int:
 
 
 def group_limited(scores: mx.array, n_group: int, topk_group: int) -> mx.array:
-    """``scores`` with the experts of the groups the router drops at -inf
-    (DeepSeek-V3's group-limited selection: a group's score is the sum of
-    its two best)."""
+    """``scores`` [..., E] with the groups the router drops at -inf (DeepSeek-V3's
+    group-limited selection: a group scores the sum of its two best)."""
     if n_group <= 1:
         return scores
     grouped = mx.unflatten(scores, axis=-1, shape=(n_group, -1))
@@ -97,17 +74,10 @@ def group_limited(scores: mx.array, n_group: int, topk_group: int) -> mx.array:
 def choose(scores: mx.array, resident: mx.array, top_k: int, keep: int, window: int,
            bonus: Optional[float] = None,
            mode: str = "cache-aware") -> Tuple[mx.array, mx.array, mx.array]:
-    """``(chosen, changed, passed)``: the experts each token takes, whether
-    that differs from the router's own top-k, and the number of (token,
-    expert) pairs of the router's own top-k passed over.
-
-    ``scores``: ``[..., E]`` in the family's selection order (-inf: an
-    expert the router cannot pick); ``resident``: ``[E]`` bool. The
-    router's top ``keep`` are always chosen. ``mode`` cache-aware: the rest
-    from its top ``window``, resident ones first (``bonus`` None), or by
-    their scores with ``bonus`` added to the resident ones'; top-k-cut:
-    nothing else; skip-misses: the resident ones of its own top-k.
-    """
+    """``(chosen, changed, passed)``: the experts each token takes ([..., E]
+    bool), whether that differs from the router's top-k ([..., 1]), and the
+    router's own (token, expert) pairs passed over. ``scores`` [..., E] in the
+    family's order (-inf: not pickable); ``resident`` [E] bool."""
     rank = ranks(scores)
     # Experts of the groups a group-limited router drops are never candidates.
     window = mx.minimum(window, (scores > -mx.inf).sum(axis=-1, keepdims=True))
@@ -128,32 +98,22 @@ def ranks(scores: mx.array) -> mx.array:
 
 
 def batch_free(resident: mx.array, scores: mx.array, keep: int) -> mx.array:
-    """``resident``, and for a batched decode call (``[sequences, 1, E]``
-    scores, several sequences) the experts any of its sequences keeps (its
-    router's top ``keep``): the call reads them once for all. Other calls
-    (one sequence; prefill; a family that flattens its tokens, whose
-    sequences cannot be told apart) get ``resident`` alone."""
+    """``resident`` [E], and in a batched decode call (scores [sequences, 1, E])
+    the experts any sequence keeps: the call reads them once for all."""
     if scores.ndim != 3 or scores.shape[0] < 2 or scores.shape[1] != 1:
         return resident
     return resident | mx.any(ranks(scores) < keep, axis=0, keepdims=True)
 
 
 def bias_boost(chosen: mx.array, changed: mx.array) -> mx.array:
-    """What to add to a selection bias so that the family's top-k (and the
-    groups it keeps) are the chosen experts: far above anything else. The
-    bias only selects; the weights stay the gate's own."""
+    """Added to a selection bias: the chosen experts far above the rest."""
     return mx.where(chosen & changed, PENALTY, 0.0)
 
 
 def logit_penalty(logits: mx.array, scores: mx.array, chosen: mx.array, changed: mx.array,
                   resident: mx.array, fill: bool, mask_all: bool) -> mx.array:
-    """What to add to a softmax (or sigmoid) router's logits so that its
-    top-k takes the chosen experts. Passed-over experts that score near or
-    above a chosen one (within ``MARGIN``, against ties and rounding) are
-    masked; all of them for a router that picks groups first. With ``fill``
-    (fewer than top-k chosen) the rest of the top-k are resident experts
-    (nothing to read) at ``FILLER`` below the weakest chosen logit, whose
-    weight is negligible, and missing ones are masked."""
+    """Added to a router's logits so that its top-k takes the chosen experts
+    (masking and ``fill``: docs/design.md, "runtime/routing.py")."""
     logits = logits.astype(mx.float32)
     big = mx.array(PENALTY)
     if fill:
@@ -183,8 +143,7 @@ def _preferred(scores, rank, resident, top_k, keep, window, bonus):
 
 
 def _groups(*modules) -> Tuple[int, int]:
-    """``(n_group, topk_group)`` of a router, from its gate or its MoE
-    module (DeepSeek's names, or Kimi's ``args``); (1, 1) when ungrouped."""
+    """``(n_group, topk_group)`` of a router (DeepSeek's or Kimi's names), or (1, 1)."""
     for m in modules:
         if getattr(m, "n_group", None) is not None:
             return int(m.n_group), int(getattr(m, "topk_group", 1))
@@ -195,9 +154,7 @@ def _groups(*modules) -> Tuple[int, int]:
 
 
 def _activation(owner, *modules) -> str:
-    """The function a router scores its logits with: a family's own setting
-    (``score_function``, ``score_func``, Kimi's ``moe_router_activation_func``),
-    else sigmoid where it has a selection bias, softmax where not."""
+    """The router's score function: the family's setting, else sigmoid with a bias."""
     for m in modules:
         for holder, name in ((m, "score_function"), (m, "score_func"),
                              (getattr(m, "args", None), "moe_router_activation_func")):
@@ -208,8 +165,7 @@ def _activation(owner, *modules) -> str:
 
 
 class CacheAwareRouter(nn.Module):
-    """Stands in for a MoE layer's router: the router's output with the
-    passed-over candidates masked (``choose``)."""
+    """Stands in for a MoE layer's router: its output, passed-over ones masked."""
 
     def __init__(self, gate: nn.Module, owner: Optional[nn.Module], residency,
                  top_k: int, keep: int, window: int, groups: Tuple[int, int],
@@ -221,8 +177,7 @@ class CacheAwareRouter(nn.Module):
         state = dict(
             # Holds the selection bias (a name of BIASES), or None.
             owner=owner, sigmoid=sigmoid, layer=layer,
-            # The resident set it steers by, and the ranks' comparison of
-            # its choices (rank_routing).
+            # The resident set it steers by; the ranks' check of its choices.
             residency=residency, check=NoRoutingCheck(),
             bias_name=next((b for b in BIASES if owner is not None and b in owner), None),
             shape=(top_k, keep, window, groups), bonus=bonus, mode=mode,
@@ -251,8 +206,7 @@ class CacheAwareRouter(nn.Module):
         top_k, keep, window, groups = self.shape
         self.restore()
         logits = self.gate(x) if self.linear else x @ self.gate["weight"].T
-        scores = self.scores(logits)
-        # What another sequence of a batched call keeps is read once for all.
+        scores = self.scores(logits)  # [..., E]
         resident = batch_free(self.residency(x), scores, keep)
         chosen, changed, passed = choose(scores, resident, top_k, keep, window,
                                          bonus=self.bonus, mode=self.mode)
@@ -263,8 +217,7 @@ class CacheAwareRouter(nn.Module):
             penalty = logit_penalty(logits, scores, chosen, changed, resident,
                                     fill=self.mode != "cache-aware", mask_all=groups[0] > 1)
             return logits + penalty.astype(logits.dtype)
-        # The selection bias steers the choice; the weights stay the
-        # gate's own. Put back by ``restore`` before anything else reads it.
+        # The bias steers the choice, the weights stay the gate's; ``restore`` undoes it.
         object.__setattr__(self, "bias", self.owner[self.bias_name])
         self.owner[self.bias_name] = self.bias + bias_boost(chosen, changed)
         if self.linear:
@@ -275,8 +228,7 @@ class CacheAwareRouter(nn.Module):
 
     @property
     def exact(self) -> bool:
-        """Whether every token keeps the router's own top-k (cache-aware with
-        ``keep`` or ``window`` at top-k)."""
+        """Whether every token keeps the router's own top-k."""
         top_k, keep, window, _ = self.shape
         return self.mode == "cache-aware" and (keep >= top_k or window <= top_k)
 
@@ -291,8 +243,7 @@ class CacheAwareRouter(nn.Module):
         return f"the router's top {keep} of {top_k} kept, then its top {window} by {taken}"
 
     def restore(self) -> None:
-        """Give the owner its own selection bias back (its MoE module has
-        used the masked one, for a router whose bias it holds)."""
+        """Give the owner its own selection bias back."""
         if self.bias is not None:
             self.owner[self.bias_name] = self.bias
             object.__setattr__(self, "bias", None)
@@ -300,8 +251,7 @@ class CacheAwareRouter(nn.Module):
     def _count(self, passed: mx.array) -> None:
         self.counts.append(passed)
         if len(self.counts) > MAX_PENDING_COUNTS:
-            # Calls outside a runtime pass (nothing takes the counts): one
-            # lazy sum holds what they hold.
+            # Calls outside a runtime pass (nobody takes the counts): one lazy sum.
             object.__setattr__(self, "counts", [mx.sum(mx.stack(self.counts))])
 
     def take_counts(self) -> List[mx.array]:
@@ -334,10 +284,8 @@ def _find_gate(model, spec, inner):
 
 def install_routers(model: nn.Module, stores, blocks: dict, config, tensor_group=None,
                     check=NoRoutingCheck()) -> list:
-    """Wrap the router of every paged layer for ``config.routing``; returns
-    the wrappers. Tensor parallel (``tensor_group``), they steer by what
-    every rank holds, and ``check`` compares their choices across ranks.
-    Raises ConfigError for a router it cannot steer."""
+    """Wrap the router of every paged layer for ``config.routing``; returns the
+    wrappers (tensor parallel: steered by what every rank holds)."""
     routers = []
     for store in stores:
         spec = store.spec
@@ -387,10 +335,8 @@ def install_routers(model: nn.Module, stores, blocks: dict, config, tensor_group
 
 
 def _takes_token_biases(parent, spec, router) -> bool:
-    """Whether the MoE module runs a call of two tokens with the router's
-    per-token selection bias (a family may reshape the bias to ``[E]``).
-    Probed on zeros, the experts stood in for; True when it cannot be
-    called that way at all (nothing to judge by)."""
+    """Whether the MoE module takes the router's per-token selection bias (a
+    family may reshape it to [E]); probed on zeros, True when it cannot tell."""
     name = spec.module.rsplit(".", 1)[-1]
     block = parent[name]
     setattr(parent, name, RoutingProbe())

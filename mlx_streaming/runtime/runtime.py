@@ -1,6 +1,5 @@
 """What a streaming model carries besides its modules (``model.streaming``),
-and the watch that resizes its pools under memory pressure.
-"""
+and the watch that resizes its pools under memory pressure."""
 
 import logging
 import math
@@ -31,11 +30,8 @@ OPEN: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 
 
 class Runtime:
-    """What a streaming model carries besides its modules: the config, the
-    reader, the stores, prefetch's shared parts and the observers.
-    ``model.streaming`` holds it. It owns the lock that makes forward
-    passes run one at a time, the end of each pass (``finish_pending``),
-    resizing the pools, and releasing everything (``close``)."""
+    """``model.streaming``: config, reader, stores, prefetch, observers. It owns
+    the lock of one forward pass at a time, each pass's end, resizing, ``close``."""
 
     def __init__(self, config: StreamConfig, manifest: Manifest, plan: MemoryPlan, reader,
                  reasons: Tuple[str, str]):
@@ -55,8 +51,7 @@ class Runtime:
         self.residencies: List[Paged] = []
         # routing.CacheAwareRouter of each layer: paged ones when not exact, all for top-k-cut.
         self.routers = []
-        # Compares the routers' choices across tensor-parallel ranks
-        # (rank_routing.RoutingCheck), or None.
+        # Compares the routers' choices across tensor-parallel ranks, or None.
         self.routing_check = None
         self.path = None  # residency.HotPath, chosen when the blocks are installed
         self.ring = None  # the SpineRing of streamed spine layers, if any
@@ -75,9 +70,7 @@ class Runtime:
         OPEN.add(self)
 
     def overlap_reads(self) -> Optional[ThreadPoolExecutor]:
-        """The paged blocks' worker for reads overlapped with compute (one
-        thread for every layer: calls run one at a time), or None when
-        ``overlap`` is off."""
+        """The one worker that reads misses while experts compute (None: ``overlap`` off)."""
         if self.config.overlap and self._overlap is None:
             self._overlap = ThreadPoolExecutor(1, thread_name_prefix="mlx_streaming-reads")
         return self._overlap
@@ -87,9 +80,7 @@ class Runtime:
         return sum(s.pool.nbytes for s in self.stores)
 
     def close(self) -> None:
-        """Release the model's files, reader threads and staging; waits for
-        prefetch reads in flight. Idempotent; also runs when the model is
-        garbage collected."""
+        """Release files, reader threads and staging (waits for reads ahead); idempotent."""
         with self.lock:  # never under a forward pass of another thread
             if self.closed:
                 return
@@ -113,43 +104,31 @@ class Runtime:
                 mx.set_cache_limit(self._cache_limit)
 
     def cap_buffer_cache(self, nbytes: int) -> None:
-        """Keep at most ``nbytes`` of freed buffers in MLX's cache (a setting
-        of the whole process, put back at ``close``): on a machine whose
-        headroom is small, the cache would otherwise keep a prefill's
-        buffers beside the weights."""
+        """Keep at most ``nbytes`` of freed buffers in MLX's cache (process-wide, put
+        back at ``close``): with a small headroom, a prefill's would stay there."""
         previous = mx.set_cache_limit(nbytes)
         if self._cache_limit is None:
             self._cache_limit = previous
 
     @contextmanager
     def call(self):
-        """One forward pass over the pools, from any thread: under the lock,
-        after the pressure watch, and with every pool reader evaluated at
-        the end (the model's ``__call__``, and MTP and hidden-state calls
-        that bypass it, run in this)."""
+        """One forward pass over the pools, from any thread: under the lock, after
+        the pressure watch, with every pool reader evaluated at the end."""
         with self.lock:
             if self.pressure is not None:
                 self.pressure.between_calls()
             try:
                 yield
             except BaseException:
-                # A pass that raised may leave pool readers (and remaps) in
-                # its graph: finish them now, so nothing later runs them out
-                # of order; their own failures are not the one to report.
+                # Finish the failed pass's pool readers now, their failures unreported.
                 self.finish_pending(report=False)
                 raise
             self.finish_pending()
 
     def reserve(self, nbytes: int, what: str) -> None:
-        """Keep ``nbytes`` of the memory plan's room for ``what`` the process
-        will hold besides the weights (a batch's KV caches): the pools
-        give up the slots it needs, for good (the pressure watch grows them
-        back no further).
-
-        Raises:
-            BudgetError: the room does not hold it, even with the smallest
-                pools (or with every expert resident, which does not shrink).
-        """
+        """Keep ``nbytes`` of the plan's room for ``what`` (a batch's KV caches):
+        the pools give up the slots it needs, for good; BudgetError where even
+        the smallest pools (or every expert resident) leave too little."""
         plan = reserved_plan(self.plan, self.manifest, nbytes, what)
         if plan.slots < self.slots:
             if not self.paged:
@@ -177,10 +156,8 @@ class Runtime:
         mx.clear_cache()  # hand the freed buffers back to the OS
 
     def finish_pending(self, report: bool = True) -> None:
-        """Evaluate every computation that still reads a pool, so that the
-        next call, from any thread, may overwrite slots; then report the
-        calls made inside the graph and raise the first failure of any
-        (``report=False``: drop them)."""
+        """Evaluate every computation that still reads a pool, then report the graph's
+        calls and raise the first failure (``report=False``: drop them)."""
         pending = [y for p in self.residencies for y in p.pending]
         for p in self.residencies:
             p.pending = []
@@ -199,8 +176,7 @@ class Runtime:
         failure = None
         for store in self.stores:
             if isinstance(store, NativeStore):
-                # Every store, even after a failure: none may keep an error
-                # or counters for a later pass.
+                # Every store, even after a failure: none may keep an error for a later pass.
                 try:
                     store.flush()
                 except Exception as e:
@@ -211,20 +187,12 @@ class Runtime:
             self.routing_check.finish(report)
 
 
-CHECK_EVERY = 8  # model calls; reading /proc/meminfo costs ~50 us
+CHECK_EVERY = 8  # model calls between reads of the available memory
 
 
 class PressureWatch:
-    """Memory pressure: shrinks ``runtime``'s pools when other programs need
-    the memory, grows them back when it returns, instead of being killed.
-
-    Every ``every`` passes (nothing then reads a pool) it reads the memory
-    the OS says is available (MemAvailable, or what the memory cgroup has
-    left). Below the threshold it drops as many slots per layer as free the
-    shortfall, down to one call's minimum, keeping the experts the policy
-    values most; once memory is back it grows them, half the room at a
-    time, up to the size chosen at load. Output never changes: a smaller
-    pool only misses more."""
+    """Shrinks ``runtime``'s pools when other programs need the memory, and grows
+    them back when it returns (docs/design.md, "Memory pressure")."""
 
     def __init__(self, runtime, threshold_bytes: int, per_slot: int, min_slots: int,
                  available=available_memory_bytes, every: int = CHECK_EVERY):
@@ -255,8 +223,7 @@ class PressureWatch:
             self.runtime.resize(target)
             self.shrinks += 1
         elif slots < self.max_slots:
-            # Half the room above the threshold, so that a second program
-            # growing too does not push us straight back under.
+            # Half the room: a second program growing too does not push us back under.
             room = (available - self.threshold) // 2
             target = min(self.max_slots, slots + int(room // self.per_slot))
             if target > slots:

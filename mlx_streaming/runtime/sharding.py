@@ -1,8 +1,5 @@
-"""A model split over ``mx.distributed`` groups as mlx-lm's ``sharded_load``
-splits it: the family's ``pipeline()`` gives each rank its layers, its
-``shard()`` each rank a slice of every layer. Each rank then streams only its
-share: its layers' records, its slices of each expert (docs/distributed.md).
-"""
+"""A model sharded over ``mx.distributed`` groups as mlx-lm's ``sharded_load``
+does it; each rank streams only its share (docs/distributed.md)."""
 
 import json
 import zlib
@@ -23,8 +20,7 @@ from .stats import stats
 
 @dataclass(frozen=True)
 class Sharding:
-    """The group a rank's model is split over (one of the two), and what
-    every rank must agree on: the checksum of the conversion it loaded."""
+    """The group a rank's model is sharded over, and its conversion's checksum."""
 
     pipeline: Optional[mx.distributed.Group] = None
     tensor: Optional[mx.distributed.Group] = None
@@ -37,11 +33,7 @@ class Sharding:
 
 
 def check_options(config, pipeline_group, tensor_group) -> None:
-    """What a split model cannot run, refused before anything loads.
-
-    Raises:
-        ConfigError: MTP, or both groups at once.
-    """
+    """Refuse what a sharded model cannot run (MTP, both groups) before loading."""
     if config.mtp:
         raise ConfigError("MTP drafting does not run on a split model; draft with --draft "
                           "ngram or a draft model")
@@ -51,14 +43,9 @@ def check_options(config, pipeline_group, tensor_group) -> None:
 
 def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
            manifest: Manifest, path) -> Sharding:
-    """The group to split ``model`` over, as mlx-lm chooses it: the one
-    given, else tensor parallel where the family has ``shard()``, else a
-    pipeline; checked against the conversion.
-
-    Raises:
-        ConfigError: the family lacks what a given group needs.
-        FormatError: a tensor-parallel conversion for another number of ranks.
-    """
+    """The group to shard ``model`` over as mlx-lm chooses it (the one given, else
+    tensor parallel where the family can, else a pipeline), checked against the
+    conversion."""
     has_pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
     has_shard = hasattr(model, "shard")
     if pipeline_group is not None and not has_pipeline:
@@ -91,26 +78,16 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
 
 
 def same_on_ranks(config) -> dict:
-    """The options every rank must load with alike: those that change what
-    the model computes (the ``StreamConfig`` fields marked ``same_on_ranks``).
-    The others change only what a rank keeps and reads (its own budget):
-    tensor-parallel ranks route by what every rank holds (rank_routing), so
-    no rank's own residency changes their math."""
+    """The options every rank must load alike: those that change what the model
+    computes (``StreamConfig`` fields marked ``same_on_ranks``)."""
     return {f.name: getattr(config, f.name) for f in fields(config)
             if f.metadata.get("same_on_ranks")}
 
 
 def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -> None:
-    """Every rank's load, met once: each rank's outcome, conversion, options
-    that change the math and prompt step gathered; the ranks then all stop,
-    or all prefill in steps of the smallest (a pass is a collective: each
-    rank must make the same).
-
-    Raises:
-        the rank's own ``failure``; RankError for another rank's; FormatError
-        where ranks loaded different conversions; ConfigError where they
-        loaded with different ``same_on_ranks`` options.
-    """
+    """Every rank's load, met once: outcome, conversion, options and prefill step
+    gathered; all ranks stop, or all prefill in the smallest step. Raises the
+    rank's own failure, or RankError, FormatError, ConfigError for another's."""
     runtime = model.streaming if model is not None else None
     identity = runtime.sharding.identity if runtime is not None else 0
     step = runtime.plan.prefill_step if runtime is not None else 0
@@ -151,11 +128,7 @@ def agree(model: Optional[nn.Module], group, failure: Optional[BaseException]) -
 
 
 def _check_same_options(options: dict, group) -> None:
-    """Each rank's ``options`` against rank 0's, the first difference named.
-
-    Raises:
-        ConfigError: a rank loaded with another value of an option.
-    """
+    """ConfigError naming the first option a rank loaded otherwise than rank 0."""
     try:
         everyone = gather(options, group)
     except RuntimeError as e:
@@ -172,13 +145,8 @@ def _check_same_options(options: dict, group) -> None:
 
 
 def _check_copies_on_every_rank(copies: List[int]) -> None:
-    """Tensor-parallel ranks choose together which misses take low-bit
-    copies (a collective per call): all of them read copies, or none.
-
-    Raises:
-        ConfigError: a rank holds every expert (no misses, no copies) while
-            another pages.
-    """
+    """ConfigError where some tensor-parallel ranks read low-bit copies and others
+    hold every expert: ranks choose the copies together, a collective per call."""
     if len(set(copies)) > 1:
         whole = [r for r, c in enumerate(copies) if not c]
         raise ConfigError(
@@ -193,15 +161,12 @@ def _checksum(options: dict) -> int:
 
 
 def identity(manifest: Manifest) -> int:
-    """A checksum of what a conversion holds (its records' and spine's
-    checksums among it), not of where it was converted from."""
+    """A checksum of what a conversion holds, not of where it came from."""
     text = json.dumps(manifest_to_dict(replace(manifest, source={})), sort_keys=True)
     return zlib.crc32(text.encode()) & 0xFFFFFFFF
 
 
-# Collectives run on mlx-lm's generation stream, after the forward passes
-# that stream still has in flight: on another stream, the ranks could meet
-# in different collectives.
+# Collectives run on mlx-lm's generation stream (docs/design.md, "runtime/sharding.py").
 
 
 def all_gather_ints(values: List[int], group) -> List[List[int]]:
@@ -217,9 +182,7 @@ def apply_pipeline(model: nn.Module, sharding: Sharding) -> None:
 
 
 def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manifest:
-    """The manifest of what this rank streams: its slices of the experts
-    and of their low-bit copies (tensor parallel), of its stage's layers
-    only (pipeline)."""
+    """The manifest of what this rank streams (its slices, its stage's layers)."""
     layers, dense, low = manifest.layers, manifest.dense, manifest.low_bits
     if sharding.tensor is not None and manifest.ranks:
         rank = sharding.tensor.rank()
@@ -240,10 +203,8 @@ def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manif
 
 def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Sharding,
                       checksums: str):
-    """Tensor parallel: every spine layer read once and sliced by the
-    family's ``shard()``; each rank keeps its slice of every layer resident
-    (each runs at every token). Returns ``(the manifest without the dense
-    records, now loaded, bytes of the rank's resident spine)``."""
+    """Tensor parallel: every spine layer read once and sliced by ``shard()``;
+    returns ``(manifest without the dense records, bytes of the rank's spine)``."""
     reader = PythonReader(1)
     try:
         for spec in manifest.dense:
@@ -253,8 +214,7 @@ def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Shar
     model.shard(sharding.tensor)
     experts = tuple(f"{spec.module}." for spec in manifest.layers)
     kept = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith(experts)]
-    # x * 1 is x to the bit, in arrays of their own: views of a whole
-    # record would keep it all resident.
+    # x * 1 is x to the bit, in arrays of their own: no view keeps a record resident.
     own = [(k, v * mx.array(1, dtype=v.dtype)) for k, v in kept]
     mx.eval([v for _, v in own])
     model.update(tree_unflatten(own))
@@ -272,8 +232,7 @@ def gather(record: dict, group) -> List[dict]:
 
 
 def sharded_stats(model: nn.Module) -> List[dict]:
-    """Every rank's ``mlx_streaming.stats(model)``, by rank (a collective:
-    every rank calls it). A model on one machine: its own, alone."""
+    """Every rank's ``stats(model)`` by rank (a collective); one machine: its own."""
     mine = stats(model)
     split = model.streaming.sharding
     if split is None:

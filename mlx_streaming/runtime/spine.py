@@ -1,17 +1,6 @@
-"""The dense spine of a version-2 stream directory, layer by layer.
-
-Each transformer layer's dense weights (attention projections, shared
-experts, a dense MLP) are one record in ``spine/layer{L:03d}.blob``. A layer
-the budget pins is read once at load into arrays of its own. The others
-are *streamed*: their weights are typed views into one of a few layer
-buffers (the ring), and a layer's bytes are read into a buffer before it
-runs, the next layer's while the current one computes (next-layer preload).
-
-The rule that keeps this exact is the slot pool's: no pending computation
-reads a buffer while it is overwritten. A buffer is only overwritten after
-the outputs of the layer that last used it are evaluated; those outputs
-depend on every operation that read the layer's weights.
-"""
+"""The dense spine of a version-2 stream directory, layer by layer: pinned
+layers read once at load, the others streamed through a ring of layer
+buffers under the slot pool's rule (docs/spine.md)."""
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,9 +21,8 @@ from .wrap import hook_calls
 
 
 def typed_views(raw: mx.array, spec: DenseSpec) -> Dict[str, mx.array]:
-    """The layer's tensors as evaluated arrays sharing ``raw``'s memory (a
-    1-D uint8 buffer of at least ``spec.nbytes``): writing the record's
-    bytes into ``raw`` changes what they hold, with no copy."""
+    """The layer's tensors as evaluated arrays sharing ``raw``'s memory (uint8,
+    at least ``spec.nbytes``): a read into ``raw`` changes them with no copy."""
     views = {
         s.name: raw[s.offset:s.offset + s.nbytes].view(dtype_from_name(s.dtype)).reshape(s.shape)
         for s in spec.segments
@@ -44,12 +32,7 @@ def typed_views(raw: mx.array, spec: DenseSpec) -> Dict[str, mx.array]:
 
 
 def bindings(model: nn.Module, spec: DenseSpec) -> List[Tuple[nn.Module, str, str]]:
-    """``(module, attribute, segment name)`` of each tensor of the record,
-    each checked against what the model expects there.
-
-    Raises:
-        FormatError: a tensor's shape or kind differs from the model's.
-    """
+    """``(module, attribute, segment name)`` of each tensor, checked against the model."""
     out = []
     for s in spec.segments:
         full = f"{spec.prefix}.{s.name}"
@@ -75,8 +58,7 @@ def bind(pairs, views: Dict[str, mx.array]) -> None:
 
 
 def read_into(reader, file: int, spec: DenseSpec, address: int, checksum: bool) -> int:
-    """Read the record of ``spec`` from ``file`` to the buffer at
-    ``address`` (segments at their record offsets); its CRC-32 when asked."""
+    """Read ``spec``'s record to the buffer at ``address``; its CRC-32 if asked."""
     segments = np.array([(s.offset, s.nbytes) for s in spec.segments], dtype=np.int64)
     dst = (address + segments[:, 0]).reshape(1, -1).astype(np.int64)
     crcs = reader.read(file, np.zeros(1, dtype=np.int64), segments, dst,
@@ -96,8 +78,7 @@ def _check_crc(spec: DenseSpec, crc: int) -> None:
 
 
 def load_pinned(model: nn.Module, path, spec: DenseSpec, reader, checksums: str) -> int:
-    """Read a pinned layer's record once into arrays of its own and bind
-    them; returns the bytes it holds."""
+    """Read a pinned layer's record into arrays of its own, bound; returns its bytes."""
     pairs = bindings(model, spec)
     raw = mx.zeros((spec.nbytes,), dtype=mx.uint8)
     mx.eval(raw)
@@ -116,8 +97,7 @@ class RingStats:
     reads: int = 0
     bytes: int = 0
     preloaded: int = 0  # layers whose read was started before they were needed
-    # Time the forward pass waited for a layer's bytes. The layers before
-    # it may still be computing meanwhile: this is not idle compute time.
+    # Seconds the pass waited for a layer's bytes (earlier layers may still compute).
     wait_s: float = 0.0
 
     def report(self) -> dict:
@@ -126,15 +106,9 @@ class RingStats:
 
 
 class SpineRing:
-    """Layer buffers that the streamed layers take turns in.
-
-    ``before(layer)`` (the layer is about to run) makes a buffer hold the
-    layer's bytes and binds the layer's weights to it; ``after(layer, out)``
-    starts the layer's computation without waiting for it, then starts
-    reading the next layers into the buffers whose last users are
-    evaluated. Layers run in the order of ``specs``, over and over; a call
-    that breaks the order (an error mid-pass) only costs a read.
-    """
+    """Layer buffers the streamed layers take turns in: ``before(layer)`` binds
+    the layer to a buffer holding its bytes; ``after(layer, out)`` starts its
+    compute and reads the next layers into buffers whose readers are evaluated."""
 
     def __init__(self, model: nn.Module, path, specs: Sequence[DenseSpec], buffers: int,
                  reader, checksums: str):
@@ -154,8 +128,7 @@ class SpineRing:
         self.pairs = {s.layer: bindings(model, s) for s in specs}
         self.views = [{s.layer: typed_views(r, s) for s in specs} for r in self.raw]
         self.files = {s.layer: reader.open(str(dense_path(path, s))) for s in specs}
-        # A record changed on disk after its first check is checked again,
-        # as the expert blobs are.
+        # A record changed on disk after its first check is checked again.
         self.watches = ({s.layer: BlobWatch(dense_path(path, s)) for s in specs}
                         if checksums == "first-read" else {})
         self.held: List[Optional[int]] = [None] * buffers
@@ -208,9 +181,8 @@ class SpineRing:
             self.checked.add(layer)
 
     def after(self, layer: int, out, caches=()) -> None:
-        """``out`` and ``caches`` (what the layer wrote into its caches,
-        which may not all feed ``out``: DeepSeek-V3.2's indexer keys) are
-        what reads the layer's buffer."""
+        """``out`` and ``caches`` (what the layer wrote there, which may not all
+        feed ``out``: DeepSeek-V3.2's indexer keys) read the layer's buffer."""
         b = self.current
         arrays = _arrays(out) + [a for c in caches for a in _cache_arrays(c)]
         self.pending[b].extend(arrays)
@@ -230,9 +202,8 @@ class SpineRing:
             self._start(victim, target)
 
     def failed(self) -> None:
-        """The running layer raised: whatever it left unevaluated may still
-        read its buffer, and nothing says what. The buffer is retired (its
-        memory lives on as long as anything reads it) for a fresh one."""
+        """The running layer raised: what it left unevaluated may still read its
+        buffer, so the buffer is retired for a fresh one."""
         b = self.current
         if b is None:
             return
@@ -257,8 +228,7 @@ class SpineRing:
         return free[0]
 
     def _start(self, b: int, layer: int) -> None:
-        """Read ``layer`` into buffer ``b`` in the background, once nothing
-        reads ``b`` any more."""
+        """Read ``layer`` into buffer ``b`` in the background, once nothing reads ``b``."""
         self._release(b)
         spec = self.specs[layer]
         check = self.checksums == "always" or (self.checksums == "first-read"
@@ -307,8 +277,7 @@ class SpineRing:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-# A layer that keeps its buffer pass after pass (as many buffers as
-# streamed layers) evaluates what reads it beyond this many arrays.
+# A buffer kept pass after pass evaluates its readers beyond this many arrays.
 MAX_PENDING = 256
 
 
@@ -331,8 +300,7 @@ def _caches(args, kwargs) -> list:
 
 
 def stream_layer(module: nn.Module, ring: SpineRing, layer: int) -> None:
-    """Make ``module`` (a decoder layer) take its weights from ``ring``
-    around each call."""
+    """Make ``module`` (a decoder layer) take its weights from ``ring`` per call."""
 
     def from_ring(call, *args, **kwargs):
         ring.before(layer)

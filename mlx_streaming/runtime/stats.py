@@ -1,6 +1,5 @@
-"""The counters of a streaming model, and ``stats(model)``, which reads
-them from outside the forward pass.
-"""
+"""The counters of a streaming model, and ``stats(model)``, which reads them
+from outside the forward pass."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class LayerCounters:
         d["read_gb_per_s"] = (
             self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else None
         )
-        # Recall: the share of routed experts that the previous layer's
-        # prediction named.
+        # Recall: the share of routed experts the previous layer's prediction named.
         d["prefetch_recall"] = (
             self.predicted_routed / self.routed if self.routed else None
         )
@@ -136,7 +134,7 @@ class Stats(Observer):
     def on_predict(self, layer, ids, scores=None, distance=1, softmax=True):
         if distance != 1:  # the recall counted is the next layer's prediction's
             return
-        # Sets, not np.isin: on a few ids np.isin costs ~150 us a call.
+        # Sets, not np.isin, which is slow on a few ids.
         self._predicted[layer] = set(ids.ravel().tolist())
 
     def on_route(self, layer, ids, experts, probs=None):
@@ -189,9 +187,7 @@ def stats(model, wait: Optional[float] = None) -> dict:
     stand, maybe partway through a pass (``mid_pass`` True).
     """
     runtime = runtime_of(model)
-    # Between forward passes, as reset_stats: a pass counts as it goes,
-    # and a report read inside one (a thread switch between two counters)
-    # could show a layer's reads ahead used but not yet issued.
+    # Between passes: mid-pass, reads ahead could show used but not yet issued.
     if not runtime.lock.acquire(timeout=-1 if wait is None else wait):
         return dict(_report(runtime), mid_pass=True)
     try:
@@ -254,8 +250,7 @@ def _routing_of(runtime) -> dict:
 
 
 def _miss_bits_of(runtime, total: dict) -> Optional[dict]:
-    """Low-bit miss reads: their width and threshold, and the missed
-    (token, expert) pairs computed from low-bit copies (of all misses)."""
+    """Low-bit copies: width, threshold, and the missed pairs computed from them."""
     config = runtime.config
     if not any(r.copies is not None for r in runtime.residencies):
         return None
@@ -273,13 +268,9 @@ def _prefetch_decision(runtime) -> str:
 
 
 def _bandwidth_of(runtime):
-    """Prefetch's bandwidth: whole records per layer, the share of one
-    more that a layer's compute covers (``partial``), its inputs, and
-    per layer the least score ``prefetch_precision`` lets it read ahead of
-    the predictions made one layer early (``lowest_score``) and two
-    (``lowest_score_two_ahead``) (None: nothing yet, or a layer no decode
-    call predicts; absent, or all absent: the layer reads every
-    prediction)."""
+    """Prefetch's bandwidth: whole records per layer, ``partial`` (the share of one
+    more the compute covers), its inputs, and per layer the least score read ahead
+    one and two layers early (None: nothing yet; absent: every prediction read)."""
     b = runtime.prefetch.bandwidth
     if b is None:
         return None
@@ -293,9 +284,7 @@ def _bandwidth_of(runtime):
 
 def reset_stats(model) -> None:
     runtime = runtime_of(model)
-    # Between forward passes: a pass stages reads ahead for its next layer
-    # and counts them used there, so a reset inside one would leave reads
-    # counted used that no issued count holds.
+    # Between passes: a pass counts the reads ahead it staged as used there.
     with runtime.lock:
         _reset(runtime)
 
@@ -303,8 +292,7 @@ def reset_stats(model) -> None:
 def _reset(runtime) -> None:
     for store in runtime.stores:
         store.drain_counters()  # calls made inside the graph and not yet reported
-        # Reads ahead issued before the reset would be counted used or
-        # wasted after it, against no issued count.
+        # Reads ahead issued before the reset would count after it, against no issue.
         store.drop_staged()
     runtime.stats.reset()
     runtime.speculative.reset()

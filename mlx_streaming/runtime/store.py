@@ -1,9 +1,6 @@
-"""The expert store of one MoE layer: brings experts into its slot pool.
-
-``ensure(experts)`` makes a set of experts resident: hits are touched, misses
-take the least valuable slots (never one of ``experts``) and are filled from
-the staging area when prefetch already read them, else from the blob.
-"""
+"""The expert store of one MoE layer: ``ensure(experts)`` brings experts into
+its slot pool, from prefetch's staging or from the blob
+(docs/design.md, "runtime/store.py")."""
 
 import os
 import time
@@ -46,10 +43,8 @@ class BlobWatch:
 
 @dataclass(frozen=True)
 class RecordSource:
-    """Where a layer's records come from: the reader and the blob's handle
-    in it, prefetch's staging area (None without prefetch), and the blob's
-    path to watch for changes (None where the reader checks what it
-    fetches)."""
+    """Where a layer's records come from: the reader and blob handle, prefetch's
+    staging (or None), the blob's path to watch (None: the reader checks)."""
 
     reader: object
     file: int
@@ -58,10 +53,8 @@ class RecordSource:
 
 
 class ExpertStore:
-    """Brings experts of one layer into its pool, checking their CRC-32 as
-    ``checksums`` says: ``"first-read"`` checks an expert's first read and,
-    once the blob changes on disk, every read again until each expert is
-    re-checked; ``"always"`` checks every read; ``"off"`` never checks."""
+    """Brings one layer's experts into its pool, checking their CRC-32 as
+    ``checksums`` says (docs/design.md, "Reads")."""
 
     def __init__(self, spec: LayerSpec, pool: SlotPool, source: RecordSource,
                  policy: Optional[Policy] = None, checksums: str = "first-read",
@@ -80,14 +73,12 @@ class ExpertStore:
         self.checksums = checksums
         # Experts whose checksum still has to be checked on their next read.
         self.unverified = np.full(spec.num_experts, checksums != "off", dtype=bool)
-        # The stat after each read: a blob rewritten in place (or replaced)
-        # mid-run must give an error, never bytes that were checked before.
+        # A blob rewritten mid-run must give an error, never bytes checked before.
         self.watch = (BlobWatch(source.blob)
                       if source.blob is not None and checksums == "first-read" else None)
 
     def resize(self, slots: int) -> None:
-        """Give the pool ``slots`` slots, keeping the experts the policy
-        values most (between calls: nothing may read the pool)."""
+        """Resize the pool to ``slots``, keeping what the policy values most."""
         slots = min(slots, self.spec.num_experts)
         held = np.nonzero(self.pool.expert_of_slot >= 0)[0]
         if self.pool.slots > slots:
@@ -101,24 +92,16 @@ class ExpertStore:
         return self.pool.slot_of_expert[experts] >= 0
 
     def route(self, ids: np.ndarray, probs: Optional[np.ndarray] = None):
-        """``(hits, distinct experts)`` of a call's ``ids`` (hits counted
-        per (token, expert) pair), which the policy observes."""
+        """``(hits per (token, expert) pair, distinct experts)`` of ``ids`` [..., top_k]."""
         experts = distinct(ids)
         hits = int(np.count_nonzero(self.pool.slot_of_expert[ids] >= 0))
         self.policy.observe(experts, ids.reshape(-1, ids.shape[-1]), probs)
         return hits, experts
 
     def ensure(self, experts: np.ndarray, last: bool = True) -> float:
-        """Make the distinct ``experts`` resident (the policy has observed
-        the call they come from); returns the seconds spent bringing them
-        in (0 when all were resident). The caller reports how much of that
-        the device waited (``Events.on_stall``): with ``Paged``'s overlap it
-        computes the resident experts meanwhile.
-
-        The caller guarantees that no pending computation reads the slots
-        that misses take: never those of ``experts`` (the layer's host sync
-        evaluated every earlier reader).
-        """
+        """Make the distinct ``experts`` resident; returns the seconds it took.
+        The caller guarantees that no pending computation reads the slots the
+        misses take (never those of ``experts``)."""
         slots = self.pool.slot_of_expert[experts]
         hit = slots >= 0
         missing = experts[~hit]
@@ -128,17 +111,14 @@ class ExpertStore:
         return self.load(missing, victims, last)
 
     def load(self, experts: np.ndarray, slots: np.ndarray, last: bool = True) -> float:
-        """Read ``experts`` into ``slots`` and map them in the table; returns
-        the seconds it took."""
+        """Read ``experts`` into ``slots`` and map them; returns the seconds."""
         start = time.perf_counter()
-        # Until the bytes are in and checked, the slots hold nothing valid:
-        # if anything below raises, the table maps nothing to them.
+        # Unmapped until read and checked: if anything raises, nothing maps here.
         self.pool.evict(slots)
         want_crc = self._want_crc(experts)
         crcs = self._fill(experts, slots, want_crc, last)
         if self.watch is not None and self.watch.changed():
-            # These bytes may come from the new file: check them, and
-            # every later first read from it.
+            # The blob changed: check these bytes, and later first reads, again.
             self.unverified[:] = True
             want_crc = self._want_crc(experts)
             crcs = self._fill(experts, slots, want_crc)
@@ -165,9 +145,7 @@ class ExpertStore:
         useful = self._take_staged(experts, slots, want_crc, crcs, from_disk)
         self.events.on_prefetch(self.layer, useful=useful)
         if last:
-            # The rest of this layer's prefetch is wasted: cancel what has not
-            # started before the demand reads queue behind it. (A chunked call
-            # keeps it for its later groups.)
+            # The rest of this layer's staging is wasted (a chunked call keeps it).
             self.drop_staged()
         if from_disk.any():
             crcs[from_disk] = self._read(
@@ -181,7 +159,7 @@ class ExpertStore:
             self.file,
             self._offsets(experts),
             self.pool.segments,
-            self.pool.addresses[slots],
+            self.pool.addresses[slots],  # [experts, segments] destination addresses
             want_crc,
             self.spec.stride,
         )
@@ -190,8 +168,7 @@ class ExpertStore:
         return crcs
 
     def stage(self, experts: np.ndarray) -> int:
-        """Start reading ``experts`` ahead into the staging area (prefetch);
-        returns how many reads were issued."""
+        """Start reading ``experts`` into staging (prefetch); returns reads issued."""
         return self.staging.stage(self.layer, self.file, experts, self._offsets(experts))
 
     def _offsets(self, experts: np.ndarray) -> np.ndarray:
@@ -229,19 +206,12 @@ class ExpertStore:
                 self.events.on_prefetch(self.layer, wasted=dropped)
 
 
-# The policies the native step implements.
 NATIVE_POLICIES = (LRU, DecayedLFU, Adaptive)
 
 
 class NativeStore(ExpertStore):
-    """``ExpertStore`` with a call's bookkeeping in C++ (native/paged.cpp):
-    ``route`` (distinct experts, hits, the policy's update) and ``ensure``
-    (victims, reads, checks, the blob watch, tables) are one native step
-    each instead of some twenty numpy calls, which cost more than the
-    compute of a small layer. ``remap`` runs both inside the graph (see
-    ``block.NativePaged``). It updates the same arrays as the reference
-    (the pool's tables, the policy's scores), so either may run any call;
-    tests/test_native_paging.py checks that both make the same choices."""
+    """``ExpertStore`` with ``route`` and ``ensure`` as one C++ step each
+    (native/paged.cpp), on the same arrays (docs/design.md, "runtime/store.py")."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -256,9 +226,7 @@ class NativeStore(ExpertStore):
             getattr(self.policy, "lru_margin", 1.0),
             getattr(self.ext.Checksums, self.checksums.replace("-", "_")), blob)
         self.index.clock = self.policy.clock
-        # (calls, records read, seconds) of the calls made inside the graph
-        # since ``take_graph_reads``: whether a layer's calls should sync to
-        # overlap their reads instead (``block.NativePaged``).
+        # (calls, records read, seconds) of graph calls since ``take_graph_reads``.
         self._graph_reads = (0, 0, 0.0)
         self._bind()
 
@@ -305,10 +273,8 @@ class NativeStore(ExpertStore):
         return ExpertReadError(message)
 
     def remap(self, indices):
-        """The slots of ``indices`` (at most ``pool.slots`` of them) as an
-        array of the graph, computed when the ids are: no host sync. What
-        the calls did is reported, and their failures raised, by ``flush``
-        after the forward pass."""
+        """The slots of ``indices`` (at most ``pool.slots``) as a graph array: no
+        host sync; ``flush`` reports the calls and raises failures after the pass."""
         return self.ext.paged_remap(indices, self.pool.table, self.index)
 
     def take_graph_reads(self):
@@ -321,8 +287,7 @@ class NativeStore(ExpertStore):
         self.index.take_counters()
 
     def flush(self) -> None:
-        """After a forward pass (every remap evaluated): report the calls
-        made in the graph and raise the first failure."""
+        """After a pass: report the graph's calls and raise the first failure."""
         c = self.index.take_counters()
         self.policy.clock = self.index.clock
         done = self._graph_reads

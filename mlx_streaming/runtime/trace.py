@@ -1,6 +1,5 @@
 """The routing trace: one JSON line per MoE call (``trace`` option), which
-``bench cache`` and ``bench simulate`` replay.
-"""
+``bench cache`` and ``bench simulate`` replay."""
 
 from __future__ import annotations
 
@@ -11,13 +10,8 @@ from .events import Observer
 
 
 class TraceWriter(Observer):
-    """Writes one JSON line per MoE call: the layer, the expert ids each
-    token was routed to, prefetch's predictions of them when it made them
-    (``predicted`` and ``predicted_scores`` from the layer before,
-    ``predicted2`` and ``predicted2_scores`` from the layer before that, and
-    ``sigmoid_router`` where the layer's router is one, whose scores prefetch
-    does not calibrate), and the router's probabilities when the policy asks for them
-    (``mlx_streaming bench cache`` and ``bench simulate`` replay them)."""
+    """One JSON line per MoE call: the layer, each token's expert ids, prefetch's
+    predictions and scores, and the router's probabilities when the policy asks."""
 
     def __init__(self, path: str):
         self.path = path
@@ -59,11 +53,9 @@ def read_trace(path: str):
 
 
 def read_trace_records(path: str):
-    """Yield each call of a trace file as a dict: ``layer``, ``ids``
-    ``[tokens, k]``, and where recorded ``predicted``, ``predicted2``, their
-    ``_scores``, ``sigmoid_router`` and ``probs``. A decode step of the
-    real-trace format (``{"tok": n, "layers": [[ids] per layer]}``, as in
-    shared/realtraces) is one call per layer."""
+    """Each call of a trace file as a dict: ``layer``, ``ids`` [tokens, k] and what
+    else it recorded; a step of the real-trace format (``{"tok": n, "layers":
+    [[ids] per layer]}``) is one call per layer."""
     import numpy as np
 
     with open(path) as f:

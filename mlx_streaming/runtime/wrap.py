@@ -1,6 +1,5 @@
-"""Calls of a module routed through a hook of ours: the one place where a
-module's class is swapped, for the model's forward passes (one at a time,
-``Runtime.call``) and for the streamed spine layers (``spine.SpineRing``)."""
+"""Calls of a module routed through a hook: the one place a module's class is
+swapped (forward passes one at a time, streamed spine layers)."""
 
 import functools
 from typing import Callable, Dict
@@ -13,11 +12,8 @@ _HOOK = "_mlxs_hook"
 
 
 def hook_calls(module: nn.Module, hook: Callable) -> None:
-    """Make ``module(*args, **kwargs)`` run ``hook(call, *args, **kwargs)``,
-    ``call`` being the module's own ``__call__`` bound to it. The module's
-    class is swapped for a subclass, so its attributes and the model's
-    ``isinstance`` checks still hold; routing a module again replaces its
-    hook."""
+    """Make ``module(...)`` run ``hook(call, ...)``, ``call`` its own bound
+    ``__call__``; the class swap keeps its attributes and ``isinstance``."""
     base = type(module)
     if base not in _ROUTED.values():
         cls = _ROUTED.get(base)
@@ -35,15 +31,8 @@ def hook_calls(module: nn.Module, hook: Callable) -> None:
 
 
 def one_pass_at_a_time(model: nn.Module, runtime) -> None:
-    """Make calls of ``model`` from several threads run one at a time.
-
-    A paged pool is rewritten in place between calls, so two forward passes
-    must not interleave. Each call holds the runtime's lock until the
-    layers' pool readers are evaluated (not the output: mlx-lm discards
-    prefill logits and overlaps the next step with this one's head): then
-    no computation still reads a pool when the next call, maybe another
-    thread's, starts overwriting slots.
-    """
+    """Make calls of ``model`` from several threads run one at a time, each holding
+    the lock until its pool readers are evaluated (docs/design.md, "runtime/wrap.py")."""
 
     def in_one_pass(call, *args, **kwargs):
         with runtime.call():

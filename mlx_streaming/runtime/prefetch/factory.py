@@ -22,11 +22,8 @@ from .trial import PrefetchTrial
 
 @dataclass
 class Prefetch:
-    """The parts of one model's prefetch that its layers share. ``on`` is
-    False where prefetch is off or every expert is resident: then only the
-    trial (always on) and the counter by position exist, and nothing reads ahead.
-    ``calibration`` is ``by_position`` itself where every prediction is read
-    (``prefetch_precision`` 0)."""
+    """The parts of a model's prefetch its layers share; ``on`` False (off, or all
+    resident): only the trial and the count by position, nothing read ahead."""
 
     on: bool
     trial: object  # PrefetchTrial, or AlwaysOn
@@ -44,8 +41,7 @@ class Prefetch:
 
 
 def make_prefetch(config: StreamConfig, manifest: Manifest, reader, paged: bool) -> Prefetch:
-    """The shared parts of prefetch as ``config`` asks, and the control
-    channel that feeds what they learn (which learner hears what)."""
+    """The shared parts of prefetch ``config`` asks for, and the control that feeds them."""
     first = manifest.layers[0].layer
     on_call, on_route, on_stall = [], [], []
     trial = AlwaysOn()
@@ -81,9 +77,8 @@ def make_prefetch(config: StreamConfig, manifest: Manifest, reader, paged: bool)
 
 def make_prefetchers(model, config: StreamConfig, parts: Prefetch, stores: List,
                      blocks: Dict, events: Events) -> Dict[int, NextLayerPrefetch]:
-    """One prefetcher per layer whose successor's router takes its input
-    (and, with affinity, the last layer's, for the first layer of the next
-    token), keyed by layer."""
+    """One prefetcher per layer whose successor's router takes its input (with
+    affinity, the last layer's too, for the next token's first), keyed by layer."""
     stores = [s for s in stores if not is_mtp(s.spec)]  # MTP runs only to draft
     shared = Shared(parts.trial, parts.bandwidth, parts.affinity, events,
                     config.prefetch_max_tokens)
@@ -116,8 +111,7 @@ def _target(model, parts: Prefetch, store, dims: int) -> Optional[Target]:
 
 
 def _calibration(parts: Prefetch, layer: int, scorer):
-    """The calibration of ``layer``, predicted by ``scorer``
-    (``scores_calibrated``)."""
+    """The calibration of ``layer`` as predicted by ``scorer`` (``scores_calibrated``)."""
     if scores_calibrated(scorer):
         return parts.calibration
     parts.calibration.forget(layer)
@@ -130,8 +124,7 @@ def is_mtp(spec: LayerSpec) -> bool:
 
 
 def prefetch_pairs(layers: list) -> list:
-    """(layer, its successor) for prefetch: each MoE layer and the next, then
-    the last and the first, which runs next, one token later (two layers or
-    more: one layer's prediction of itself would be dropped by its own call)."""
+    """(layer, successor) pairs: each MoE layer and the next, then the last and
+    the first (two layers or more: a layer's prediction of itself is useless)."""
     pairs = list(zip(layers, layers[1:]))
     return pairs + [(layers[-1], layers[0])] if len(layers) > 1 else pairs

@@ -1,9 +1,6 @@
-"""What prefetch learns from the running model: ``PrefetchControl``, an
-observer of the paged calls' events beside ``stats`` (which only reports),
-and the learners it feeds: how many records a layer may read ahead
-(``PrefetchBandwidth``), which experts follow which (``Affinity``) and
-which predictions are worth a read (``PrefetchCalibration``).
-"""
+"""What prefetch learns from the running model: ``PrefetchControl`` feeds the
+learners of how many records to read ahead (``PrefetchBandwidth``), which
+experts follow which (``Affinity``) and which predictions pay (calibrations)."""
 
 import time
 from typing import Callable, Optional, Sequence
@@ -18,9 +15,7 @@ StallHook = Callable[[int, float], None]  # (layer, seconds the device waited)
 
 
 class PrefetchControl(Observer):
-    """Feeds prefetch's learners (the trial, the bandwidth, affinity, the
-    calibration) from the paged calls' events. The factory says which
-    learner hears what."""
+    """Feeds prefetch's learners from the paged calls' events (the factory wires them)."""
 
     def __init__(self, on_call: Sequence[CallHook] = (), on_route: Sequence[RouteHook] = (),
                  on_stall: Sequence[StallHook] = ()):
@@ -28,15 +23,12 @@ class PrefetchControl(Observer):
 
     def on_paged_call(self, layer: int, tokens: int, ids: np.ndarray, experts: np.ndarray,
                       hits: int, probs=None) -> None:
-        """A paged call of ``tokens`` tokens routed to ``ids``
-        (``experts`` distinct), before it reads."""
         for hook in self._call:
             hook(layer, tokens)
         for hook in self._route:
             hook(layer, ids, experts)
 
     def on_stall(self, layer: int, seconds: float) -> None:
-        """Seconds a layer's call made the device wait for its reads."""
         for hook in self._stall:
             hook(layer, seconds)
 
@@ -60,22 +52,9 @@ class AlwaysOn:
 
 
 class PrefetchBandwidth:
-    """Bandwidth-aware prefetch: stage per layer at most the records the
-    disk, at its measured rate, reads within one layer's compute time, so
-    that prefetch never queues reads that the next layer's demand reads
-    would wait behind.
-
-    Both are measured per decode token: the rate as the bytes the reader
-    read over the seconds in which a read was in flight (``meter``: demand
-    reads and reads ahead alike; a throttled or busy disk shows up here,
-    where one fast read would not show it); a layer's compute as the token's
-    time less the part of its reads' waits that the device stalled (an
-    overlapped call computes during the rest), over the layers. (Not the
-    host's wait for a token's demand reads: that wait also holds the reads
-    ahead they queued behind, whose bytes it does not count.) Decayed means
-    of each set ``records``. It starts at zero: prefetch is earned by
-    measurement.
-    """
+    """Stage per layer at most the records the disk reads within one layer's
+    compute, both measured per decode token; starts at zero (docs/prefetch.md,
+    "The bandwidth"; docs/design.md, "runtime/prefetch/learn.py")."""
 
     def __init__(self, first_layer: int, layers: int, record_bytes: int, max_tokens: int,
                  meter, clock=time.perf_counter, smoothing: float = 0.2, fixed=None):
@@ -88,8 +67,7 @@ class PrefetchBandwidth:
         self.smoothing = smoothing
         # Records the user fixed (load's prefetch_records) are never measured.
         self.records = 0 if fixed is None else fixed
-        # The share of one more record the disk reads within a layer's
-        # compute (``within_bandwidth``).
+        # The share of one more record the disk reads within a layer's compute.
         self.partial = 0.0
         self.rate = None  # bytes per second
         self._mean_bytes = self._mean_busy = None
@@ -114,14 +92,10 @@ class PrefetchBandwidth:
             self.layer_compute = self._mean(self.layer_compute, compute)
             nbytes, busy = read[0] - self._read_at_last[0], read[1] - self._read_at_last[1]
             if busy > 0 and not nbytes:
-                # A read in flight through the whole token: its bytes count
-                # when it ends, so its seconds wait for them.
+                # A read in flight through the whole token: its seconds wait for its bytes.
                 read = self._read_at_last
             elif nbytes and busy > 0:
-                # A ratio of means, not a mean of ratios: a throttled disk
-                # serves a token's few reads at once from its burst credit
-                # and makes the next token wait, and the fast tokens would
-                # otherwise outweigh the slow ones.
+                # A ratio of means, not a mean of ratios: bursts would outweigh slow tokens.
                 self._mean_bytes = self._mean(self._mean_bytes, nbytes)
                 self._mean_busy = self._mean(self._mean_busy, busy)
                 self.rate = self._mean_bytes / self._mean_busy
@@ -135,19 +109,11 @@ class PrefetchBandwidth:
 
 
 class Affinity:
-    """How often each expert of a layer followed each expert of the layer
-    before it, counted on this model's routing so far (every paged call).
-
-    The next layer's router applied one layer early misses what this
-    layer's experts add to the hidden state; which experts this layer chose
-    carries part of that, most for the early layers (docs/prefetch.md).
-    Counts start at ``prior`` so that an expert never seen is not ruled
-    out.
-    """
+    """How often each expert of a layer followed each of the layer before, on
+    this model's routing so far; counts start at ``prior`` (docs/prefetch.md)."""
 
     def __init__(self, pairs, prior: float = 1.0):
-        # pairs: (layer, its experts, next layer, the next layer's experts);
-        # the last pair may wrap around, from the last layer to the first.
+        # pairs: (layer, experts, next layer, its experts); the last may wrap to the first.
         self.counts = {a: np.full((ea, eb), prior, np.float32) for a, ea, _, eb in pairs}
         self.before = {b: a for a, _, b, _ in pairs}
         self.wraps = {b for a, _, b, _ in pairs if b <= a}
@@ -159,8 +125,7 @@ class Affinity:
         before = self.before.get(layer)
         if before is not None:
             last = self._last.pop(before, None)
-            # Row i of both calls is the same token, except across the wrap:
-            # there only one-token calls follow each other (decode).
+            # Row i is the same token in both calls, except across the wrap (decode only).
             if last is not None and len(last) == len(rows) and (
                     layer not in self.wraps or len(rows) == 1):
                 self._count(before, last, rows)
@@ -180,21 +145,14 @@ class Affinity:
         return self.pairs_seen[layer]
 
     def weights(self, layer: int, rows: np.ndarray) -> np.ndarray:
-        """``[len(rows), next experts]``: per token, the mean over its
-        experts at ``layer`` of the share of their successors that each
-        next-layer expert was."""
+        """``[rows, next experts]``: per token, its experts' mean share of successors."""
         counts = self.counts[layer][rows]  # [rows, k, E']
         return (counts / counts.sum(axis=-1, keepdims=True)).mean(axis=1)
 
 
 class UseCounts:
-    """How often a layer's predictions were used, counted per bucket (a
-    score's bin, a position): every candidate of a selection, read or not,
-    counts in its bucket, and the layer's next call says whether it was
-    used. Calls of several tokens (verifying drafts) are counted apart, and
-    judged only by a call of as many tokens (not by the prefill that
-    follows a request's last token). A layer's counts halve whenever they
-    pass ``window`` predictions, so that the text can move them.
+    """How often a layer's predictions were used, per bucket (a score's bin, a
+    position), calls of several tokens counted apart; counts halve past ``window``.
     Subclasses say which bucket a candidate falls in and which are read."""
 
     def __init__(self, buckets: int, window: int = 4096):
@@ -214,8 +172,7 @@ class UseCounts:
 
     def select(self, layer, order, scores, rows):
         """The candidates of ``order`` (best first) worth reading ahead into
-        ``layer``, predicted from a call of ``rows`` tokens; counted when
-        ``layer`` routes."""
+        ``layer``, predicted from a call of ``rows`` tokens; counted at its routing."""
         buckets = self._bucket(order, scores)
         self._pending[layer] = (order, buckets, rows)
         return self._read(layer, order, buckets, rows)
@@ -228,7 +185,7 @@ class UseCounts:
         if ids.reshape(-1, ids.shape[-1]).shape[0] != rows:
             return
         key = (layer, rows > 1)
-        routed = set(experts.tolist())  # sets: np.isin costs ~150 us on a few ids
+        routed = set(experts.tolist())  # sets: np.isin is slow on a few ids
         used = np.fromiter((e in routed for e in order.tolist()), bool, len(order))
         predicted = self.predicted.setdefault(key, np.zeros(self.buckets))
         np.add.at(predicted, buckets, 1.0)
@@ -239,12 +196,8 @@ class UseCounts:
         self._counted(key)
 
     def used_share(self, layer, expert, rows) -> Optional[float]:
-        """The chance that ``expert``, a candidate of ``layer``'s last
-        selection (from a call of ``rows`` tokens), is used: the share used
-        of the predictions in its bucket, with one used and one unused more
-        (a bucket of few counts, common early and in a short text, is
-        neither trusted nor refused outright); None where the layer counts
-        nothing."""
+        """The chance that ``expert`` of ``layer``'s last selection is used: its
+        bucket's share used, with one used and one unused more; None: no counts."""
         key = (layer, rows > 1)
         pending = self._pending.get(layer)
         if key not in self.predicted or pending is None:
@@ -258,10 +211,8 @@ class UseCounts:
 
 
 class ReadEveryPrediction(UseCounts):
-    """``prefetch_precision=0``, and the layers a sigmoid router predicts:
-    every prediction is worth a read (within the bandwidth). For the record
-    that the bandwidth covers only in part (``within_bandwidth``) it counts
-    how often each position of a layer's candidates was used: its chance."""
+    """``prefetch_precision=0`` and sigmoid-router layers: every prediction is read
+    (within the bandwidth); counts by position give the partial record's chance."""
 
     POSITIONS = 64  # positions counted; those past it count as the last
 
@@ -285,41 +236,18 @@ class ReadEveryPrediction(UseCounts):
 
 
 class PrefetchCalibration(UseCounts):
-    """``prefetch_precision > 0``: reads ahead only predictions likely
-    enough to be used, so that at least ``target`` of what a layer reads
-    ahead is used.
+    """``prefetch_precision > 0``: reads ahead only the score bins whose
+    predictions were used at least ``target`` of the time, two-ahead ones
+    counted apart; softmax routers only (docs/prefetch.md, "Precision")."""
 
-    A prediction's score is its share of the row's (affinity-weighed)
-    probability, times the number of experts: 1 is an expert the
-    prediction cannot tell from any other. Per layer, every prediction of
-    an expert not resident, read or not, counts in a bin of its score
-    (``UseCounts``; calls of several tokens predict and use the union of
-    their tokens' experts, each scored by its best row). A layer reads the
-    bins from the highest down to the lowest whose predictions together
-    were used at least ``target`` of the time. Predictions made two layers
-    early (``select_two_ahead``) are counted apart, in a calibration of
-    their own (``two_ahead``): at the same score they are used less often.
-
-    Softmax routers only: a sigmoid router's probabilities lie within a
-    factor of ~3 of each other, too few bins to tell (the loader gives
-    those layers ``ReadEveryPrediction``).
-
-    Scores tell more than positions (docs/prefetch.md, "precision").
-
-    Nothing is read ahead until a layer's predictions have been counted,
-    and the lowest bin read always has counts.
-    """
-
-    # Half-octave bins of scores from 1/4 to 512 (a score is at most the
-    # number of experts).
+    # Half-octave bins of scores from 1/4 to 512 (a score is at most the experts).
     EDGES = 2.0 ** (np.arange(-4, 19) / 2)
 
     def __init__(self, layers, target: float, window: int = 4096,
                  two_ahead: bool = True):
         super().__init__(len(self.EDGES) + 1, window)
         self.target = target
-        # Predictions made two layers early, counted where the bandwidth
-        # leaves them room.
+        # Predictions made two layers early, counted apart.
         self.two_ahead = (PrefetchCalibration(layers, target, window, two_ahead=False)
                           if two_ahead else None)
         keys = [(layer, multi) for layer in layers for multi in (False, True)]
@@ -342,8 +270,7 @@ class PrefetchCalibration(UseCounts):
         return order[bins >= self.lowest[(layer, rows > 1)]]
 
     def select_two_ahead(self, layer, order, scores, rows):
-        """``select`` for the predictions of a layer made two layers early
-        (``prefetch_depth=2``), counted and judged apart."""
+        """``select`` for predictions made two layers early, counted apart."""
         if self.two_ahead is None:  # this is the two-ahead calibration itself
             return self.select(layer, order, scores, rows)
         return self.two_ahead.select(layer, order, scores, rows)
@@ -364,8 +291,7 @@ class PrefetchCalibration(UseCounts):
         return int(ok[0]) if len(ok) else len(predicted)
 
     def lowest_scores(self) -> dict:
-        """Per layer, the least score its decode calls read ahead (None:
-        nothing is)."""
+        """Per layer, the least score its decode calls read ahead (None: none)."""
         edges = np.concatenate([[0.0], self.EDGES])
         return {layer: float(edges[b]) if b < len(edges) else None
                 for (layer, multi), b in sorted(self.lowest.items()) if not multi}

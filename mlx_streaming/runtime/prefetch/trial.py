@@ -1,5 +1,4 @@
-"""``prefetch="auto"``: a trial decides whether prefetch pays.
-"""
+"""``prefetch="auto"``: a trial decides whether prefetch pays."""
 
 import time
 from dataclasses import dataclass
@@ -9,17 +8,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class TrialPlan:
-    """How ``prefetch="auto"`` times prefetch against no prefetch: after
-    ``warmup`` decode tokens (a cold pool stalls on every first read), a
-    trial of ``tokens`` tokens turns prefetch off and on every ``block``
-    tokens, the first ``settle`` of each block not timed (a disk that lends
-    and banks, as the cgroup blkio throttle does, bills a block's reads
-    ahead to the block after it). Prefetch stays on only if the median
-    timed token with it was at least ``margin`` faster, and the tokens
-    without it spent at least ``min_stall_share`` of their time stalled on
-    reads. A difference of ``early`` or more decides halfway; a prefetch at
-    ``1 - early`` of the speed without it, or less, ends the trial once
-    ``stop_after`` tokens with it are timed (docs/prefetch.md, "auto")."""
+    """How ``prefetch="auto"`` times prefetch against no prefetch, field by
+    field as docs/prefetch.md's "Auto" tells it."""
 
     tokens: int = 64
     block: int = 16
@@ -31,8 +21,7 @@ class TrialPlan:
     stop_after: int = 4
 
     def __post_init__(self):
-        # Each block of the trial must be timed: the first token has no
-        # start to time it from, so it is warmup.
+        # Each block must be timed; the first token has no start, so it is warmup.
         if (self.tokens < 2 * self.block or self.warmup < 1
                 or not 0 <= self.settle < self.block or self.stop_after < 1):
             raise ValueError(
@@ -43,9 +32,7 @@ class TrialPlan:
 
 
 class PrefetchTrial:
-    """``prefetch="auto"``: decides from a ``TrialPlan`` whether prefetch pays.
-    Slow spells of a shared machine and changes in the text hit both sides
-    of the trial alike, since it alternates in blocks."""
+    """``prefetch="auto"``: decides from a ``TrialPlan`` whether prefetch pays."""
 
     def __init__(self, first_layer: int, max_tokens: int, plan: TrialPlan = TrialPlan(),
                  clock=time.perf_counter):
@@ -72,8 +59,7 @@ class PrefetchTrial:
         if layer != self.first_layer or self.decision != "measuring":
             return
         if tokens > self.max_tokens:
-            # A prefill (a new request) between decode tokens: the next
-            # token is timed from its own start, not across the prefill.
+            # A prefill (a new request): the next token is timed from its own start.
             self._last = None
             return
         now = self.clock()
@@ -96,10 +82,8 @@ class PrefetchTrial:
         self._stall += seconds
 
     def _clear(self, trial_step: int, timed: bool) -> bool:
-        """Whether the trial so far already decides: halfway, with a
-        difference of ``early`` or more; or once ``stop_after`` tokens with
-        prefetch are timed, at ``1 - early`` of the speed without it or
-        less (checked once, as the last of them is timed)."""
+        """Whether the trial already decides: halfway, by ``early`` or more; or
+        at ``stop_after`` timed tokens with prefetch, at ``1 - early`` or less."""
         if not all(self._tokens.values()):
             return False
         speedup = self._speedup()
