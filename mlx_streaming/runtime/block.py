@@ -347,7 +347,7 @@ class NativePaged(Paged):
     before it. Larger calls (prefill) sync as ``Paged`` does, with the
     native route and ensure, and so do the calls of a layer whose reads are
     slow enough to overlap (``_overlap_pays``). ``Paged`` is the reference;
-    the two agree call for call (tests/test_native_paging.py)."""
+    the two agree call for call (tests/runtime/test_native_paging.py)."""
 
     def __init__(self, store, events, prefetch=None, router=None, overlap=None,
                  in_graph: bool = False):

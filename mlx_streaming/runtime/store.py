@@ -243,7 +243,7 @@ class NativeStore(ExpertStore):
     compute of a small layer. ``remap`` runs both inside the graph (see
     ``block.NativePaged``). It updates the same arrays as the reference
     (the pool's tables, the policy's scores), so either may run any call;
-    tests/test_native_paging.py checks that both make the same choices."""
+    tests/runtime/test_native_paging.py checks that both make the same choices."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -252,7 +252,7 @@ def test_bench_serve_compares_serial_batched_and_mlx_lm(models, tmp_path):
 
 def test_bench_serve_starts_each_case_with_its_setting(models):
     """A ``+SETTING`` case's server gets the setting's flags (with low-bit
-    copies, its pool: tests/test_low_bits.py)."""
+    copies, its pool: tests/conversion/test_low_bits.py)."""
     import argparse
 
     from mlx_streaming.bench import serve
