@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli import assert_one_line_error, run
 
 import mlx_streaming
 from mlx_streaming.config import StreamConfig
@@ -21,6 +20,7 @@ from mlx_streaming.errors import (
     FormatError,
 )
 from mlx_streaming.format import manifest_path, read_manifest
+from mlx_streaming.testing.helpers import assert_one_line_error, run
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import assert_same_logits, logits_trace
 from mlx_streaming.conversion.low_bits import add_low_bits, full_weight
 from mlx_streaming.errors import ConfigError, ConversionError, CorruptExpertError
 from mlx_streaming.format import blob_path, damaged_records, read_manifest
 from mlx_streaming.testing.families import FAMILIES
+from mlx_streaming.testing.helpers import assert_same_logits, logits_trace
 
 
 def _with_copies(stream_dir, tmp_path, bits=(2,)):

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 import mlx_streaming
-from helpers import pool_sizes
+from mlx_streaming.testing.helpers import pool_sizes
 
 PROMPTS = [[1, 7, 42, 300, 5], [18, 99, 260, 3, 77, 150, 11], [480, 23],
            [64, 9, 1, 7, 42, 300, 5, 18]]

@@ -12,7 +12,6 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlx_streaming
-from helpers import PROMPT
 from mlx_streaming.decode.mtp import MtpDraft
 from mlx_streaming.decode.speculative import (
     ModelDraft,
@@ -23,6 +22,7 @@ from mlx_streaming.decode.speculative import (
 )
 from mlx_streaming.errors import ConfigError
 from mlx_streaming.runtime.stats import stats
+from mlx_streaming.testing.helpers import PROMPT
 
 STEPS = 24
 FAMILIES = ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_k3"]

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import PROMPT, record_bytes
 from mlx_streaming.errors import CorruptExpertError, FormatError
 from mlx_streaming.format import (
     RECORD_ALIGNMENT,
@@ -18,6 +17,7 @@ from mlx_streaming.format import (
     read_manifest,
     record_checksum,
 )
+from mlx_streaming.testing.helpers import PROMPT, record_bytes
 
 
 def test_layout_aligns_segments_and_stride():

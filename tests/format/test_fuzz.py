@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlx_streaming
-from helpers import assert_same_logits, logits_trace
 from mlx_streaming.errors import StreamingError
 from mlx_streaming.format import check_safetensors, manifest_path, read_manifest
+from mlx_streaming.testing.helpers import assert_same_logits, logits_trace
 
 
 def fuzz(cases: int):

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import assert_same_logits, greedy_text, logits_trace, reshard
 from mlx_streaming.errors import ConfigError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
 from mlx_streaming.hub import repo as hub
 from mlx_streaming.hub.disk_cache import DiskCache
 from mlx_streaming.hub.fetch import ExpertFetchError
 from mlx_streaming.runtime.stats import stats
+from mlx_streaming.testing.helpers import assert_same_logits, greedy_text, logits_trace, reshard
 from mlx_streaming.testing.hubserver import HubServer
 
 REPO = "org/tiny-stream"
@@ -196,7 +196,7 @@ def test_a_server_that_stops_answering_is_a_clear_error(served, tmp_path):
 # The endpoint comes from huggingface_hub's own setting (HF_ENDPOINT) here.
 KILL_SCRIPT = """
 import sys, mlx_streaming
-from helpers import greedy_text
+from mlx_streaming.testing.helpers import greedy_text
 model, tok = mlx_streaming.load(sys.argv[1], disk_cache_dir=sys.argv[2],
                                 slots_per_layer=4, disk_cache_gb=1.0)
 greedy_text(model, tok)
@@ -206,7 +206,7 @@ greedy_text(model, tok)
 def test_sigkill_mid_fetch_leaves_a_consistent_cache(qwen, tmp_path):
     stride = read_manifest(qwen[1]).layers[0].stride
     with HubServer({REPO: qwen[1]}, bandwidth=stride / 0.3) as server:
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), HF_ENDPOINT=server.url)
+        env = dict(os.environ, HF_ENDPOINT=server.url)
         proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, REPO, str(tmp_path)],
                                 env=env)
         records = tmp_path / "records"
@@ -485,7 +485,7 @@ def test_a_server_on_a_hub_repo_logs_a_line_per_request(served, tmp_path):
     """Not one per range request (huggingface_hub's and httpx's INFO lines:
     808 for 32 tokens), nor mlx-lm's progress lines: start-up, then one
     line per request, at the default --log-level INFO."""
-    from test_server import Server
+    from mlx_streaming.testing.helpers import Server
 
     s = Server(REPO, "--endpoint", served.url, "--disk-cache-dir", str(tmp_path / "c"),
                "--slots-per-layer", "4", "--disk-cache-gb", "0")

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import assert_one_line_error
 
 import mlx_streaming
 from mlx_streaming.config import StreamConfig
@@ -17,6 +16,7 @@ from mlx_streaming.errors import (
 )
 from mlx_streaming.format import read_manifest
 from mlx_streaming.runtime import memory as budget
+from mlx_streaming.testing.helpers import assert_one_line_error
 
 
 def test_explicit_pool_beyond_available_memory_is_refused(qwen):

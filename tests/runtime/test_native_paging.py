@@ -10,12 +10,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import PROMPT, check_matches_resident, count_splits
 from mlx_streaming.errors import CorruptExpertError
 from mlx_streaming.format import read_manifest
 from mlx_streaming.runtime import residency
 from mlx_streaming.runtime.block import NativePaged, Paged
 from mlx_streaming.runtime.store import NativeStore
+from mlx_streaming.testing.helpers import PROMPT, check_matches_resident, count_splits
 
 
 def _residencies(model):
@@ -107,11 +107,7 @@ def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch
 def test_native_step_follows_the_adaptive_policys_arms_as_the_reference(qwen, monkeypatch):
     """Synthetic routing that favours recency, then frequency, then recency:
     both paths switch arms on the same call and fill the same slots."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_policy import frequency_calls, recency_calls
+    from mlx_streaming.testing.helpers import frequency_calls, recency_calls
 
     _, stream_dir = qwen
     kwargs = dict(slots_per_layer=4, policy="adaptive", checksums="off")

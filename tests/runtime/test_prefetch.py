@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import IO_PATHS, PROMPT, check_matches_resident, pool_sizes
 from mlx_streaming.runtime.prefetch.predict import rank_order
+from mlx_streaming.testing.helpers import IO_PATHS, PROMPT, check_matches_resident, pool_sizes
 
 
 def test_prefetch_order_puts_shared_experts_first():

@@ -12,9 +12,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import PROMPT, assert_same_logits, logits_trace
 from mlx_streaming.runtime.pressure import PressureWatch
 from mlx_streaming.runtime.stats import stats
+from mlx_streaming.testing.helpers import PROMPT, assert_same_logits, logits_trace
 
 CGROUP = Path("/sys/fs/cgroup/memory")
 
@@ -64,7 +64,7 @@ import mlx.core as mx
 import mlx_streaming
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_streaming.runtime.stats import stats
-from helpers import PROMPT
+from mlx_streaming.testing.helpers import PROMPT
 
 model, _ = mlx_streaming.load(sys.argv[1], slots_per_layer=12, pressure_gb=2.0)
 cache = make_prompt_cache(model)
@@ -91,10 +91,9 @@ def test_lowering_a_cgroup_limit_mid_run_shrinks_the_pools(qwen, tmp_path):
     limit = group / "memory.limit_in_bytes"
     try:
         limit.write_text(str(8 << 30))
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
         proc = subprocess.Popen(
             [sys.executable, "-c", SCRIPT, str(stream)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE, text=True,
             preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
         first = proc.stdout.readline().split()
         usage = int((group / "memory.usage_in_bytes").read_text())

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import assert_same_logits, logits_trace
 from mlx_streaming.errors import ConfigError
 from mlx_streaming.models.discover import get_module
 from mlx_streaming.runtime import routing
 from mlx_streaming.testing.families import FAMILIES
+from mlx_streaming.testing.helpers import assert_same_logits, logits_trace
 
 
 def _softmax_top_k(logits, top_k):
@@ -421,8 +421,7 @@ def test_generate_and_the_server_refuse_routing_settings_that_change_nothing(mod
     """Both build their config from the same flags and load the same way:
     a routing setting without its routing, and a cut that keeps the whole
     top-k, are one-line errors before anything runs."""
-    from test_cli import assert_one_line_error
-    from test_server import free_port
+    from mlx_streaming.testing.helpers import assert_one_line_error, free_port
 
     _, stream_dir = models.get("qwen3_moe", True)
     top_k = mlx_streaming.format.read_manifest(stream_dir).layers[0].top_k

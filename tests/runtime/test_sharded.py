@@ -15,12 +15,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_streaming
-from helpers import pool_sizes
 from mlx_streaming.bench.ranks import free_ports
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConfigError, ConversionError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
 from mlx_streaming.testing import sharded
+from mlx_streaming.testing.helpers import pool_sizes
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 # Expert widths that split into two ranks' 4-bit groups of 64.

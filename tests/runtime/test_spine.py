@@ -13,13 +13,6 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import (
-    PROMPT,
-    assert_same_logits,
-    check_matches_resident,
-    downgrade_to_v1,
-    logits_trace,
-)
 from mlx_streaming.config import StreamConfig
 from mlx_streaming.errors import BudgetError, FormatError
 from mlx_streaming.format import dense_path, read_manifest
@@ -27,6 +20,13 @@ from mlx_streaming.runtime import memory as budget
 from mlx_streaming.runtime import spine
 from mlx_streaming.runtime.model_spine import spine_bytes
 from mlx_streaming.testing.families import FAMILIES
+from mlx_streaming.testing.helpers import (
+    PROMPT,
+    assert_same_logits,
+    check_matches_resident,
+    downgrade_to_v1,
+    logits_trace,
+)
 
 MIB = 1 << 20
 

@@ -8,7 +8,13 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import (
+from mlx_streaming.config import POLICY_CHOICES
+from mlx_streaming.errors import BudgetError
+from mlx_streaming.format import read_manifest
+from mlx_streaming.io.native import load_extension
+from mlx_streaming.runtime.model_spine import spine_bytes
+from mlx_streaming.runtime.policy import LRU, make_policy
+from mlx_streaming.testing.helpers import (
     PROMPT,
     check_matches_resident,
     count_splits,
@@ -16,12 +22,6 @@ from helpers import (
     pool_bytes,
     record_bytes,
 )
-from mlx_streaming.config import POLICY_CHOICES
-from mlx_streaming.errors import BudgetError
-from mlx_streaming.format import read_manifest
-from mlx_streaming.io.native import load_extension
-from mlx_streaming.runtime.model_spine import spine_bytes
-from mlx_streaming.runtime.policy import LRU, make_policy
 
 
 @pytest.mark.parametrize("name", POLICY_CHOICES)
