@@ -170,8 +170,8 @@ def test_tilde_paths_are_expanded(tmp_path, qwen, monkeypatch):
     dst = convert(qwen[0], "~/models/q", progress=False)
     assert Path(dst) == tmp_path / "models" / "q"
     assert not Path("~").exists()
-    model, _ = mlx_streaming.load("~/models/q", slots_per_layer=4)
-    model.streaming.close()
+    with mlx_streaming.load("~/models/q", slots_per_layer=4):
+        pass
     proc = run("mlx_streaming.check", "~/models/q")
     assert "match their checksums" in proc.stdout
 

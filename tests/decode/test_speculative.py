@@ -205,10 +205,9 @@ def test_models_without_mtp_layers_say_so(models, qwen, capsys):
 
     with pytest.raises(ConfigError, match="has no MTP layers"):
         mlx_streaming.load(qwen[1], mtp=True)
-    model, _ = mlx_streaming.load(qwen[1])
-    with pytest.raises(ConfigError, match="no MTP layers loaded"):
-        MtpDraft(model)
-    model.streaming.close()
+    with mlx_streaming.load(qwen[1]) as (model, _):
+        with pytest.raises(ConfigError, match="no MTP layers loaded"):
+            MtpDraft(model)
     assert generate.main(["--model", str(qwen[1]), "--draft", "mtp", "--max-tokens", "2"]) != 0
     assert "has no MTP layers" in capsys.readouterr().err
 

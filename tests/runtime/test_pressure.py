@@ -51,9 +51,8 @@ def test_pools_shrink_and_grow_with_available_memory_and_stay_exact(qwen, spine)
 
 
 def test_pressure_off_and_fully_resident_models_never_resize(qwen):
-    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=12, pressure_gb=0)
-    assert stats(model)["pressure"] is None
-    model.streaming.close()
+    with mlx_streaming.load(qwen[1], slots_per_layer=12, pressure_gb=0) as (model, _):
+        assert stats(model)["pressure"] is None
     model, _ = mlx_streaming.load(qwen[1])  # every expert fits: nothing pages
     assert stats(model)["pressure"] is None
 

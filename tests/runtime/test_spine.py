@@ -182,9 +182,9 @@ def test_version_1_directories_still_load(models, tmp_path):
     assert manifest.version == 1 and manifest.dense == ()
     check_matches_resident(src, v1, slots_per_layer=4)
     with pytest.warns(RuntimeWarning, match="pinned_layers and spine_ring have no effect"):
-        model, _ = mlx_streaming.load(v1, pinned_layers=0, slots_per_layer=4)
-    assert mlx_streaming.stats(model)["spine"] is None
-    model.streaming.close()
+        loaded = mlx_streaming.load(v1, pinned_layers=0, slots_per_layer=4)
+    with loaded as (model, _):
+        assert mlx_streaming.stats(model)["spine"] is None
     # A version 1 spine cannot stream: too small a budget says to re-convert.
     with pytest.raises(BudgetError, match="format version 2"):
         mlx_streaming.load(v1, cache_gb=1e-4)
@@ -205,10 +205,9 @@ def test_a_damaged_dense_record_is_an_error(models, tmp_path, pinned):
         with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
             mlx_streaming.load(copy)
     else:
-        model, _ = mlx_streaming.load(copy, pinned_layers=0, slots_per_layer=4)
-        with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
-            model(mx.array([PROMPT]))
-        model.streaming.close()
+        with mlx_streaming.load(copy, pinned_layers=0, slots_per_layer=4) as (model, _):
+            with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
+                model(mx.array([PROMPT]))
     proc = subprocess.run([sys.executable, "-m", "mlx_streaming.check", str(copy)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "spine/layer001.blob" in proc.stdout + proc.stderr
