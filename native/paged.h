@@ -3,7 +3,7 @@
 // update (LRU, decayed LFU or adaptive), victim choice, reads of the misses and the
 // id-to-slot table update. mlx_streaming/runtime/store.py's ExpertStore and
 // policy.py's LRU / DecayedLFU / Adaptive are the reference this must agree with,
-// state for state (tests/test_native_paging.py).
+// state for state (tests/runtime/test_native_paging.py).
 //
 // Every array is borrowed from Python (the pool's tables, the policy's
 // scores, the store's checksums): Python owns them and rebinds after a pool

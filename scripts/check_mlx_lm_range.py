@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # The adapter's own checks, and server runs through each hook: a plain
 # request, batching, a failure mid-generation, drafting, the flags.
 TESTS = ["tests/test_mlx_lm_adapter.py",
-         "tests/test_server.py::test_chat_and_completions_stream_and_not",
-         "tests/test_server.py::test_read_error_mid_generation_is_a_500_not_a_traceback",
-         "tests/test_server.py::test_the_servers_flags_are_mlx_lms",
-         "tests/test_server.py::test_the_server_drafts_losslessly",
-         "tests/test_server.py::test_requests_together_are_decoded_together_as_mlx_lm_does"]
+         "tests/server/test_server.py::test_chat_and_completions_stream_and_not",
+         "tests/server/test_server.py::test_read_error_mid_generation_is_a_500_not_a_traceback",
+         "tests/server/test_server.py::test_the_servers_flags_are_mlx_lms",
+         "tests/server/test_server.py::test_the_server_drafts_losslessly",
+         "tests/server/test_server.py::test_requests_together_are_decoded_together_as_mlx_lm_does"]
 
 
 def released_versions() -> list:

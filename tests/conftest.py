@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ModelFactory
+from mlx_streaming.testing.helpers import ModelFactory
 
 # A shell that starts the tests in the background (`.ci/run &`) ignores
 # SIGINT for them, and the process and every child would inherit that: the

@@ -6,24 +6,7 @@ import subprocess
 import sys
 
 from mlx_streaming.format import read_manifest
-
-
-def run(*args, check_ok=True):
-    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          timeout=600)
-    if check_ok:
-        assert proc.returncode == 0, proc.stderr
-    return proc
-
-
-def assert_one_line_error(proc, pattern):
-    import re
-
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("error: "), proc.stderr
-    assert re.search(pattern, lines[-1]), lines[-1]
+from mlx_streaming.testing.helpers import assert_one_line_error, run
 
 
 def test_generate_prints_numbers_and_writes_json(qwen, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlx_streaming"
 ROOT = PACKAGE.parent
+TESTS = ROOT / "tests"
 
 # Each unit (a top-level module or subpackage) may import from its own layer
 # and those before it, never from a later one.
@@ -149,12 +150,12 @@ def test_every_test_asserts():
     """A test checks something: an assert, an expected error or warning, or a
     helper that asserts (``check_*``, ``assert_*``)."""
     empty = []
-    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+    for path in sorted(TESTS.rglob("test_*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
                 src = ast.unparse(node)
                 if not re.search(r"\bassert\b|raises|warns|\bcheck_\w+\(|\bassert_\w+\(", src):
-                    empty.append(f"{path.name}::{node.name}")
+                    empty.append(f"{path.relative_to(TESTS)}::{node.name}")
     assert not empty, "tests that assert nothing: " + ", ".join(empty)
 
 

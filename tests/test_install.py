@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 import mlx_streaming
-from helpers import check_matches_resident
+from mlx_streaming.testing.helpers import check_matches_resident
 
 
 def test_failed_native_build_leaves_a_working_install(tmp_path, monkeypatch, capsys):

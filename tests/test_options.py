@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli import assert_one_line_error, run
 
 import mlx_streaming
 from mlx_streaming.config import StreamConfig
@@ -21,6 +20,7 @@ from mlx_streaming.errors import (
     FormatError,
 )
 from mlx_streaming.format import manifest_path, read_manifest
+from mlx_streaming.testing.helpers import assert_one_line_error, run
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -170,8 +170,8 @@ def test_tilde_paths_are_expanded(tmp_path, qwen, monkeypatch):
     dst = convert(qwen[0], "~/models/q", progress=False)
     assert Path(dst) == tmp_path / "models" / "q"
     assert not Path("~").exists()
-    model, _ = mlx_streaming.load("~/models/q", slots_per_layer=4)
-    model.streaming.close()
+    with mlx_streaming.load("~/models/q", slots_per_layer=4):
+        pass
     proc = run("mlx_streaming.check", "~/models/q")
     assert "match their checksums" in proc.stdout
 

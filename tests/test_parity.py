@@ -6,8 +6,8 @@ and the same greedy text."""
 
 import pytest
 
-from helpers import check_matches_resident, pool_sizes
 from mlx_streaming.testing.families import FAMILIES
+from mlx_streaming.testing.helpers import check_matches_resident, pool_sizes
 
 
 @pytest.mark.parametrize("quantized", [True, False], ids=["q4", "f32"])

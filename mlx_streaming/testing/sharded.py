@@ -18,14 +18,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_streaming.testing.logits import logits_trace as trace_of
+from mlx_streaming.testing.helpers import logits_trace
 
+# A short trace: each rank runs it at every pool size.
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 DECODE_STEPS = 4
-
-
-def logits_trace(model):
-    return trace_of(model, PROMPT, DECODE_STEPS)
 
 
 def same(a, b) -> bool:
@@ -58,11 +55,11 @@ def check(args, world) -> dict:
     want, result = None, {"pools": {}}
     if args.source:
         reference, _ = mlx_sharded_load(args.source, *groups(args.mode, world))
-        want = logits_trace(reference)
+        want = logits_trace(reference, PROMPT, DECODE_STEPS)
         del reference
     if args.source and args.mode == "pipeline":
         alone, _ = mlx_lm.load(args.source)
-        result["pipeline_is_one_rank"] = same(want, logits_trace(alone))
+        result["pipeline_is_one_rank"] = same(want, logits_trace(alone, PROMPT, DECODE_STEPS))
         del alone
     model_dir = args.model
     if world.rank() == 1 and args.model_rank1:
@@ -81,7 +78,7 @@ def check(args, world) -> dict:
                                                   **options)
         if args.desync and world.rank() == 1:
             desync(model)
-        got = logits_trace(model)
+        got = logits_trace(model, PROMPT, DECODE_STEPS)
         result["pools"][slots] = {"same": want is not None and same(want, got),
                                   "digest": digest(got),
                                   "warnings": [str(w.message) for w in said],

@@ -18,68 +18,9 @@ import mlx_lm
 import openai
 import pytest
 
+from mlx_streaming.testing.helpers import Server, free_port
+
 MEMO = "X-MLX-Streaming-Memo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, stream_dir, *flags, module="mlx_streaming.server"):
-        self.port = free_port()
-        command = ["mlx_lm", "server"] if module == "mlx_lm" else [module]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", *command, "--model", str(stream_dir),
-             "--port", str(self.port), *flags],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-        # Read stderr as it comes: the server logs a request after replying.
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read_stderr, daemon=True)
-        self.reader.start()
-
-    def _read_stderr(self):
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    def wait_for_log(self, text: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in list(self.lines)):
-            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)
-            time.sleep(0.05)
-
-    def post(self, path, body, raw: bytes = None):
-        data = raw if raw is not None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, dict(r.headers), json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, dict(e.headers), json.loads(e.read())
-
-    def stop(self) -> str:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.reader.join(timeout=30)
-        return "".join(self.lines)
 
 
 @pytest.fixture(scope="module")

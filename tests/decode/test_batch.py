@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 import mlx_streaming
-from helpers import pool_sizes
+from mlx_streaming.testing.helpers import pool_sizes
 
 PROMPTS = [[1, 7, 42, 300, 5], [18, 99, 260, 3, 77, 150, 11], [480, 23],
            [64, 9, 1, 7, 42, 300, 5, 18]]
@@ -32,15 +32,14 @@ def test_a_batch_is_mlx_lms_batch_bit_for_bit(models, family):
     src, stream = models.get(family, quantized=True)
     reference = batched(mlx_lm.load(str(src))[0])
     for slots in pool_sizes(stream):
-        model, _ = mlx_streaming.load(stream, slots_per_layer=slots)
-        got = batched(model)
-        for want, have in zip(reference, got):
-            assert [t for t, _ in want] == [t for t, _ in have], slots
-            assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(want, have))
-        # One call per MoE layer per step for the whole batch.
-        total = mlx_streaming.stats(model)["total"]
-        assert total["tokens"] > total["calls"]
-        model.streaming.close()
+        with mlx_streaming.load(stream, slots_per_layer=slots) as (model, _):
+            got = batched(model)
+            for want, have in zip(reference, got):
+                assert [t for t, _ in want] == [t for t, _ in have], slots
+                assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(want, have))
+            # One call per MoE layer per step for the whole batch.
+            total = mlx_streaming.stats(model)["total"]
+            assert total["tokens"] > total["calls"]
 
 
 def test_batch_generate_takes_text_and_matches_mlx_lm(qwen):
@@ -74,11 +73,8 @@ def test_batch_generate_takes_text_and_matches_mlx_lm(qwen):
 def test_bad_batch_arguments_are_config_errors(qwen, prompts, kwargs, message):
     """As every other bad option of the package: a ConfigError before any
     decoding, not mlx-lm's ValueError or a bare TypeError."""
-    model, tok = mlx_streaming.load(qwen[1], slots_per_layer=4)
-    try:
+    with mlx_streaming.load(qwen[1], slots_per_layer=4) as (model, tok):
         with pytest.raises(mlx_streaming.ConfigError, match=message):
             mlx_streaming.batch_generate(model, tok, prompts, **kwargs)
         with pytest.raises(mlx_streaming.ConfigError, match=message):
             list(mlx_streaming.stream_generate(model, tok, prompts, **kwargs))
-    finally:
-        model.streaming.close()

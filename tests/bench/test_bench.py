@@ -23,13 +23,12 @@ from mlx_streaming.runtime.policy import ARC, LFU, LRU, DecayedLFU, RouterEMA, m
 def test_policy_replay_matches_the_live_pool(models, tmp_path, policy):
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     trace = tmp_path / "trace.jsonl"
-    model, tok = mlx_streaming.load(stream_dir, slots_per_layer=6, trace=str(trace),
-                                    policy=policy)
-    cache = make_prompt_cache(model)
-    for t in tok.encode("def replay(trace):\n    return [line for line in trace]\n"):
-        mx.eval(model(mx.array([[t]]), cache=cache))
-    live = mlx_streaming.stats(model)["layers"]
-    model.streaming.close()
+    with mlx_streaming.load(stream_dir, slots_per_layer=6, trace=str(trace),
+                            policy=policy) as (model, tok):
+        cache = make_prompt_cache(model)
+        for t in tok.encode("def replay(trace):\n    return [line for line in trace]\n"):
+            mx.eval(model(mx.array([[t]]), cache=cache))
+        live = mlx_streaming.stats(model)["layers"]
     for layer, calls in bench_cache.decode_records(trace).items():
         simulated = bench_cache.simulate(calls, 6, make_policy(policy, calls[0].probs.shape[-1]))
         assert simulated == pytest.approx(live[layer]["hit_rate"])
@@ -252,7 +251,7 @@ def test_bench_serve_compares_serial_batched_and_mlx_lm(models, tmp_path):
 
 def test_bench_serve_starts_each_case_with_its_setting(models):
     """A ``+SETTING`` case's server gets the setting's flags (with low-bit
-    copies, its pool: tests/test_low_bits.py)."""
+    copies, its pool: tests/conversion/test_low_bits.py)."""
     import argparse
 
     from mlx_streaming.bench import serve

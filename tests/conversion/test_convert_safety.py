@@ -10,14 +10,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from test_cli import assert_one_line_error, run
 
-from helpers import check_matches_resident
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import (
     ConversionError,
 )
 from mlx_streaming.format import manifest_path, read_manifest
+from mlx_streaming.testing.helpers import assert_one_line_error, check_matches_resident, run
 
 
 def tree_digest(path: Path) -> dict:

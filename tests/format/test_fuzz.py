@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlx_streaming
-from helpers import assert_same_logits, logits_trace
 from mlx_streaming.errors import StreamingError
 from mlx_streaming.format import check_safetensors, manifest_path, read_manifest
+from mlx_streaming.testing.helpers import assert_same_logits, logits_trace
 
 
 def fuzz(cases: int):
@@ -93,11 +93,8 @@ def test_fuzz_manifest_load_is_exact_or_an_error(tmp_path_factory, qwen):
     def case(d, slots, prefetch):
         manifest_path(stream).write_text(json.dumps({**original, **d}))
         try:
-            model, _ = mlx_streaming.load(stream, slots_per_layer=slots, prefetch=prefetch)
-            try:
+            with mlx_streaming.load(stream, slots_per_layer=slots, prefetch=prefetch) as (model, _):
                 assert_same_logits(reference, logits_trace(model, steps=4))
-            finally:
-                model.streaming.close()
         except StreamingError as e:
             assert "\n" not in str(e)
 

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import assert_same_logits, greedy_text, logits_trace, reshard
 from mlx_streaming.errors import ConfigError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
 from mlx_streaming.hub import repo as hub
 from mlx_streaming.hub.disk_cache import DiskCache
 from mlx_streaming.hub.fetch import ExpertFetchError
 from mlx_streaming.runtime.stats import stats
+from mlx_streaming.testing.helpers import assert_same_logits, greedy_text, logits_trace, reshard
 from mlx_streaming.testing.hubserver import HubServer
 
 REPO = "org/tiny-stream"
@@ -36,10 +36,8 @@ def served(qwen):
 
 
 def local_reference(stream_dir, **kw):
-    model, tokenizer = mlx_streaming.load(stream_dir, slots_per_layer=4, **kw)
-    out = logits_trace(model), greedy_text(model, tokenizer)
-    model.streaming.close()
-    return out
+    with mlx_streaming.load(stream_dir, slots_per_layer=4, **kw) as (model, tokenizer):
+        return logits_trace(model), greedy_text(model, tokenizer)
 
 
 def load_remote(server, cache_dir, **kw):
@@ -49,16 +47,14 @@ def load_remote(server, cache_dir, **kw):
 
 
 def assert_exact(server, cache_dir, reference, **kw):
-    model, tokenizer = load_remote(server, cache_dir, **kw)
     logits, text = reference
-    assert_same_logits(logits, logits_trace(model))
-    assert greedy_text(model, tokenizer) == text
-    # The last token's last layer reads ahead for a next token's first
-    # layer: counted once it has arrived.
-    model.streaming.reader.drain()
-    report = stats(model)
-    model.streaming.close()
-    return report
+    with load_remote(server, cache_dir, **kw) as (model, tokenizer):
+        assert_same_logits(logits, logits_trace(model))
+        assert greedy_text(model, tokenizer) == text
+        # The last token's last layer reads ahead for a next token's first
+        # layer: counted once it has arrived.
+        model.streaming.reader.drain()
+        return stats(model)
 
 
 def cached_records_are_good(cache_dir, stream_dir) -> int:
@@ -109,16 +105,13 @@ def test_prefetch_measures_the_network_as_its_disk(qwen, served, tmp_path):
     """A Hub repo's records come from the network or the disk cache: the
     reader meters those reads as a local one meters its disk, so that the
     prefetch budget is measured, not left at zero."""
-    model, tokenizer = load_remote(served, tmp_path, prefetch="next-layer",
-                                   disk_cache_gb=0)
-    try:
+    with load_remote(served, tmp_path, prefetch="next-layer",
+                     disk_cache_gb=0) as (model, tokenizer):
         greedy_text(model, tokenizer)
         nbytes, busy = model.streaming.reader.busy()
         read = stats(model)["total"]["bytes_read"]
         assert read > 0 and nbytes >= read and busy > 0
         assert model.streaming.prefetch.bandwidth.rate is not None
-    finally:
-        model.streaming.close()
 
 
 def test_a_second_run_reads_from_the_disk_cache(qwen, served, tmp_path):
@@ -176,10 +169,9 @@ def test_a_server_ignoring_range_still_gives_exact_output(qwen, served, tmp_path
 
 def test_bytes_wrong_twice_are_an_error_and_never_cached(qwen, served, tmp_path):
     served.faults.append(lambda r: "corrupt" if is_record(r) else None)
-    model, tokenizer = load_remote(served, tmp_path, disk_cache_gb=1.0)
-    with pytest.raises(ExpertFetchError, match="fail the manifest's checksum twice"):
-        greedy_text(model, tokenizer)
-    model.streaming.close()
+    with load_remote(served, tmp_path, disk_cache_gb=1.0) as (model, tokenizer):
+        with pytest.raises(ExpertFetchError, match="fail the manifest's checksum twice"):
+            greedy_text(model, tokenizer)
     # Records of the same answers that were right may be cached; none wrong is.
     cached_records_are_good(tmp_path, qwen[1])
 
@@ -196,7 +188,7 @@ def test_a_server_that_stops_answering_is_a_clear_error(served, tmp_path):
 # The endpoint comes from huggingface_hub's own setting (HF_ENDPOINT) here.
 KILL_SCRIPT = """
 import sys, mlx_streaming
-from helpers import greedy_text
+from mlx_streaming.testing.helpers import greedy_text
 model, tok = mlx_streaming.load(sys.argv[1], disk_cache_dir=sys.argv[2],
                                 slots_per_layer=4, disk_cache_gb=1.0)
 greedy_text(model, tok)
@@ -206,7 +198,7 @@ greedy_text(model, tok)
 def test_sigkill_mid_fetch_leaves_a_consistent_cache(qwen, tmp_path):
     stride = read_manifest(qwen[1]).layers[0].stride
     with HubServer({REPO: qwen[1]}, bandwidth=stride / 0.3) as server:
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), HF_ENDPOINT=server.url)
+        env = dict(os.environ, HF_ENDPOINT=server.url)
         proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, REPO, str(tmp_path)],
                                 env=env)
         records = tmp_path / "records"
@@ -264,12 +256,11 @@ def test_plain_mlx_lm_repo_is_converted_shard_by_shard(qwen, tmp_path):
                 (qwen[1] / "experts" / spec.file).read_bytes()
         # load() of the repo id converts into disk_cache_dir and runs it.
         reference = local_reference(qwen[1])
-        model, tokenizer = mlx_streaming.load("org/plain", endpoint=server.url,
-                                              disk_cache_dir=str(tmp_path / "c"),
-                                              slots_per_layer=4)
-        assert_same_logits(reference[0], logits_trace(model))
-        assert stats(model)["io"] != "remote"
-        model.streaming.close()
+        with mlx_streaming.load("org/plain", endpoint=server.url,
+                                disk_cache_dir=str(tmp_path / "c"),
+                                slots_per_layer=4) as (model, tokenizer):
+            assert_same_logits(reference[0], logits_trace(model))
+            assert stats(model)["io"] != "remote"
 
 
 def test_a_repo_without_an_index_loads_as_mlx_lm_loads_its_directory(tokenizer_dir, tmp_path):
@@ -286,10 +277,10 @@ def test_a_repo_without_an_index_loads_as_mlx_lm_loads_its_directory(tokenizer_d
     assert len(list(src.glob("model*.safetensors"))) > 1
     reference, _ = mlx_lm.load(str(src))
     with HubServer({"org/no-index": src}) as server:
-        model, _ = mlx_streaming.load("org/no-index", endpoint=server.url,
-                                      disk_cache_dir=str(tmp_path / "c"), slots_per_layer=4)
-        assert_same_logits(logits_trace(reference), logits_trace(model))
-        model.streaming.close()
+        with mlx_streaming.load("org/no-index", endpoint=server.url,
+                                disk_cache_dir=str(tmp_path / "c"),
+                                slots_per_layer=4) as (model, _):
+            assert_same_logits(logits_trace(reference), logits_trace(model))
 
 
 def test_convert_upload_publishes_a_streamable_repo(qwen, tmp_path):
@@ -301,12 +292,11 @@ def test_convert_upload_publishes_a_streamable_repo(qwen, tmp_path):
                              "--endpoint", server.url])
         assert rc == 0
         reference = local_reference(qwen[1])
-        model, tokenizer = mlx_streaming.load("org/uploaded", endpoint=server.url,
-                                              disk_cache_dir=str(tmp_path / "c"),
-                                              slots_per_layer=4)
-        assert_same_logits(reference[0], logits_trace(model))
-        assert stats(model)["io"] == "remote"
-        model.streaming.close()
+        with mlx_streaming.load("org/uploaded", endpoint=server.url,
+                                disk_cache_dir=str(tmp_path / "c"),
+                                slots_per_layer=4) as (model, tokenizer):
+            assert_same_logits(reference[0], logits_trace(model))
+            assert stats(model)["io"] == "remote"
 
 
 def test_generate_cli_runs_a_repo_id(served, tmp_path, capsys):
@@ -450,10 +440,10 @@ def test_offline_revisions(qwen, tmp_path):
         commit = hub.resolve(REPO, None, url).commit
         assert_exact(server, tmp_path, reference, slots_per_layer=32)
     for revision in ("main", commit, commit[:8]):
-        with pytest.warns(RuntimeWarning, match=commit):
-            model, _ = mlx_streaming.load(REPO, revision=revision, endpoint=url,
-                                          disk_cache_dir=str(tmp_path), slots_per_layer=4)
-        model.streaming.close()
+        with (pytest.warns(RuntimeWarning, match=commit),
+              mlx_streaming.load(REPO, revision=revision, endpoint=url,
+                                 disk_cache_dir=str(tmp_path), slots_per_layer=4)):
+            pass  # the load's warning is the check
     with pytest.raises(FormatError, match="cannot reach the Hub"):
         mlx_streaming.load(REPO, revision="0" * 40, endpoint=url, disk_cache_dir=str(tmp_path))
 
@@ -485,7 +475,7 @@ def test_a_server_on_a_hub_repo_logs_a_line_per_request(served, tmp_path):
     """Not one per range request (huggingface_hub's and httpx's INFO lines:
     808 for 32 tokens), nor mlx-lm's progress lines: start-up, then one
     line per request, at the default --log-level INFO."""
-    from test_server import Server
+    from mlx_streaming.testing.helpers import Server
 
     s = Server(REPO, "--endpoint", served.url, "--disk-cache-dir", str(tmp_path / "c"),
                "--slots-per-layer", "4", "--disk-cache-gb", "0")
@@ -548,9 +538,9 @@ def test_an_empty_disk_cache_dir_is_refused(qwen):
 def test_a_local_directory_spelled_as_a_repo_id_says_so(qwen, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shutil.copytree(qwen[1], tmp_path / "org" / "model")
-    with pytest.warns(UserWarning, match="local directory org/model, not the Hugging Face"):
-        model, _ = mlx_streaming.load("org/model", slots_per_layer=4)
-    model.streaming.close()
+    with (pytest.warns(UserWarning, match="local directory org/model, not the Hugging Face"),
+          mlx_streaming.load("org/model", slots_per_layer=4)):
+        pass  # the load's warning is the check
     with pytest.raises(ConfigError, match="revision must be a branch, tag or commit"):
         mlx_streaming.load(REPO, revision=5)
 

@@ -9,15 +9,20 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_cli import assert_one_line_error, run
 
 import mlx_streaming
-from helpers import PROMPT, check_matches_resident, logits_trace
 from mlx_streaming.errors import (
     CorruptExpertError,
     FormatError,
 )
 from mlx_streaming.format import manifest_path, read_manifest
+from mlx_streaming.testing.helpers import (
+    PROMPT,
+    assert_one_line_error,
+    check_matches_resident,
+    logits_trace,
+    run,
+)
 
 
 def edit_manifest(stream_dir: Path, edit) -> None:

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 import mlx_streaming
-from helpers import IO_PATHS
+from mlx_streaming.testing.helpers import IO_PATHS
 
 THREADED = textwrap.dedent("""
     import os, sys, threading

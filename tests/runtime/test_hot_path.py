@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 
 import mlx_streaming
-from helpers import EXT, PROMPT
 from mlx_streaming.runtime.residency import HotPath, choose_path
+from mlx_streaming.testing.helpers import EXT, PROMPT
 
 PACKAGE = Path(mlx_streaming.__file__).resolve().parent
 DESIGN = PACKAGE.parent / "docs" / "design.md"

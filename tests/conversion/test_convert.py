@@ -11,11 +11,11 @@ import mlx.core as mx
 import pytest
 
 import mlx_streaming
-from helpers import VOCAB, check_matches_resident
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConversionError, FormatError
 from mlx_streaming.format import CONVERT_STATE_NAME, manifest_path, read_manifest
 from mlx_streaming.testing import tiny
+from mlx_streaming.testing.helpers import VOCAB, check_matches_resident
 
 
 def test_package_exports_the_convert_function():

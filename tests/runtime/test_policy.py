@@ -7,24 +7,9 @@ import pytest
 
 from mlx_streaming.bench.cache import simulate
 from mlx_streaming.runtime.policy import LRU, Adaptive, DecayedLFU, make_policy
+from mlx_streaming.testing.helpers import EXPERTS, frequency_calls, recency_calls
 
-EXPERTS, SLOTS = 32, 8
-
-
-def recency_calls(n: int, seed: int = 0) -> list:
-    """A working set that drifts: each call's 4 experts come from a window
-    of 6 that moves one expert every 3 calls (old favourites never return)."""
-    rng = np.random.default_rng(seed)
-    return [np.sort((t // 3 + rng.choice(6, 4, replace=False)) % EXPERTS) for t in range(n)]
-
-
-def frequency_calls(n: int, seed: int = 0) -> list:
-    """A hot set of 6 experts, 3 of each call's 4, and one cold expert each
-    call (a one-off that LRU keeps in place of a hot one)."""
-    rng = np.random.default_rng(seed)
-    hot = np.arange(6)
-    return [np.sort(np.concatenate([rng.choice(hot, 3, replace=False),
-                                    [6 + (7 * t) % (EXPERTS - 6)]])) for t in range(n)]
+SLOTS = 8
 
 
 def follows(calls, policy: Adaptive) -> list:
@@ -90,12 +75,8 @@ def test_predicted_wraps_the_adaptive_policy():
 @pytest.mark.parametrize("kwargs", [dict(), dict(prefetch="next-layer"),
                                     dict(io="python")])
 def test_adaptive_eviction_keeps_the_output_mlx_lms_at_a_quarter_pool(qwen, kwargs):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from helpers import check_matches_resident
     from mlx_streaming.format import read_manifest
+    from mlx_streaming.testing.helpers import check_matches_resident
 
     src, stream_dir = qwen
     slots = read_manifest(stream_dir).layers[0].num_experts // 4

@@ -13,13 +13,6 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import (
-    PROMPT,
-    assert_same_logits,
-    check_matches_resident,
-    downgrade_to_v1,
-    logits_trace,
-)
 from mlx_streaming.config import StreamConfig
 from mlx_streaming.errors import BudgetError, FormatError
 from mlx_streaming.format import dense_path, read_manifest
@@ -27,6 +20,13 @@ from mlx_streaming.runtime import memory as budget
 from mlx_streaming.runtime import spine
 from mlx_streaming.runtime.model_spine import spine_bytes
 from mlx_streaming.testing.families import FAMILIES
+from mlx_streaming.testing.helpers import (
+    PROMPT,
+    assert_same_logits,
+    check_matches_resident,
+    downgrade_to_v1,
+    logits_trace,
+)
 
 MIB = 1 << 20
 
@@ -182,9 +182,9 @@ def test_version_1_directories_still_load(models, tmp_path):
     assert manifest.version == 1 and manifest.dense == ()
     check_matches_resident(src, v1, slots_per_layer=4)
     with pytest.warns(RuntimeWarning, match="pinned_layers and spine_ring have no effect"):
-        model, _ = mlx_streaming.load(v1, pinned_layers=0, slots_per_layer=4)
-    assert mlx_streaming.stats(model)["spine"] is None
-    model.streaming.close()
+        loaded = mlx_streaming.load(v1, pinned_layers=0, slots_per_layer=4)
+    with loaded as (model, _):
+        assert mlx_streaming.stats(model)["spine"] is None
     # A version 1 spine cannot stream: too small a budget says to re-convert.
     with pytest.raises(BudgetError, match="format version 2"):
         mlx_streaming.load(v1, cache_gb=1e-4)
@@ -205,10 +205,9 @@ def test_a_damaged_dense_record_is_an_error(models, tmp_path, pinned):
         with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
             mlx_streaming.load(copy)
     else:
-        model, _ = mlx_streaming.load(copy, pinned_layers=0, slots_per_layer=4)
-        with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
-            model(mx.array([PROMPT]))
-        model.streaming.close()
+        with mlx_streaming.load(copy, pinned_layers=0, slots_per_layer=4) as (model, _):
+            with pytest.raises(FormatError, match="layer 1 .* fails its checksum"):
+                model(mx.array([PROMPT]))
     proc = subprocess.run([sys.executable, "-m", "mlx_streaming.check", str(copy)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "spine/layer001.blob" in proc.stdout + proc.stderr

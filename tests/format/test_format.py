@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import PROMPT, record_bytes
 from mlx_streaming.errors import CorruptExpertError, FormatError
 from mlx_streaming.format import (
     RECORD_ALIGNMENT,
@@ -18,6 +17,7 @@ from mlx_streaming.format import (
     read_manifest,
     record_checksum,
 )
+from mlx_streaming.testing.helpers import PROMPT, record_bytes
 
 
 def test_layout_aligns_segments_and_stride():
@@ -133,18 +133,16 @@ def test_checksums_off_skips_checksums(stream_copy):
     change) without an error; with them on, the same read is refused."""
     spec = read_manifest(stream_copy).layers[1]
     tokens = mx.array([PROMPT[:4]])
-    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, checksums="off")
-    clean = model(tokens)
-    mx.eval(clean)
-    model.streaming.close()
+    with mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, checksums="off") as (model, _):
+        clean = model(tokens)
+        mx.eval(clean)
     for e in range(spec.num_experts):
         _flip_byte(stream_copy, spec, e)
-    model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, checksums="off")
-    damaged = model(tokens)
-    mx.eval(damaged)
-    assert mlx_streaming.stats(model)["layers"][spec.layer]["records_read"] > 0
-    assert not mx.array_equal(clean, damaged).item()
-    model.streaming.close()
+    with mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k, checksums="off") as (model, _):
+        damaged = model(tokens)
+        mx.eval(damaged)
+        assert mlx_streaming.stats(model)["layers"][spec.layer]["records_read"] > 0
+        assert not mx.array_equal(clean, damaged).item()
     model, _ = mlx_streaming.load(stream_copy, slots_per_layer=spec.top_k)
     with pytest.raises(CorruptExpertError):
         mx.eval(model(tokens))

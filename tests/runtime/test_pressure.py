@@ -12,9 +12,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import PROMPT, assert_same_logits, logits_trace
 from mlx_streaming.runtime.runtime import PressureWatch
 from mlx_streaming.runtime.stats import stats
+from mlx_streaming.testing.helpers import PROMPT, assert_same_logits, logits_trace
 
 CGROUP = Path("/sys/fs/cgroup/memory")
 
@@ -51,9 +51,8 @@ def test_pools_shrink_and_grow_with_available_memory_and_stay_exact(qwen, spine)
 
 
 def test_pressure_off_and_fully_resident_models_never_resize(qwen):
-    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=12, pressure_gb=0)
-    assert stats(model)["pressure"] is None
-    model.streaming.close()
+    with mlx_streaming.load(qwen[1], slots_per_layer=12, pressure_gb=0) as (model, _):
+        assert stats(model)["pressure"] is None
     model, _ = mlx_streaming.load(qwen[1])  # every expert fits: nothing pages
     assert stats(model)["pressure"] is None
 
@@ -64,7 +63,7 @@ import mlx.core as mx
 import mlx_streaming
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_streaming.runtime.stats import stats
-from helpers import PROMPT
+from mlx_streaming.testing.helpers import PROMPT
 
 model, _ = mlx_streaming.load(sys.argv[1], slots_per_layer=12, pressure_gb=2.0)
 cache = make_prompt_cache(model)
@@ -91,10 +90,9 @@ def test_lowering_a_cgroup_limit_mid_run_shrinks_the_pools(qwen, tmp_path):
     limit = group / "memory.limit_in_bytes"
     try:
         limit.write_text(str(8 << 30))
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
         proc = subprocess.Popen(
             [sys.executable, "-c", SCRIPT, str(stream)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE, text=True,
             preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
         first = proc.stdout.readline().split()
         usage = int((group / "memory.usage_in_bytes").read_text())

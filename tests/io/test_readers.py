@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import EXT, WHY, check_matches_resident
 from mlx_streaming.errors import ExpertReadError
 from mlx_streaming.io.native import NativeReader
 from mlx_streaming.io.python import PythonReader, direct_io_works
+from mlx_streaming.testing.helpers import EXT, WHY, check_matches_resident
 
 STRIDE = 16384
 

@@ -8,7 +8,13 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import (
+from mlx_streaming.config import POLICY_CHOICES
+from mlx_streaming.errors import BudgetError
+from mlx_streaming.format import read_manifest
+from mlx_streaming.io.native import load_extension
+from mlx_streaming.runtime.model_spine import spine_bytes
+from mlx_streaming.runtime.policy import LRU, make_policy
+from mlx_streaming.testing.helpers import (
     PROMPT,
     check_matches_resident,
     count_splits,
@@ -16,12 +22,6 @@ from helpers import (
     pool_bytes,
     record_bytes,
 )
-from mlx_streaming.config import POLICY_CHOICES
-from mlx_streaming.errors import BudgetError
-from mlx_streaming.format import read_manifest
-from mlx_streaming.io.native import load_extension
-from mlx_streaming.runtime.model_spine import spine_bytes
-from mlx_streaming.runtime.policy import LRU, make_policy
 
 
 @pytest.mark.parametrize("name", POLICY_CHOICES)
@@ -96,11 +96,10 @@ def test_prefill_beyond_the_pool_runs_in_chunks(qwen, tmp_path):
     src, stream_dir = qwen
     spec = read_manifest(stream_dir).layers[0]
     trace = tmp_path / "trace.jsonl"
-    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=spec.top_k, trace=str(trace))
     reference, _ = mlx_lm.load(str(src))
     x = mx.array([PROMPT])
-    assert mx.array_equal(model(x), reference(x)).item()
-    model.streaming.close()
+    with mlx_streaming.load(stream_dir, slots_per_layer=spec.top_k, trace=str(trace)) as (model, _):
+        assert mx.array_equal(model(x), reference(x)).item()
     from mlx_streaming.runtime.trace import read_trace
 
     distinct = [len(np.unique(ids)) for _, ids in read_trace(str(trace))]
@@ -187,9 +186,8 @@ def test_stream_generate_and_batch_generate(qwen):
 def test_trace_writes_one_line_per_call(qwen, tmp_path):
     _, stream_dir = qwen
     trace = tmp_path / "trace.jsonl"
-    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=1000, trace=str(trace))
-    logits_trace(model, steps=3)
-    model.streaming.close()
+    with mlx_streaming.load(stream_dir, slots_per_layer=1000, trace=str(trace)) as (model, _):
+        logits_trace(model, steps=3)
     from mlx_streaming.runtime.trace import read_trace
 
     lines = list(read_trace(str(trace)))
@@ -299,15 +297,14 @@ def test_overlap_splits_calls_of_several_tokens_exactly(qwen, monkeypatch, io):
     split = count_splits(monkeypatch)
     for overlap in (True, False):
         split.clear()
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=8, overlap=overlap,
-                                      **options)
-        streamed = _calls_of_several_tokens(model)
-        for i, (r, s) in enumerate(zip(reference, streamed)):
-            assert mx.array_equal(r, s).item(), f"logits differ at call {i}"
-        assert (2 in split) == overlap, split  # calls of two tokens (or sequences) split
-        if io == "native-synced":
-            assert type(model.streaming.stores[0]).__name__ == "NativeStore"
-        model.streaming.close()
+        with mlx_streaming.load(stream_dir, slots_per_layer=8, overlap=overlap,
+                                **options) as (model, _):
+            streamed = _calls_of_several_tokens(model)
+            for i, (r, s) in enumerate(zip(reference, streamed)):
+                assert mx.array_equal(r, s).item(), f"logits differ at call {i}"
+            assert (2 in split) == overlap, split  # calls of two tokens (or sequences) split
+            if io == "native-synced":
+                assert type(model.streaming.stores[0]).__name__ == "NativeStore"
 
 
 def test_an_interrupted_overlapped_call_waits_for_its_reads(qwen, monkeypatch):

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import assert_one_line_error
 
 import mlx_streaming
 from mlx_streaming.config import StreamConfig
@@ -17,6 +16,7 @@ from mlx_streaming.errors import (
 )
 from mlx_streaming.format import read_manifest
 from mlx_streaming.runtime import memory as budget
+from mlx_streaming.testing.helpers import assert_one_line_error
 
 
 def test_explicit_pool_beyond_available_memory_is_refused(qwen):
@@ -74,13 +74,9 @@ def test_prefetchs_staging_area_is_in_the_memory_plan(qwen):
     assert asked.staging == on.staging
     assert asked.total == plan(slots_per_layer=4).total + on.staging
 
-    model, _ = mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="next-layer")
-    runtime = model.streaming
-    try:
-        assert runtime.plan.staging == on.staging
+    with mlx_streaming.load(qwen[1], slots_per_layer=4, prefetch="next-layer") as (model, _):
+        assert model.streaming.plan.staging == on.staging
         assert mlx_streaming.stats(model)["memory"]["staging_gb"] == on.staging / 1e9
-    finally:
-        runtime.close()
 
 
 def test_what_loads_in_a_small_cgroup_runs(tmp_path, tokenizer_dir):
@@ -184,15 +180,13 @@ def test_the_prefill_step_is_what_the_headroom_holds(qwen):
 
     before = mx.set_cache_limit(1 << 40)
     try:
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
-        assert mx.set_cache_limit(1 << 40) == 1 << 40  # a large machine: untouched
-        model.streaming.close()
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, reserve_gb=1000)
-        capped = mx.set_cache_limit(1 << 40)
-        assert capped == model.streaming.plan.headroom // 4
-        mx.set_cache_limit(capped)
-        model.streaming.close()
-        assert mx.set_cache_limit(1 << 40) == 1 << 40
+        with mlx_streaming.load(stream_dir, slots_per_layer=4):
+            assert mx.set_cache_limit(1 << 40) == 1 << 40  # a large machine: untouched
+        with mlx_streaming.load(stream_dir, slots_per_layer=4, reserve_gb=1000) as (model, _):
+            capped = mx.set_cache_limit(1 << 40)
+            assert capped == model.streaming.plan.headroom // 4
+            mx.set_cache_limit(capped)
+        assert mx.set_cache_limit(1 << 40) == 1 << 40  # closing the model lifts the cap
     finally:
         mx.set_cache_limit(before)
 
@@ -222,10 +216,9 @@ def test_a_reserve_below_what_the_process_needs_is_raised_to_it(qwen):
 
     before = mx.set_cache_limit(1 << 40)
     try:
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, reserve_gb=0)
-        headroom = model.streaming.plan.headroom
-        assert headroom > 0
-        assert mx.set_cache_limit(1 << 40) == headroom // 4
-        model.streaming.close()
+        with mlx_streaming.load(stream_dir, slots_per_layer=4, reserve_gb=0) as (model, _):
+            headroom = model.streaming.plan.headroom
+            assert headroom > 0
+            assert mx.set_cache_limit(1 << 40) == headroom // 4
     finally:
         mx.set_cache_limit(before)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import assert_same_logits, logits_trace
 from mlx_streaming.conversion.low_bits import add_low_bits, full_weight
 from mlx_streaming.errors import ConfigError, ConversionError, CorruptExpertError
 from mlx_streaming.format import blob_path, damaged_records, read_manifest
 from mlx_streaming.testing.families import FAMILIES
+from mlx_streaming.testing.helpers import assert_same_logits, logits_trace
 
 
 def _with_copies(stream_dir, tmp_path, bits=(2,)):
@@ -90,11 +90,10 @@ def test_miss_bits_on_every_family(models, tmp_path, family):
     out = _with_copies(stream_dir, tmp_path)
     traces = []
     for _ in range(2):
-        model, _ = mlx_streaming.load(out, slots_per_layer=max(spec.top_k, spec.num_experts // 2),
-                                      miss_bits=2)
-        traces.append(logits_trace(model, steps=10))
-        report = mlx_streaming.stats(model)
-        model.streaming.close()
+        with mlx_streaming.load(out, slots_per_layer=max(spec.top_k, spec.num_experts // 2),
+                                miss_bits=2) as (model, _):
+            traces.append(logits_trace(model, steps=10))
+            report = mlx_streaming.stats(model)
         assert report["miss_bits"]["bits"] == 2
         # Each token's top expert is read in full: with one expert per
         # token (llama4), nothing takes a copy.
@@ -118,11 +117,10 @@ def test_a_weight_limits_which_misses_take_copies(models, tmp_path):
     out = _with_copies(stream_dir, tmp_path)
     share = {}
     for weight in (1.0, 0.2):
-        model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=2,
-                                      miss_bits_weight=weight)
-        logits_trace(model, steps=24)
-        share[weight] = mlx_streaming.stats(model)["miss_bits"]["share_of_misses"]
-        model.streaming.close()
+        with mlx_streaming.load(out, slots_per_layer=6, miss_bits=2,
+                                miss_bits_weight=weight) as (model, _):
+            logits_trace(model, steps=24)
+            share[weight] = mlx_streaming.stats(model)["miss_bits"]["share_of_misses"]
     assert 0 < share[0.2] < share[1.0]
 
 
@@ -130,10 +128,9 @@ def test_miss_bits_reads_fewer_bytes_and_says_so(models, tmp_path, recwarn):
     _, stream_dir = models.get("qwen3_moe", True)
     out = _with_copies(stream_dir, tmp_path)
     manifest = read_manifest(out)
-    model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=2)
-    logits_trace(model, steps=24)
-    total = mlx_streaming.stats(model)["total"]
-    model.streaming.close()
+    with mlx_streaming.load(out, slots_per_layer=6, miss_bits=2) as (model, _):
+        logits_trace(model, steps=24)
+        total = mlx_streaming.stats(model)["total"]
     # Every copy read costs its own bytes, fewer than a record's.
     full, low = manifest.layers[0].expert_nbytes, manifest.low_copies(2).layers[0].expert_nbytes
     copies = (total["records_read"] * full - total["bytes_read"]) / (full - low)
@@ -154,11 +151,10 @@ def test_batches_and_drafts_run_with_miss_bits(models, tmp_path):
     prompts = [[1, 7, 42, 300, 5], [18, 99, 260], [3, 77, 150, 11, 480, 23]]
     texts = []
     for _ in range(2):
-        model, tokenizer = mlx_streaming.load(out, slots_per_layer=8, miss_bits=2)
-        texts.append(mlx_streaming.batch_generate(model, tokenizer, prompts,
-                                                  max_tokens=12).texts)
-        assert mlx_streaming.stats(model)["miss_bits"]["substituted"] > 0
-        model.streaming.close()
+        with mlx_streaming.load(out, slots_per_layer=8, miss_bits=2) as (model, tokenizer):
+            texts.append(mlx_streaming.batch_generate(model, tokenizer, prompts,
+                                                      max_tokens=12).texts)
+            assert mlx_streaming.stats(model)["miss_bits"]["substituted"] > 0
     assert texts[0] == texts[1]
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_streaming.generate", "--model", str(out),
@@ -205,8 +201,8 @@ def test_convert_adds_copies_to_a_converted_directory(models, tmp_path):
     # width again writes it anew.
     q3 = out / "experts" / after["low_bits"][1]["layers"][0]["file"]
     q3.unlink()
-    model, _ = mlx_streaming.load(out, slots_per_layer=6, miss_bits=2)
-    model.streaming.close()
+    with mlx_streaming.load(out, slots_per_layer=6, miss_bits=2):
+        pass
     with pytest.raises(mlx_streaming.errors.FormatError):
         mlx_streaming.load(out, slots_per_layer=6, miss_bits=3)
     proc = subprocess.run(convert + ["--out", str(out), "--miss-bits", "3"],

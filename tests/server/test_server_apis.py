@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import ollama
 import pytest
-from test_server import Server, free_port
 
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.testing import tiny
+from mlx_streaming.testing.helpers import Server, free_port
 
 CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 # Each special token is followed by the next; the last by the end of text.

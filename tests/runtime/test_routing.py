@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from helpers import assert_same_logits, logits_trace
 from mlx_streaming.errors import ConfigError
 from mlx_streaming.models.discover import get_module
 from mlx_streaming.runtime import routing
 from mlx_streaming.testing.families import FAMILIES
+from mlx_streaming.testing.helpers import assert_same_logits, logits_trace
 
 
 def _softmax_top_k(logits, top_k):
@@ -175,11 +175,10 @@ def test_batched_decode_takes_experts_other_sequences_read(models, monkeypatch):
 
     monkeypatch.setattr(routing, "batch_free", batch_free)
     monkeypatch.setattr(routing, "choose", choose)
-    model, tokenizer = mlx_streaming.load(stream_dir, slots_per_layer=4,
-                                          routing="cache-aware", routing_keep=1)
     prompts = [[1, 7, 42, 300, 5], [18, 99, 260], [3, 77, 150, 11, 480, 23]]
-    mlx_streaming.batch_generate(model, tokenizer, prompts, max_tokens=8)
-    model.streaming.close()
+    with mlx_streaming.load(stream_dir, slots_per_layer=4,
+                            routing="cache-aware", routing_keep=1) as (model, tokenizer):
+        mlx_streaming.batch_generate(model, tokenizer, prompts, max_tokens=8)
     shared = 0
     for c in calls:
         scores = c["scores"].reshape(-1, c["scores"].shape[-1])
@@ -238,11 +237,10 @@ def test_cache_aware_routing_on_every_family(models, family, monkeypatch):
         with pytest.raises(ConfigError, match=REFUSED[family]):
             mlx_streaming.load(stream_dir, **options)
         return
-    model, _ = mlx_streaming.load(stream_dir, **options)
-    calls, recording = _record_routing(model)
-    monkeypatch.setattr(routing, "choose", recording)
-    first = logits_trace(model, steps=12)
-    model.streaming.close()
+    with mlx_streaming.load(stream_dir, **options) as (model, _):
+        calls, recording = _record_routing(model)
+        monkeypatch.setattr(routing, "choose", recording)
+        first = logits_trace(model, steps=12)
     # Every expert the family picked was in its router's top window, and
     # the router's own top expert was always kept (scores compared, for
     # routers whose scores tie).
@@ -282,10 +280,10 @@ def test_cache_aware_routing_reads_less_and_says_so(models, recwarn):
     spec = mlx_streaming.format.read_manifest(stream_dir).layers[0]
     totals = {}
     for mode in ("exact", "cache-aware"):
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=spec.top_k + 2, routing=mode)
-        logits_trace(model, steps=24)
-        totals[mode] = mlx_streaming.stats(model)
-        model.streaming.close()
+        with mlx_streaming.load(stream_dir, slots_per_layer=spec.top_k + 2,
+                                routing=mode) as (model, _):
+            logits_trace(model, steps=24)
+            totals[mode] = mlx_streaming.stats(model)
     exact, aware = totals["exact"], totals["cache-aware"]
     assert aware["routing"]["substituted"] > 0
     assert 0 < aware["routing"]["route_agreement"] < 1
@@ -301,11 +299,10 @@ def test_the_baselines_read_no_more_than_exact(models, mode):
     src, stream_dir = models.get("qwen3_moe", True)
     misses = {}
     for routing_mode in ("exact", mode):
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=6, routing=routing_mode)
-        logits_trace(model, steps=24)
-        report = mlx_streaming.stats(model)
-        misses[routing_mode] = report["total"]["misses"]
-        model.streaming.close()
+        with mlx_streaming.load(stream_dir, slots_per_layer=6, routing=routing_mode) as (model, _):
+            logits_trace(model, steps=24)
+            report = mlx_streaming.stats(model)
+            misses[routing_mode] = report["total"]["misses"]
     assert report["routing"]["substituted"] > 0
     assert misses[mode] < misses["exact"]
 
@@ -330,12 +327,11 @@ def test_top_k_cut_cuts_a_full_pool_too(models):
     got = {}
     for slots in (spec.num_experts, spec.num_experts // 2):
         with pytest.warns(UserWarning, match="routing='top-k-cut' .* approximate"):
-            model, _ = mlx_streaming.load(stream_dir, slots_per_layer=slots,
-                                          routing="top-k-cut")
-        assert model.streaming.routers, slots
-        got[slots] = logits_trace(model, steps=4)
-        report = mlx_streaming.stats(model)["routing"]
-        model.streaming.close()
+            loaded = mlx_streaming.load(stream_dir, slots_per_layer=slots, routing="top-k-cut")
+        with loaded as (model, _):
+            assert model.streaming.routers, slots
+            got[slots] = logits_trace(model, steps=4)
+            report = mlx_streaming.stats(model)["routing"]
         # Every token passes over all but its top routing_keep.
         assert report["approximate"] and report["routed"] > 0, slots
         assert report["route_agreement"] == (spec.top_k // 2) / spec.top_k, slots
@@ -401,12 +397,11 @@ def test_batches_and_drafts_run_with_cache_aware_routing(models):
     prompts = [[1, 7, 42, 300, 5], [18, 99, 260], [3, 77, 150, 11, 480, 23]]
     texts = []
     for _ in range(2):
-        model, tokenizer = mlx_streaming.load(stream_dir, slots_per_layer=6,
-                                              routing="cache-aware", routing_keep=1)
-        texts.append(mlx_streaming.batch_generate(model, tokenizer, prompts,
-                                                  max_tokens=12).texts)
-        assert mlx_streaming.stats(model)["routing"]["substituted"] > 0
-        model.streaming.close()
+        with mlx_streaming.load(stream_dir, slots_per_layer=6,
+                                routing="cache-aware", routing_keep=1) as (model, tokenizer):
+            texts.append(mlx_streaming.batch_generate(model, tokenizer, prompts,
+                                                      max_tokens=12).texts)
+            assert mlx_streaming.stats(model)["routing"]["substituted"] > 0
     assert texts[0] == texts[1]
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_streaming.generate", "--model", str(stream_dir),
@@ -421,8 +416,7 @@ def test_generate_and_the_server_refuse_routing_settings_that_change_nothing(mod
     """Both build their config from the same flags and load the same way:
     a routing setting without its routing, and a cut that keeps the whole
     top-k, are one-line errors before anything runs."""
-    from test_cli import assert_one_line_error
-    from test_server import free_port
+    from mlx_streaming.testing.helpers import assert_one_line_error, free_port
 
     _, stream_dir = models.get("qwen3_moe", True)
     top_k = mlx_streaming.format.read_manifest(stream_dir).layers[0].top_k
@@ -448,12 +442,12 @@ def test_a_quality_budget_chooses_the_settings_and_caches_them(models, tmp_path)
     said = []
     for _ in range(2):
         with pytest.warns(UserWarning) as caught:
-            model, _ = mlx_streaming.load(stream_dir, **options)
+            loaded = mlx_streaming.load(stream_dir, **options)
         said.append(next(str(w.message) for w in caught if "routing_max_ppl" in str(w.message)))
-        top_k, keep, window, _ = model.streaming.routers[0].shape
-        assert model.streaming.config.routing == "cache-aware"
-        assert f"routing_keep={keep}, routing_window={window}" in said[-1]
-        model.streaming.close()
+        with loaded as (model, _):
+            top_k, keep, window, _ = model.streaming.routers[0].shape
+            assert model.streaming.config.routing == "cache-aware"
+            assert f"routing_keep={keep}, routing_window={window}" in said[-1]
     assert "measured on 256 tokens" in said[0] and "cached in" in said[1], said
     (cached,) = (tmp_path / "routing-budget").glob("*-s6-p0.05.json")
     choice = json.loads(cached.read_text())

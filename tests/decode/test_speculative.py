@@ -12,7 +12,6 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlx_streaming
-from helpers import PROMPT
 from mlx_streaming.decode.mtp import MtpDraft
 from mlx_streaming.decode.speculative import (
     ModelDraft,
@@ -23,6 +22,7 @@ from mlx_streaming.decode.speculative import (
 )
 from mlx_streaming.errors import ConfigError
 from mlx_streaming.runtime.stats import stats
+from mlx_streaming.testing.helpers import PROMPT
 
 STEPS = 24
 FAMILIES = ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_k3"]
@@ -205,10 +205,9 @@ def test_models_without_mtp_layers_say_so(models, qwen, capsys):
 
     with pytest.raises(ConfigError, match="has no MTP layers"):
         mlx_streaming.load(qwen[1], mtp=True)
-    model, _ = mlx_streaming.load(qwen[1])
-    with pytest.raises(ConfigError, match="no MTP layers loaded"):
-        MtpDraft(model)
-    model.streaming.close()
+    with mlx_streaming.load(qwen[1]) as (model, _):
+        with pytest.raises(ConfigError, match="no MTP layers loaded"):
+            MtpDraft(model)
     assert generate.main(["--model", str(qwen[1]), "--draft", "mtp", "--max-tokens", "2"]) != 0
     assert "has no MTP layers" in capsys.readouterr().err
 

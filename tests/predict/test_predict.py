@@ -21,7 +21,7 @@ from mlx_streaming.testing.hubserver import HubServer
 from mlx_streaming.testing.sparse_repo import write_sparse_repo
 
 REPO = "org/Qwen3-235B-A22B-4bit"
-PUBLISHED = json.loads((__import__("pathlib").Path(__file__).parent.parent / "mlx_streaming"
+PUBLISHED = json.loads((__import__("pathlib").Path(__file__).parents[2] / "mlx_streaming"
                         / "predict" / "data" / "published.json").read_text())
 QWEN_235B = PUBLISHED["models"]["Qwen3-235B-A22B-4bit"]["config"]
 
@@ -204,7 +204,7 @@ def test_the_built_in_curves_rise_with_the_resident_share_and_say_whence():
         c = builtin_curve(policy)
         assert list(c.hits) == sorted(c.hits) and 0.3 < c.hits[0] < c.hits[-1] < 1
         assert "OLMoE" in c.name and policy in c.name
-    notice = (__import__("pathlib").Path(__file__).parent.parent / "mlx_streaming" / "predict"
+    notice = (__import__("pathlib").Path(__file__).parents[2] / "mlx_streaming" / "predict"
               / "data" / "NOTICE.md").read_text()
     assert "Apache-2.0" in notice and "sqliteai/warp" in notice
 

@@ -10,12 +10,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import PROMPT, check_matches_resident, count_splits
 from mlx_streaming.errors import CorruptExpertError
 from mlx_streaming.format import read_manifest
 from mlx_streaming.runtime import residency
 from mlx_streaming.runtime.block import NativePaged, Paged
 from mlx_streaming.runtime.store import NativeStore
+from mlx_streaming.testing.helpers import PROMPT, check_matches_resident, count_splits
 
 
 def _residencies(model):
@@ -61,15 +61,13 @@ def _assert_same_state(a, b, step, layers=None):
 
 def test_native_step_is_chosen_where_it_can_run(qwen, tmp_path):
     _, stream_dir = qwen
-    model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
-    assert all(type(r) is NativePaged for r in _residencies(model))
-    assert all(type(s) is NativeStore for s in model.streaming.stores)
-    model.streaming.close()
+    with mlx_streaming.load(stream_dir, slots_per_layer=4) as (model, _):
+        assert all(type(r) is NativePaged for r in _residencies(model))
+        assert all(type(s) is NativeStore for s in model.streaming.stores)
     for kwargs in ({"io": "python"}, {"prefetch": "next-layer"}, {"policy": "arc"},
                    {"trace": str(tmp_path / "t.jsonl")}):
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, **kwargs)
-        assert all(type(r) is Paged for r in _residencies(model)), kwargs
-        model.streaming.close()
+        with mlx_streaming.load(stream_dir, slots_per_layer=4, **kwargs) as (model, _):
+            assert all(type(r) is Paged for r in _residencies(model)), kwargs
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu-decay", "adaptive"])
@@ -82,57 +80,49 @@ def test_native_step_agrees_with_the_reference_call_for_call(models, monkeypatch
     # Without overlap: a slow read on a busy machine could move a layer's
     # calls out of the graph (NativePaged._overlap_pays), which is checked apart.
     kwargs = dict(slots_per_layer=4, policy=policy, checksums=checksums, overlap=False)
-    native, _ = mlx_streaming.load(stream_dir, **kwargs)
-    reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
-    assert type(_residencies(reference)[0]) is Paged
-    caches = [make_prompt_cache(m) for m in (native, reference)]
-    tokens = mx.array([PROMPT])
-    evictions = 0
-    for step in range(24):
-        before = _state(native)
-        out = [m(tokens, cache=c)[:, -1] for m, c in zip((native, reference), caches)]
-        mx.eval(out)
-        assert mx.array_equal(out[0], out[1]).item(), f"logits differ at step {step}"
-        _assert_same_state(native, reference, step)
-        assert _counters(native) == _counters(reference), f"counters differ at step {step}"
-        evictions += sum(not np.array_equal(b[0], a[0]) for b, a in zip(before, _state(native)))
-        tokens = mx.argmax(out[0], axis=-1, keepdims=True)
-    assert evictions > 24, "the pools hardly changed: nothing was compared"
-    # Decode calls ran inside the graph (no sync), the prefill synced.
-    totals = [c for c in native.streaming.stats.counters.values()]
-    assert all(c.graph_calls == 23 and c.syncs == 1 for c in totals)
-    for m in (native, reference):
-        m.streaming.close()
+    with (mlx_streaming.load(stream_dir, **kwargs) as (native, _),
+          _load_reference(monkeypatch, stream_dir, **kwargs) as (reference, _)):
+        assert type(_residencies(reference)[0]) is Paged
+        caches = [make_prompt_cache(m) for m in (native, reference)]
+        tokens = mx.array([PROMPT])
+        evictions = 0
+        for step in range(24):
+            before = _state(native)
+            out = [m(tokens, cache=c)[:, -1] for m, c in zip((native, reference), caches)]
+            mx.eval(out)
+            assert mx.array_equal(out[0], out[1]).item(), f"logits differ at step {step}"
+            _assert_same_state(native, reference, step)
+            assert _counters(native) == _counters(reference), f"counters differ at step {step}"
+            evictions += sum(not np.array_equal(b[0], a[0]) for b, a in zip(before, _state(native)))
+            tokens = mx.argmax(out[0], axis=-1, keepdims=True)
+        assert evictions > 24, "the pools hardly changed: nothing was compared"
+        # Decode calls ran inside the graph (no sync), the prefill synced.
+        totals = [c for c in native.streaming.stats.counters.values()]
+        assert all(c.graph_calls == 23 and c.syncs == 1 for c in totals)
 
 
 def test_native_step_follows_the_adaptive_policys_arms_as_the_reference(qwen, monkeypatch):
     """Synthetic routing that favours recency, then frequency, then recency:
     both paths switch arms on the same call and fill the same slots."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_policy import frequency_calls, recency_calls
+    from mlx_streaming.testing.helpers import frequency_calls, recency_calls
 
     _, stream_dir = qwen
     kwargs = dict(slots_per_layer=4, policy="adaptive", checksums="off")
-    native, _ = mlx_streaming.load(stream_dir, **kwargs)
-    reference, _ = _load_reference(monkeypatch, stream_dir, **kwargs)
-    experts = native.streaming.stores[0].spec.num_experts
-    calls = [c[c < experts][:4] for c in recency_calls(90) + frequency_calls(90)
-             + recency_calls(90, seed=1)]
-    ours, theirs = native.streaming.stores[0], reference.streaming.stores[0]
-    arms = []
-    for step, ids in enumerate(calls):
-        ours.ensure(ours.route(ids.astype(np.uint32))[1])
-        distinct = np.unique(ids)
-        theirs.policy.observe(distinct, ids[None])
-        theirs.ensure(distinct)
-        arms.append(theirs.policy.follows_lru)
-        _assert_same_state(native, reference, step, layers=1)
-    assert True in arms and False in arms, "the policy never switched arms: nothing compared"
-    for m in (native, reference):
-        m.streaming.close()
+    with (mlx_streaming.load(stream_dir, **kwargs) as (native, _),
+          _load_reference(monkeypatch, stream_dir, **kwargs) as (reference, _)):
+        experts = native.streaming.stores[0].spec.num_experts
+        calls = [c[c < experts][:4] for c in recency_calls(90) + frequency_calls(90)
+                 + recency_calls(90, seed=1)]
+        ours, theirs = native.streaming.stores[0], reference.streaming.stores[0]
+        arms = []
+        for step, ids in enumerate(calls):
+            ours.ensure(ours.route(ids.astype(np.uint32))[1])
+            distinct = np.unique(ids)
+            theirs.policy.observe(distinct, ids[None])
+            theirs.ensure(distinct)
+            arms.append(theirs.policy.follows_lru)
+            _assert_same_state(native, reference, step, layers=1)
+        assert True in arms and False in arms, "the policy never switched arms: nothing compared"
 
 
 @pytest.mark.parametrize("family,quantized", [("deepseek_v3", False), ("qwen3_next", True)])
@@ -302,20 +292,19 @@ def test_a_layer_whose_reads_are_slow_syncs_to_overlap_them(qwen, monkeypatch, o
         assert all(s <= 2 for s in synced) and not split  # the two prompts' calls only
     if overlap:
         # Reads below the bar again: the layers go back into the graph.
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4)
-        cache = make_prompt_cache(model)
-        token = mx.argmax(model(mx.array([PROMPT]), cache=cache)[:, -1], axis=-1,
-                          keepdims=True)
-        for bar in (1e-9, 1e9):
-            monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", bar)
-            mlx_streaming.reset_stats(model)
-            for _ in range(6):
-                token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
-            mx.eval(token)
-            graph_calls = mlx_streaming.stats(model)["total"]["graph_calls"]
-            assert (graph_calls < 6 * len(counters)) if bar < 1 else graph_calls == 6 * len(
-                counters)
-        model.streaming.close()
+        with mlx_streaming.load(stream_dir, slots_per_layer=4) as (model, _):
+            cache = make_prompt_cache(model)
+            token = mx.argmax(model(mx.array([PROMPT]), cache=cache)[:, -1], axis=-1,
+                              keepdims=True)
+            for bar in (1e-9, 1e9):
+                monkeypatch.setattr(block, "OVERLAP_MIN_READ_S", bar)
+                mlx_streaming.reset_stats(model)
+                for _ in range(6):
+                    token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+                mx.eval(token)
+                graph_calls = mlx_streaming.stats(model)["total"]["graph_calls"]
+                assert (graph_calls < 6 * len(counters)) if bar < 1 else graph_calls == 6 * len(
+                    counters)
 
 
 class _GraphReads:

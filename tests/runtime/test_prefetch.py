@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from helpers import IO_PATHS, PROMPT, check_matches_resident, pool_sizes
 from mlx_streaming.runtime.prefetch.predict import rank_order
+from mlx_streaming.testing.helpers import IO_PATHS, PROMPT, check_matches_resident, pool_sizes
 
 
 def test_prefetch_order_puts_shared_experts_first():
@@ -327,36 +327,35 @@ def test_prefetch_depth_two_reads_the_layer_after_next_with_the_room_left(models
     _, stream_dir = models.get("qwen3_moe", quantized=True)
     budget = 5  # more than the 4 experts predicted per token: room is left
     for depth in (1, 2):
-        model, _ = mlx_streaming.load(stream_dir, slots_per_layer=4, io=io,
-                                      prefetch="next-layer", prefetch_records=budget,
-                                      prefetch_precision=0, prefetch_depth=depth)
-        runtime = model.streaming
-        layers = [s.layer for s in runtime.stores]
-        issues = []  # per issue, (layer staged, reads issued) in order
-        ahead = set()  # (layer, expert) staged two layers early
-        taken_ahead = []
+        with mlx_streaming.load(stream_dir, slots_per_layer=4, io=io,
+                                prefetch="next-layer", prefetch_records=budget,
+                                prefetch_precision=0, prefetch_depth=depth) as (model, _):
+            runtime = model.streaming
+            layers = [s.layer for s in runtime.stores]
+            issues = []  # per issue, (layer staged, reads issued) in order
+            ahead = set()  # (layer, expert) staged two layers early
+            taken_ahead = []
 
-        def on_stage(layer, experts, issued):
-            if issues[-1]:  # the second stage of an issue: two layers ahead
-                ahead.update((layer, int(e)) for e in experts)
-            issues[-1].append((layer, issued))
+            def on_stage(layer, experts, issued):
+                if issues[-1]:  # the second stage of an issue: two layers ahead
+                    ahead.update((layer, int(e)) for e in experts)
+                issues[-1].append((layer, issued))
 
-        def on_take(layer, expert, crc):
-            if crc is not None and (layer, expert) in ahead:
-                taken_ahead.append((layer, expert))
+            def on_take(layer, expert, crc):
+                if crc is not None and (layer, expert) in ahead:
+                    taken_ahead.append((layer, expert))
 
-        spy_on_prefetch(runtime, lambda layer: issues.append([]), on_stage, on_take)
-        _stats_of_decode(model, 8)
-        staged = [i for i in issues if i]
-        assert all(sum(n for _, n in i) <= budget for i in staged)
-        two = {tuple(layer for layer, _ in i) for i in staged if len(i) == 2}
-        if depth == 1:
-            assert not two and not ahead
-        else:
-            # Every layer but the last two reads for the two layers after it.
-            assert {(a, b) for a, b in zip(layers[1:], layers[2:])} <= two
-            assert taken_ahead, "no record read two layers early was used"
-        model.streaming.close()
+            spy_on_prefetch(runtime, lambda layer: issues.append([]), on_stage, on_take)
+            _stats_of_decode(model, 8)
+            staged = [i for i in issues if i]
+            assert all(sum(n for _, n in i) <= budget for i in staged)
+            two = {tuple(layer for layer, _ in i) for i in staged if len(i) == 2}
+            if depth == 1:
+                assert not two and not ahead
+            else:
+                # Every layer but the last two reads for the two layers after it.
+                assert {(a, b) for a, b in zip(layers[1:], layers[2:])} <= two
+                assert taken_ahead, "no record read two layers early was used"
 
 
 @pytest.mark.parametrize("io", IO_PATHS)
