@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,27 @@ from mlx_streaming.testing.helpers import VOCAB, pool_sizes
 from mlx_streaming.testing.hubserver import HubServer
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+
+
+def launcher() -> list:
+    """``mlx.launch`` of two local ring ranks on ports free a moment ago:
+    its default ports are fixed, and two test workers launching at once
+    would connect each other's ranks."""
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
+            "--python", sys.executable]
+
+
+def free_port_pair() -> int:
+    """A port P on 127.0.0.1 with P and P + 1 free a moment ago."""
+    while True:
+        (port,) = free_ports(1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
 # Expert widths that split into two ranks' 4-bit groups of 64.
 SPLITTABLE = dict(moe_intermediate_size=128)
 TIMEOUT = 240
@@ -50,7 +72,7 @@ def launch(tmp_path, *args, timeout=TIMEOUT):
     """Run the rank check on two ranks; each rank's result, by rank."""
     out = tmp_path / "ranks"
     out.mkdir(exist_ok=True)
-    proc = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable,
+    proc = subprocess.run([*launcher(),
                            sharded.__file__, "--out", str(out), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
     results = []
@@ -344,7 +366,7 @@ def test_generate_runs_split_and_rank_0_speaks(split_models):
     one = subprocess.run(_generate(plain, "--max-tokens", "12"), capture_output=True,
                          text=True, timeout=TIMEOUT)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable,
+    two = subprocess.run([*launcher(),
                           *_generate(plain, "--max-tokens", "12", "--pipeline")[1:]],
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert two.returncode == 0, two.stderr
@@ -492,7 +514,7 @@ def test_the_server_serves_a_split_model(split_models):
     _, _, tp = split_models("qwen3_moe")
     (port,) = free_ports(1)
     server = subprocess.Popen(
-        [LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, "-m",
+        [*launcher(), "-m",
          "mlx_streaming.server", "--model", str(tp), "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -512,7 +534,7 @@ def test_the_server_serves_a_split_model(split_models):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.communicate(timeout=60)
-    split = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable,
+    split = subprocess.run([*launcher(),
                             *_generate(tp, "--max-tokens", "8", "--tensor-parallel")[1:]],
                            capture_output=True, text=True, timeout=TIMEOUT)
     assert split.returncode == 0, split.stderr
