@@ -23,7 +23,7 @@ from typing import Callable, List, NoReturn, Optional
 from .errors import StreamingError
 
 COMMANDS = {
-    "convert": "mlx_streaming.conversion.cli",
+    "convert": "mlx_streaming.conversion.command",
     "generate": "mlx_streaming.generate",
     "demo": "mlx_streaming.demo",
     "bench": "mlx_streaming.bench.__main__",

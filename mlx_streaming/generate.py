@@ -19,14 +19,14 @@ from .config import add_config_flags, config_from_args
 from .errors import ConfigError, first_line
 from .flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, Parser, count, number, temperature
 from .predict.against import against, describe, read_forecast
-from .split import add_split_flags, load_split, lost, watch
+from .sharded import add_sharded_flags, load_sharded, lost, watch
 
 # Heavy imports (mlx, mlx-lm) happen inside main's body, where an
 # interrupt during start-up is one line, not a traceback.
 
 DEFAULT_PROMPT = "def "
 DRAFT_CHOICES = ("ngram", "mtp")
-DEFAULT_NUM_DRAFT = 3  # speculative.DEFAULT_NUM_DRAFT (not imported: heavy)
+DEFAULT_NUM_DRAFT = 3  # verify_drafts.DEFAULT_NUM_DRAFT (not imported: heavy)
 DEFAULT_MAX_TOKENS = 100
 
 
@@ -61,7 +61,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=count(1, MAX_NUM_DRAFT), default=DEFAULT_NUM_DRAFT,
                    help="tokens drafted per verify call")
     add_config_flags(p)
-    add_split_flags(p)
+    add_sharded_flags(p)
     return p
 
 
@@ -170,12 +170,12 @@ def _responses(args, model, tokenizer, prompt, sampler):
     """mlx-lm's token stream, or the speculative one when drafts are asked."""
     from mlx_lm import stream_generate
 
-    from .runtime.prefill import step_of
+    from .runtime.prefill_step import step_of
 
     if not (args.draft or args.draft_model):
         return stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                sampler=sampler, prefill_step_size=step_of(model))
-    from .decode import speculative
+    from .decode import verify_drafts
 
     if args.draft_model:
         import mlx_lm
@@ -190,15 +190,15 @@ def _responses(args, model, tokenizer, prompt, sampler):
             print(f"[mlx_streaming] warning: --draft-model {args.draft_model} has another "
                   "tokenizer than the model: its drafts will rarely be accepted (the output "
                   "is the model's all the same)", file=sys.stderr)
-        draft = speculative.ModelDraft(drafter, temp=args.temp)
+        draft = verify_drafts.ModelDraft(drafter, temp=args.temp)
     elif args.draft == "mtp":
         from .decode.mtp import MtpDraft
 
         draft = MtpDraft(model)
     else:
-        draft = speculative.NgramDraft()
+        draft = verify_drafts.NgramDraft()
     # A text prompt is encoded there, with mlx-lm's rule for a leading BOS.
-    return speculative.stream_generate(model, tokenizer, prompt, draft,
+    return verify_drafts.stream_generate(model, tokenizer, prompt, draft,
                                        max_tokens=args.max_tokens,
                                        num_draft_tokens=args.num_draft_tokens,
                                        temp=args.temp, seed=args.seed)
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
         from .runtime.stats import stats
 
         mx.random.seed(args.seed)
-        split = load_split(args, config)
+        split = load_sharded(args, config)
         if split is None:
             model, tokenizer = load(args.model, revision=args.revision, config=config)
         else:

@@ -24,7 +24,7 @@ LAYERS = [
     {"hub"},
     {"runtime"},
     {"decode"},
-    {"generate", "server", "check", "convert", "demo", "testing", "bench", "split", "__init__",
+    {"generate", "server", "check", "convert", "demo", "testing", "bench", "sharded", "__init__",
      "__main__", "predict"},
 ]
 MAX_LINES = 450

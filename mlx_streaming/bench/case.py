@@ -119,7 +119,7 @@ def speculative(case, model, tokenizer) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.generate import speculative_generate_step as mlx_spec
 
-    from ..decode.speculative import SpecStats, speculative_generate_step
+    from ..decode.verify_drafts import SpecStats, speculative_generate_step
 
     n = case["tokens"]
     drafters = {d: mlx_lm.load(d.split(":", 1)[1])[0] for d in case["drafts"]
@@ -153,7 +153,7 @@ def speculative(case, model, tokenizer) -> dict:
 
 
 def _make_draft(name, model, drafters):
-    from ..decode.speculative import ModelDraft, NgramDraft
+    from ..decode.verify_drafts import ModelDraft, NgramDraft
 
     if name == "mtp":
         from ..decode.mtp import MtpDraft

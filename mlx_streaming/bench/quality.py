@@ -170,7 +170,7 @@ def equal_memory_slots(manifest, slots: int, bits: Optional[int],
         return slots
     copies = manifest.low_copies(bits)
     if copies is None:
-        from ..conversion.low_bits import check_width
+        from ..conversion.copies import check_width
         from ..errors import ConversionError
 
         try:  # what convert would refuse is not suggested

@@ -38,7 +38,7 @@ from ..format import (
     spine_manifest,
     write_manifest,
 )
-from ..models import mtp
+from ..models import mtp_layers
 from ..models.discover import (
     find_expert_blocks,
     get_module,
@@ -46,9 +46,9 @@ from ..models.discover import (
     num_experts,
     projections,
 )
+from .copies import add_copies, check_low_bits
 from .dense import convert_dense, resident_modules, write_spine
 from .experts import convert_layer, find_top_k, release_experts
-from .low_bits import add_copies, check_low_bits
 from .resume import (
     SKIP_FILES,
     State,
@@ -367,34 +367,34 @@ def _convert_mtp(model, config, src_path: Path, dst: Path, top_k: int, options: 
     """Keep the model's MTP layers (``models.mtp``), which mlx-lm drops: their
     routed experts as blobs, the rest in ``mtp.safetensors``. None when the
     config declares none or the source has no such weights."""
-    count = mtp.mtp_layers_of(config)
+    count = mtp_layers.mtp_layers_of(config)
     if not count:
         return None
-    unsupported = mtp.supports(model)
+    unsupported = mtp_layers.supports(model)
     if unsupported:
         print(f"[mlx_streaming] config.json declares MTP layers, but they are kept only for "
               f"DeepSeek-V3-style models ({unsupported}); --draft mtp will not be available",
               file=sys.stderr)
         return None
     first = len(model.model.layers)
-    found = mtp.source_tensors(sorted(src_path.glob("*.safetensors")), first, count)
+    found = mtp_layers.source_tensors(sorted(src_path.glob("*.safetensors")), first, count)
     if len(found) < count:
         print(f"[mlx_streaming] config.json declares {count} MTP layer(s) but the source "
               "has no weights for them (mlx-lm's converter drops them); --draft mtp will "
               "not be available", file=sys.stderr)
         return None
-    modules = mtp.build(model, count)
+    modules = mtp_layers.build(model, count)
     specs, rest = [], {}
     for depth, module in enumerate(modules):
-        weights = mtp.sanitize(model, found[depth])
+        weights = mtp_layers.sanitize(model, found[depth])
         if options["dtype"] is not None:
             weights = {k: v.astype(DTYPES[options["dtype"]])
                        if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-        mtp.load_weights(module, weights, config.get("quantization")
+        mtp_layers.load_weights(module, weights, config.get("quantization")
                          if not options["quantize"] else None)
-        mtp.check_complete(module, weights, str(src_path))
+        mtp_layers.check_complete(module, weights, str(src_path))
         if options["quantize"]:
-            mtp.quantize(module, options["q_group_size"], options["q_bits"], options["q_mode"])
+            mtp_layers.quantize(module, options["q_group_size"], options["q_bits"], options["q_mode"])
         ((path, block),) = find_expert_blocks(module)
         spec = convert_layer(block, f"mtp.{depth}.{path}", first + depth,
                               f"mtp{depth:02d}.blob", top_k, dst, bar.update)
@@ -402,12 +402,12 @@ def _convert_mtp(model, config, src_path: Path, dst: Path, top_k: int, options: 
         rest.update({f"mtp.{depth}.{k}": v for k, v in tree_flatten(module.parameters())
                      if k not in names})
         specs.append(spec)
-    tmp = dst / (mtp.MTP_FILE + ".tmp.safetensors")
+    tmp = dst / (mtp_layers.MTP_FILE + ".tmp.safetensors")
     mx.save_safetensors(str(tmp), rest, metadata={"format": "mlx"})
     fsync_path(tmp)
-    os.replace(tmp, dst / mtp.MTP_FILE)
-    spine = SpineFile(mtp.MTP_FILE, (dst / mtp.MTP_FILE).stat().st_size,
-                      file_crc32(dst / mtp.MTP_FILE))
+    os.replace(tmp, dst / mtp_layers.MTP_FILE)
+    spine = SpineFile(mtp_layers.MTP_FILE, (dst / mtp_layers.MTP_FILE).stat().st_size,
+                      file_crc32(dst / mtp_layers.MTP_FILE))
     return MtpSpec(spine, tuple(specs))
 
 

@@ -7,7 +7,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, BatchResponse
 
 from ..errors import ConfigError
-from ..runtime.prefill import step_of
+from ..runtime.prefill_step import step_of
 
 Prompt = Union[str, Sequence[int]]
 

@@ -14,12 +14,6 @@ expert is a single ``pread`` of ``stride`` bytes at ``expert * stride``.
 Version 1 directories (the whole spine in safetensors) are still read.
 """
 
-from .check import (  # noqa: F401
-    checked_layers,
-    damaged_experts,
-    damaged_records,
-    damaged_spine,
-)
 from .files import (  # noqa: F401
     MAX_SAFETENSORS_HEADER,
     SAFETENSORS_ITEMSIZE,
@@ -47,6 +41,12 @@ from .files import (  # noqa: F401
     write_copies_command,
     write_json_atomic,
     write_manifest,
+)
+from .integrity import (  # noqa: F401
+    checked_layers,
+    damaged_experts,
+    damaged_records,
+    damaged_spine,
 )
 from .layout import (  # noqa: F401
     CONVERT_STATE_NAME,

@@ -16,7 +16,7 @@ from typing import Dict
 
 import numpy as np
 
-from .fetch import ExpertFetchError
+from .ranges import ExpertFetchError
 
 log = logging.getLogger(__name__)
 

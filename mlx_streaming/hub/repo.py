@@ -193,8 +193,8 @@ def make_remote_reader(repo: HubRepo, local: Path, manifest: Manifest, config: S
     _check_no_pace(config)
 
     from .disk_cache import open_cache
-    from .fetch import RangeFetcher
-    from .reader import RemoteBlob, RemoteReader
+    from .ranges import RangeFetcher
+    from .remote import RemoteBlob, RemoteReader
 
     root = cache_root(config)
     cache = None

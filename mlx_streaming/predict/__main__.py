@@ -119,7 +119,7 @@ def predict(args) -> dict:
 
 def _routing(config: StreamConfig, top_k: int) -> RoutingForecast:
     """The routing forecast, refused where the runtime refuses it."""
-    from ..runtime.routing import default_keep, default_window
+    from ..runtime.cache_aware import default_keep, default_window
 
     if config.routing == "exact":
         return RoutingForecast("exact", top_k, None)

@@ -140,7 +140,7 @@ class _HubFiles:
     def __init__(self, repo: HubRepo):
         from huggingface_hub.utils import build_hf_headers
 
-        from ..hub.fetch import RangeFetcher
+        from ..hub.ranges import RangeFetcher
 
         self.repo, self.label, self.root = repo, repo.repo_id, None
         self.sizes = dict(repo.files or {})

@@ -26,10 +26,10 @@ from ..io.choice import choose_direct_io, make_reader
 from ..io.python import PythonReader
 from ..models.discover import get_module
 from . import quality_budget, sharding, spine
+from .cache_aware import check_keep
 from .memory import GB, bytes_per_slot, min_slots, plan_memory
 from .model_spine import attach_mtp, check_experts_compute_here, load_spine, spine_bytes
 from .residency import install_blocks
-from .routing import check_keep
 from .runtime import PressureWatch, Runtime
 from .wrap import one_pass_at_a_time
 

@@ -9,7 +9,7 @@ from ..config import DEFAULT_SPINE_RING, StreamConfig
 from ..errors import BudgetError
 from ..format import DenseSpec, Manifest
 from ..system import available_memory_bytes
-from .prefill import MIN_PREFILL_STEP, PREFILL_STEP, bytes_per_token, prefill_step, room_for
+from .prefill_step import MIN_PREFILL_STEP, PREFILL_STEP, bytes_per_token, prefill_step, room_for
 
 GB = 1e9
 

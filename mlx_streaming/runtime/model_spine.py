@@ -13,7 +13,7 @@ from mlx_lm.utils import load_model
 from ..config import StreamConfig
 from ..errors import ConfigError, FormatError
 from ..format import Manifest, check_safetensors, file_crc32, spine_files
-from ..models import mtp
+from ..models import mtp_layers
 from ..models.discover import find_expert_blocks, num_experts
 
 
@@ -105,7 +105,7 @@ def attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: d
             f"{path} has no MTP layers: the model declares none, or it was converted "
             "from weights without them (mlx-lm's converter drops them); convert from the "
             "original checkpoint, or draft with --draft ngram or --draft-model")
-    unsupported = mtp.supports(model)
+    unsupported = mtp_layers.supports(model)
     if unsupported:
         raise ConfigError(f"MTP drafting needs a DeepSeek-V3-style model, and "
                           f"{model_config.get('model_type')}'s is not: {unsupported}")
@@ -114,12 +114,12 @@ def attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: d
         raise FormatError(f"{f} is missing or not the size the manifest records; re-convert")
     if config.checksums == "always" and file_crc32(f) != manifest.mtp.spine.crc32:
         raise FormatError(f"{f} fails its checksum; re-convert the model")
-    layers = mtp.build(model, len(manifest.mtp.layers))
+    layers = mtp_layers.build(model, len(manifest.mtp.layers))
     weights = mx.load(str(f))
     for depth, layer in enumerate(layers):
         prefix = f"mtp.{depth}."
         mine = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-        mtp.load_weights(layer, mine, model_config.get("quantization") or
+        mtp_layers.load_weights(layer, mine, model_config.get("quantization") or
                          {"group_size": 64, "bits": 4})
     model.mtp = layers
     return replace(manifest, layers=manifest.layers + manifest.mtp.layers)

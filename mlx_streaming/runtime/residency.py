@@ -20,12 +20,12 @@ from ..models.discover import (
     set_module,
 )
 from .block import NativePaged, Paged, Resident, StreamingExperts, calls_in_graph
+from .cache_aware import install_routers
 from .low_bits import LowBitMisses, check_low_bits, copy_slots, low_inner
 from .policy import LRU, make_policy
 from .pool import SlotPool
 from .prefetch.factory import make_prefetchers
 from .rank_routing import misses_of, routing_check
-from .routing import install_routers
 from .store import NATIVE_POLICIES, ExpertStore, NativeStore, RecordSource
 
 

@@ -15,7 +15,7 @@ from ..errors import ConfigError, first_line
 from ..flags import MAX_NUM_DRAFT, MAX_TOKENS, MIN_TEMPERATURE, Parser, count
 from ..mlx_lm_adapter import http_server, server_parser
 from ..runtime.loader import approximations
-from ..runtime.prefill import step_of
+from ..runtime.prefill_step import step_of
 from .provider import make_provider
 from .service import Service, counting
 from .validation import check_sampling, is_int, is_number

@@ -12,7 +12,7 @@ in ``/v1/stats`` (``streaming.speculative``).
 
 from mlx_lm import stream_generate as plain_stream_generate
 
-from ..decode import speculative
+from ..decode import verify_drafts
 from ..decode.mtp import MtpDraft
 from .generation import ResilientResponseGenerator
 
@@ -42,7 +42,7 @@ class DraftingResponseGenerator(ResilientResponseGenerator):
         plainly."""
         args, whole = self.request or (None, None)
         k = kwargs.get("num_draft_tokens") or 0
-        if args is None or not prompt or not 1 <= k <= speculative.MAX_NUM_DRAFT \
+        if args is None or not prompt or not 1 <= k <= verify_drafts.MAX_NUM_DRAFT \
                 or not plain_temperature(args, kwargs):
             yield from plain_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                              draft_model=draft_model, **kwargs)
@@ -50,8 +50,8 @@ class DraftingResponseGenerator(ResilientResponseGenerator):
         rest = [int(t) for t in prompt]
         # The cached prefix, for an n-gram draft to look its text up in.
         context = whole[:len(whole) - len(rest)] if whole and self.kind == "ngram" else []
-        draft = speculative.NgramDraft() if self.kind == "ngram" else MtpDraft(model)
-        yield from speculative.stream_generate(
+        draft = verify_drafts.NgramDraft() if self.kind == "ngram" else MtpDraft(model)
+        yield from verify_drafts.stream_generate(
             model, tokenizer, rest, draft, max_tokens=max_tokens, num_draft_tokens=k,
             temp=float(args.sampling.temperature), seed=args.seed or 0,
             prompt_cache=kwargs.get("prompt_cache"), context=context, settle=True)

@@ -170,18 +170,18 @@ def add_mtp_weights(model: nn.Module, config: dict, out: Path, quantize: bool = 
     as a checkpoint stores them: ``model.layers.{N + i}.*`` in
     ``out/mtp.safetensors``, where mlx-lm's loader never looks (its
     ``sanitize`` would keep a tiny model's and then refuse them)."""
-    from ..models import mtp
+    from ..models import mtp_layers
 
     mx.random.seed(seed)
     first = len(model.model.layers)
     weights = {}
-    for depth, module in enumerate(mtp.build(model, mtp.mtp_layers_of(config))):
+    for depth, module in enumerate(mtp_layers.build(model, mtp_layers.mtp_layers_of(config))):
         _spread_router_bias(module)
         if quantize:
-            mtp.quantize(module, 64, 4, "affine")
+            mtp_layers.quantize(module, 64, 4, "affine")
         mx.eval(module.parameters())
         for name, value in tree_flatten(module.parameters()):
             name = name[len("layer."):] if name.startswith("layer.") else name
             weights[f"model.layers.{first + depth}.{name}"] = value
-    mx.save_safetensors(str(Path(out) / mtp.MTP_FILE), weights)
+    mx.save_safetensors(str(Path(out) / mtp_layers.MTP_FILE), weights)
     return out

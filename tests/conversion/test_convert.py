@@ -184,21 +184,21 @@ def test_a_group_size_that_leaves_the_experts_float_is_refused(tmp_path, tokeniz
 ])
 def test_convert_flags_that_would_be_ignored_are_refused(qwen, tmp_path, capsys, flags, says):
     """Each was ignored, or converted and then skipped the upload, exit 0."""
-    from mlx_streaming.conversion import cli
+    from mlx_streaming.conversion import command
 
     out = tmp_path / "s"
-    assert cli.main(["--model", str(qwen[0]), "--out", str(out), "--no-progress", *flags]) == 1
+    assert command.main(["--model", str(qwen[0]), "--out", str(out), "--no-progress", *flags]) == 1
     assert says in capsys.readouterr().err and not out.exists()
 
 
 def test_a_quantization_mode_brings_its_own_defaults(models, tmp_path):
     """``-q --q-mode mxfp4`` alone was refused: the group size 64 it
     defaulted to is affine's."""
-    from mlx_streaming.conversion import cli
+    from mlx_streaming.conversion import command
 
     src, _ = models.get("qwen3_moe", quantized=False)
     out = tmp_path / "s"
-    assert cli.main(["--model", str(src), "--out", str(out), "--no-progress", "-q",
+    assert command.main(["--model", str(src), "--out", str(out), "--no-progress", "-q",
                      "--q-mode", "mxfp4"]) == 0
     quantization = json.loads((out / "config.json").read_text())["quantization"]
     assert quantization["mode"] == "mxfp4" and quantization["group_size"] == 32

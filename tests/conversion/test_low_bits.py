@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mlx_streaming
-from mlx_streaming.conversion.low_bits import add_low_bits, full_weight
+from mlx_streaming.conversion.copies import add_low_bits, full_weight
 from mlx_streaming.errors import ConfigError, ConversionError, CorruptExpertError
 from mlx_streaming.format import blob_path, damaged_records, read_manifest
 from mlx_streaming.testing.families import FAMILIES
@@ -228,19 +228,19 @@ def _damage(path, spec, expert):
 def test_adding_copies_a_directory_holds_says_so(models, tmp_path, capsys):
     """Copies already there are left as they are, and said to be, with
     how to check them and how to write them again."""
-    from mlx_streaming.conversion import cli
+    from mlx_streaming.conversion import command
 
     _, stream_dir = models.get("qwen3_moe", True)
     out = _with_copies(stream_dir, tmp_path)
     low = read_manifest(out).low_copies(2).layers[0]
     _damage(out, low, 1)
-    assert cli.main(["--out", str(out), "--miss-bits", "2,3", "--no-progress"]) == 0
+    assert command.main(["--out", str(out), "--miss-bits", "2,3", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert "wrote the 3-bit copies" in err and "2,3-bit" not in err, err
     assert "holds the 2-bit copies already" in err and "mlx_streaming check" in err
     assert f"--out {out} --miss-bits 2 --force" in err
     assert damaged_records(out) == [(low.layer, 1)]
-    assert cli.main(["--out", str(out), "--miss-bits", "2", "--force", "--no-progress"]) == 0
+    assert command.main(["--out", str(out), "--miss-bits", "2", "--force", "--no-progress"]) == 0
     assert "wrote the 2-bit copies" in capsys.readouterr().err
     assert damaged_records(out) == []
 
@@ -249,7 +249,7 @@ def test_damaged_copies_are_named_as_copies_with_their_fix(models, tmp_path, cap
     """Damage to a copy says it is the B-bit copies and names the convert
     command that writes them again, not a whole re-conversion."""
     from mlx_streaming import check
-    from mlx_streaming.conversion import cli
+    from mlx_streaming.conversion import command
 
     _, stream_dir = models.get("qwen3_moe", True)
     out = _with_copies(stream_dir, tmp_path)
@@ -275,7 +275,7 @@ def test_damaged_copies_are_named_as_copies_with_their_fix(models, tmp_path, cap
         mlx_streaming.load(out, slots_per_layer=low.top_k, miss_bits=2)
     assert "re-convert" not in str(e.value) and f"--out {out} --miss-bits 2`" in str(e.value)
     # The command named is enough.
-    assert cli.main(["--out", str(out), "--miss-bits", "2", "--no-progress"]) == 0
+    assert command.main(["--out", str(out), "--miss-bits", "2", "--no-progress"]) == 0
     assert check.main([str(out)]) == 0
     assert "and their 2-bit copies" in capsys.readouterr().out
 

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 
 import mlx_streaming
 from mlx_streaming.decode.mtp import MtpDraft
-from mlx_streaming.decode.speculative import (
+from mlx_streaming.decode.verify_drafts import (
     ModelDraft,
     NgramDraft,
     SpecStats,
@@ -278,8 +278,8 @@ def test_draft_models_are_reusable_and_may_have_a_larger_vocabulary(models):
 
 
 def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
-    from mlx_streaming.decode import speculative
-    from mlx_streaming.models import mtp
+    from mlx_streaming.decode import verify_drafts
+    from mlx_streaming.models import mtp_layers as mtp
 
     _, stream = models.get("deepseek_v3", quantized=True, num_nextn_predict_layers=1)
     model, _ = mlx_streaming.load(stream, slots_per_layer=8, mtp=True)
@@ -298,7 +298,7 @@ def test_mtp_layer_takes_a_long_prompt_in_chunks(models):
         assert len(list(steps)) == 4
     finally:
         mtp.MTPLayer.__call__ = call
-    assert max(seen) <= speculative.PREFILL_STEP and sum(seen) >= 1099
+    assert max(seen) <= verify_drafts.PREFILL_STEP and sum(seen) >= 1099
 
 
 def test_families_without_deepseek_style_mtp_convert_without_it(tmp_path, tokenizer_dir):

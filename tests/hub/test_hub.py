@@ -20,7 +20,7 @@ from mlx_streaming.errors import ConfigError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
 from mlx_streaming.hub import repo as hub
 from mlx_streaming.hub.disk_cache import DiskCache
-from mlx_streaming.hub.fetch import ExpertFetchError
+from mlx_streaming.hub.ranges import ExpertFetchError
 from mlx_streaming.runtime.stats import stats
 from mlx_streaming.testing.helpers import assert_same_logits, greedy_text, logits_trace, reshard
 from mlx_streaming.testing.hubserver import HubServer
@@ -162,7 +162,7 @@ def test_a_fault_once_is_retried_and_the_output_stays_exact(qwen, served, tmp_pa
 def test_a_server_ignoring_range_still_gives_exact_output(qwen, served, tmp_path, caplog):
     reference = local_reference(qwen[1])
     served.faults.append(lambda r: "full" if is_record(r) else None)
-    with caplog.at_level(logging.WARNING, logger="mlx_streaming.hub.reader"):
+    with caplog.at_level(logging.WARNING, logger="mlx_streaming.hub.remote"):
         assert_exact(served, tmp_path, reference, disk_cache_gb=0)
     assert any("ignores HTTP Range" in r.message for r in caplog.records)
 
@@ -284,10 +284,10 @@ def test_a_repo_without_an_index_loads_as_mlx_lm_loads_its_directory(tokenizer_d
 
 
 def test_convert_upload_publishes_a_streamable_repo(qwen, tmp_path):
-    from mlx_streaming.conversion import cli
+    from mlx_streaming.conversion import command
 
     with HubServer(upload_root=tmp_path / "hub") as server:
-        rc = cli.main(["--model", str(qwen[0]), "--out", str(tmp_path / "s"),
+        rc = command.main(["--model", str(qwen[0]), "--out", str(tmp_path / "s"),
                              "--no-progress", "--upload", "org/uploaded",
                              "--endpoint", server.url])
         assert rc == 0
@@ -364,7 +364,7 @@ def test_concurrent_puts_never_pass_the_cap_or_count_twice(tmp_path):
 
 
 def test_retry_after_is_honoured_and_named(served):
-    from mlx_streaming.hub.fetch import RangeFetcher
+    from mlx_streaming.hub.ranges import RangeFetcher
 
     fetcher = RangeFetcher({}, timeout=5, retries=2, backoff=0.01)
     waits = []
@@ -546,9 +546,9 @@ def test_a_local_directory_spelled_as_a_repo_id_says_so(qwen, tmp_path, monkeypa
 
 
 def test_an_upload_to_a_bad_repo_id_is_refused_before_converting(qwen, tmp_path):
-    from mlx_streaming.conversion import cli
+    from mlx_streaming.conversion import command
 
     out = tmp_path / "s"
-    rc = cli.main(["--model", str(qwen[0]), "--out", str(out), "--no-progress",
+    rc = command.main(["--model", str(qwen[0]), "--out", str(out), "--no-progress",
                    "--upload", "bad id"])
     assert rc == 1 and not out.exists()

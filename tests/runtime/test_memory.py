@@ -157,7 +157,7 @@ def test_the_prefill_step_is_what_the_headroom_holds(qwen):
     import mlx.core as mx
 
     from mlx_streaming.runtime.memory import plan_memory
-    from mlx_streaming.runtime.prefill import MIN_PREFILL_STEP, PREFILL_STEP, bytes_per_token
+    from mlx_streaming.runtime.prefill_step import MIN_PREFILL_STEP, PREFILL_STEP, bytes_per_token
 
     _, stream_dir = qwen
     manifest = read_manifest(stream_dir)
@@ -199,7 +199,7 @@ def test_a_reserve_below_what_the_process_needs_is_raised_to_it(qwen):
     import mlx.core as mx
 
     from mlx_streaming.runtime.memory import plan_memory
-    from mlx_streaming.runtime.prefill import MIN_PREFILL_STEP, bytes_per_token, room_for
+    from mlx_streaming.runtime.prefill_step import MIN_PREFILL_STEP, bytes_per_token, room_for
 
     _, stream_dir = qwen
     manifest = read_manifest(stream_dir)

@@ -15,7 +15,7 @@ import pytest
 import mlx_streaming
 from mlx_streaming.errors import ConfigError
 from mlx_streaming.models.discover import get_module
-from mlx_streaming.runtime import routing
+from mlx_streaming.runtime import cache_aware
 from mlx_streaming.testing.families import FAMILIES
 from mlx_streaming.testing.helpers import assert_same_logits, logits_trace
 
@@ -40,8 +40,8 @@ def test_the_family_picks_what_was_chosen_within_the_window(bonus):
         logits = mx.array(np.round(rng.normal(size=(tokens, experts)) * 2) / 2, mx.bfloat16)
         resident = mx.array(rng.random(experts) < 0.3)
         scores = logits.astype(mx.float32)
-        chosen, changed, passed = routing.choose(scores, resident, top_k, keep, window, bonus)
-        penalty = routing.logit_penalty(logits, scores, chosen, changed, resident,
+        chosen, changed, passed = cache_aware.choose(scores, resident, top_k, keep, window, bonus)
+        penalty = cache_aware.logit_penalty(logits, scores, chosen, changed, resident,
                                         fill=False, mask_all=False)
         picks = _sets(_softmax_top_k(logits + penalty.astype(logits.dtype), top_k))
         ranked = -np.sort(-np.asarray(scores), axis=-1)
@@ -78,9 +78,9 @@ def test_the_baselines_fill_with_resident_experts_of_negligible_weight(mode):
     res = rng.random(experts) < 0.4
     resident = mx.array(res)
     scores = logits.astype(mx.float32)
-    chosen, changed, _ = routing.choose(scores, resident, top_k, 2 if mode == "top-k-cut" else 1,
+    chosen, changed, _ = cache_aware.choose(scores, resident, top_k, 2 if mode == "top-k-cut" else 1,
                                         top_k, mode=mode)
-    penalty = routing.logit_penalty(logits, scores, chosen, changed, resident, fill=True,
+    penalty = cache_aware.logit_penalty(logits, scores, chosen, changed, resident, fill=True,
                                     mask_all=False)
     steered = logits + penalty.astype(logits.dtype)
     picks = _softmax_top_k(steered, top_k)
@@ -107,9 +107,9 @@ def test_a_boosted_bias_makes_a_grouped_router_pick_what_was_chosen():
     logits = mx.array(rng.normal(size=(tokens, experts)).astype(np.float32))
     bias = mx.array(rng.normal(size=experts).astype(np.float32) - 1.0)
     resident = mx.array(rng.random(experts) < 0.5)
-    scores = routing.group_limited(mx.sigmoid(logits) + bias, n_group, topk_group)
-    chosen, changed, _ = routing.choose(scores, resident, top_k, 1, 8)
-    boosted = bias + routing.bias_boost(chosen, changed)
+    scores = cache_aware.group_limited(mx.sigmoid(logits) + bias, n_group, topk_group)
+    chosen, changed, _ = cache_aware.choose(scores, resident, top_k, 1, 8)
+    boosted = bias + cache_aware.bias_boost(chosen, changed)
     inds, weights = group_expert_select(logits, boosted, top_k, n_group, topk_group, 1.0, True)
     own, _ = group_expert_select(logits, bias, top_k, n_group, topk_group, 1.0, True)
     assert np.asarray(changed).any()
@@ -127,7 +127,7 @@ def test_a_boosted_bias_makes_a_grouped_router_pick_what_was_chosen():
 def test_nothing_resident_or_everything_resident_changes_nothing():
     scores = mx.array(np.random.default_rng(1).normal(size=(16, 32)).astype(np.float32))
     for resident in (np.zeros(32, bool), np.ones(32, bool)):
-        chosen, changed, passed = routing.choose(scores, mx.array(resident), 4, 1, 16)
+        chosen, changed, passed = cache_aware.choose(scores, mx.array(resident), 4, 1, 16)
         assert int(passed.item()) == 0 and not np.asarray(changed).any()
 
 
@@ -144,17 +144,17 @@ def test_a_batched_call_counts_what_another_sequence_keeps_as_resident():
     rows[2, [4, 6, 7, 8]] = [9, 8, 7, 6]
     resident = mx.array(np.arange(experts) == 15)
     batch = mx.array(rows[:, None, :])
-    free = routing.batch_free(resident, batch, keep)
+    free = cache_aware.batch_free(resident, batch, keep)
     assert np.asarray(free).shape == (1, 1, experts)
     assert set(np.nonzero(np.asarray(free)[0, 0])[0].tolist()) == {5, 9, 4, 15}
     # Sequence 1 takes its 5th, free, before its missing 4th.
-    chosen, changed, _ = routing.choose(batch, free, top_k, keep, window)
+    chosen, changed, _ = cache_aware.choose(batch, free, top_k, keep, window)
     assert set(np.nonzero(np.asarray(chosen)[1, 0])[0].tolist()) == {9, 10, 11, 5}
     assert np.asarray(changed)[:, 0, 0].tolist() == [False, True, False]
-    own, _, _ = routing.choose(batch, resident, top_k, keep, window)
+    own, _, _ = cache_aware.choose(batch, resident, top_k, keep, window)
     assert set(np.nonzero(np.asarray(own)[1, 0])[0].tolist()) == {9, 10, 11, 12}
     for alone in (batch[1:2], mx.array(rows[None]), mx.array(rows)):
-        assert routing.batch_free(resident, alone, keep) is resident
+        assert cache_aware.batch_free(resident, alone, keep) is resident
 
 
 def test_batched_decode_takes_experts_other_sequences_read(models, monkeypatch):
@@ -162,7 +162,7 @@ def test_batched_decode_takes_experts_other_sequences_read(models, monkeypatch):
     of its own missing top-k, an expert that is not resident but that
     another sequence keeps."""
     _, stream_dir = models.get("qwen3_moe", True)
-    calls, originals = [], (routing.batch_free, routing.choose)
+    calls, originals = [], (cache_aware.batch_free, cache_aware.choose)
 
     def batch_free(resident, scores, keep):
         calls.append(dict(resident=np.asarray(resident), scores=np.asarray(scores), keep=keep))
@@ -173,8 +173,8 @@ def test_batched_decode_takes_experts_other_sequences_read(models, monkeypatch):
         calls[-1].update(chosen=np.asarray(out[0]), top_k=top_k)
         return out
 
-    monkeypatch.setattr(routing, "batch_free", batch_free)
-    monkeypatch.setattr(routing, "choose", choose)
+    monkeypatch.setattr(cache_aware, "batch_free", batch_free)
+    monkeypatch.setattr(cache_aware, "choose", choose)
     prompts = [[1, 7, 42, 300, 5], [18, 99, 260], [3, 77, 150, 11, 480, 23]]
     with mlx_streaming.load(stream_dir, slots_per_layer=4,
                             routing="cache-aware", routing_keep=1) as (model, tokenizer):
@@ -197,7 +197,7 @@ def _record_routing(model):
     """Per paged layer, the (scores, window, keep) and the ids each call got."""
     calls = {}
     runtime = model.streaming
-    original = routing.choose
+    original = cache_aware.choose
 
     def recording(scores, resident, top_k, keep, window, *args, **kwargs):
         calls.setdefault("scores", []).append((scores, keep, window))
@@ -239,7 +239,7 @@ def test_cache_aware_routing_on_every_family(models, family, monkeypatch):
         return
     with mlx_streaming.load(stream_dir, **options) as (model, _):
         calls, recording = _record_routing(model)
-        monkeypatch.setattr(routing, "choose", recording)
+        monkeypatch.setattr(cache_aware, "choose", recording)
         first = logits_trace(model, steps=12)
     # Every expert the family picked was in its router's top window, and
     # the router's own top expert was always kept (scores compared, for

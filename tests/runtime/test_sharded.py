@@ -445,7 +445,7 @@ def test_a_stopped_rank_does_not_say_it_waited_for_its_peers(split_models, tmp_p
 # jumps (it was stopped), hangs ("hang"); "stuck" hangs once ready.
 _FAKE_RANK = """
 import sys, time
-from mlx_streaming.split import Watchdog
+from mlx_streaming.sharded import Watchdog
 dog = Watchdog(1, float(sys.argv[1]))
 start = then = time.monotonic()
 while True:

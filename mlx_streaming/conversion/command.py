@@ -17,8 +17,8 @@ from ..format import (
     CONVERT_STATE_NAME,
     manifest_path,
 )
+from .copies import write_copies
 from .local import DTYPES, QUANTIZATION, convert, quantization_defaults
-from .low_bits import write_copies
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ from .runtime.events import Observer
 DEFAULT_RANK_TIMEOUT = 300.0
 
 
-def add_split_flags(p) -> None:
+def add_sharded_flags(p) -> None:
     g = p.add_argument_group("split over machines (run under `mlx.launch -n N`)")
     g.add_argument("--tensor-parallel", action="store_true",
                    help="split every layer across the ranks (a directory converted with "
@@ -29,7 +29,7 @@ def add_split_flags(p) -> None:
                         "error (a peer died or hangs)")
 
 
-def load_split(args, config):
+def load_sharded(args, config):
     """``(model, tokenizer, rank)`` of a run under ``mlx.launch`` with more
     than one rank, or None for a process that runs alone.
 

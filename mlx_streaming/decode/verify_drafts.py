@@ -1,6 +1,6 @@
 """Speculative decoding through a streamed model: drafts checked K at a time,
 lossless (greedy: the same tokens; sampling: the target's distribution), the
-caches of a partly rejected call undone (docs/design.md, "decode/speculative.py")."""
+caches of a partly rejected call undone (docs/design.md, "decode/verify_drafts.py")."""
 
 import time
 from typing import Generator, List, Optional, Sequence, Tuple
@@ -13,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..errors import ConfigError
 from ..flags import MAX_NUM_DRAFT
-from ..runtime.prefill import step_of
+from ..runtime.prefill_step import step_of
 from ..runtime.stats import SpecStats
 
 DEFAULT_NUM_DRAFT = 3

@@ -1,6 +1,6 @@
 """Multi-token-prediction (MTP) layers: kept by the converter, attached at
 load (``load(..., mtp=True)``), drafted with (``decode.mtp.MtpDraft``); built
-from the family's own classes (docs/design.md, "models/mtp.py")."""
+from the family's own classes (docs/design.md, "models/mtp_layers.py")."""
 
 import re
 from typing import Dict, List, Optional, Sequence

@@ -15,7 +15,7 @@ from ..errors import ExpertReadError
 from ..format import LayerSpec, record_checksum
 from ..io.python import PythonReader, aligned_empty, scatter_record
 from .disk_cache import DiskCache
-from .fetch import MAX_REQUEST_BYTES, ExpertFetchError, RangeFetcher
+from .ranges import MAX_REQUEST_BYTES, ExpertFetchError, RangeFetcher
 
 log = logging.getLogger(__name__)
 

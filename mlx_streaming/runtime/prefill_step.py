@@ -1,6 +1,6 @@
 """How many prompt tokens go through the model at once: mlx-lm's prefill
 step, or fewer where the headroom would not hold a step's activations
-(docs/design.md, "runtime/prefill.py")."""
+(docs/design.md, "runtime/prefill_step.py")."""
 
 from typing import Callable, Optional
 

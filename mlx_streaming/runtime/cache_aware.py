@@ -1,7 +1,7 @@
 """Cache-aware routing (opt-in, approximate): among the router's top
 ``window`` candidates, after its own top ``keep``, a token takes resident
 experts first. The top-k-cut and skip-misses baselines use the same mask
-(docs/design.md, "runtime/routing.py")."""
+(docs/design.md, "runtime/cache_aware.py")."""
 
 from typing import List, Optional, Tuple
 
@@ -113,7 +113,7 @@ def bias_boost(chosen: mx.array, changed: mx.array) -> mx.array:
 def logit_penalty(logits: mx.array, scores: mx.array, chosen: mx.array, changed: mx.array,
                   resident: mx.array, fill: bool, mask_all: bool) -> mx.array:
     """Added to a router's logits so that its top-k takes the chosen experts
-    (masking and ``fill``: docs/design.md, "runtime/routing.py")."""
+    (masking and ``fill``: docs/design.md, "runtime/cache_aware.py")."""
     logits = logits.astype(mx.float32)
     big = mx.array(PENALTY)
     if fill:
