@@ -154,9 +154,9 @@ class StreamConfig:
         "what each costs", choices=ROUTING_CHOICES, same_on_ranks=True)
     routing_keep: Optional[int] = _option(
         None, "approximate routing: the router's own top experts always taken (default: "
-        "half the experts per token, skip-misses 1; all of them is exact for cache-aware "
-        "routing, refused for the baselines)", type=int,
-        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="top-k / 2",
+        "half the experts per token; 1 for skip-misses and a softmax router of < 8 per token; "
+        "all of them is exact for cache-aware routing, refused for the baselines)", type=int,
+        bounds=dict(low=1, high=MAX_COUNT, optional=True), shown_default="top-k / 2 or 1",
         same_on_ranks=True)
     routing_window: Optional[int] = _option(
         None, "cache-aware routing: the router's top candidates a resident expert may come "
@@ -167,8 +167,9 @@ class StreamConfig:
         None, "cache-aware routing: instead of taking every resident candidate first, add "
         "this to the resident candidates' selection scores and take the best (an ungrouped "
         "softmax router's logits: a resident expert counts as e^bonus times as likely; "
-        "docs/routing.md gives the others' units; default: resident first)", type=float,
-        bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="resident first",
+        "docs/routing.md gives the others' units; default: 0.25 for such a router of < 8 "
+        "experts per token, else resident first)", type=float,
+        bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="0.25 or resident first",
         same_on_ranks=True)
     routing_max_ppl: Optional[float] = _option(
         None, "a quality budget instead of knobs: cache-aware routing with the routing_keep, "

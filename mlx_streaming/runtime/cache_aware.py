@@ -33,9 +33,27 @@ MARGIN = 1.0
 FILLER = 60.0
 
 
-def default_keep(top_k: int, mode: str = "cache-aware") -> int:
-    """The router's own top experts always taken: half (skip-misses: the top one)."""
-    return 1 if mode == "skip-misses" else max(1, top_k // 2)
+# With fewer experts per token each substitution moves a larger share of a
+# token's expert mass: there a softmax router steered by its logits keeps its
+# top expert and prefers resident ones by a logit bonus (docs/routing.md).
+FEW_EXPERTS = 8
+DEFAULT_LOGIT_BONUS = 0.25
+
+
+def default_keep(top_k: int, mode: str = "cache-aware", logits: bool = True) -> int:
+    """The router's own top experts always taken: half (skip-misses, and a
+    few-expert softmax router's cache-aware routing: the top one)."""
+    if mode == "skip-misses" or (mode == "cache-aware" and logits and top_k < FEW_EXPERTS):
+        return 1
+    return max(1, top_k // 2)
+
+
+def default_bonus(top_k: int, mode: str, logits: bool) -> Optional[float]:
+    """A few-expert softmax router's logit bonus for resident experts, else
+    None (resident experts first)."""
+    if mode == "cache-aware" and logits and top_k < FEW_EXPERTS:
+        return DEFAULT_LOGIT_BONUS
+    return None
 
 
 def check_keep(specs, config) -> None:
@@ -311,17 +329,22 @@ def install_routers(model: nn.Module, stores, blocks: dict, config, tensor_group
                 f"routing={config.routing!r} needs a softmax router; "
                 f"{type(parent).__name__}'s selects with a bias (use cache-aware)")
         top_k = spec.top_k
-        keep = min(config.routing_keep or default_keep(top_k, config.routing), top_k)
-        window = max(config.routing_window or default_window(top_k), top_k)
         groups = _groups(gate, holder, parent)
         activation = _activation(owner, gate, holder, parent)
         if activation not in ("sigmoid", "softmax") and (owner is not None or groups[0] > 1):
             raise ConfigError(
                 f"routing={config.routing!r}: {type(parent).__name__}'s router scores with "
                 f"{activation!r}, which cache-aware routing does not rank; use routing='exact'")
+        # Steered by its logits: a softmax router with no selection bias or groups.
+        logits = owner is None and activation == "softmax" and groups[0] == 1
+        keep = min(config.routing_keep or default_keep(top_k, config.routing, logits), top_k)
+        window = max(config.routing_window or default_window(top_k), top_k)
+        bonus = config.routing_bonus
+        if bonus is None:
+            bonus = default_bonus(top_k, config.routing, logits)
         router = CacheAwareRouter(gate, owner, residency_of(store.pool.table, tensor_group),
                                   top_k, keep, min(window, spec.num_experts), groups,
-                                  config.routing_bonus, config.routing,
+                                  bonus, config.routing,
                                   activation == "sigmoid", spec.layer)
         setattr(holder, name, router)
         if owner is not None and not _takes_token_biases(parent, spec, router):

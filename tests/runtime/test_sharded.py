@@ -26,6 +26,7 @@ from mlx_streaming.testing.helpers import VOCAB, pool_sizes
 from mlx_streaming.testing.hubserver import HubServer
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+TIMEOUT = 240
 
 
 def launcher() -> list:
@@ -34,6 +35,20 @@ def launcher() -> list:
     would connect each other's ranks."""
     return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
             "--python", sys.executable]
+
+
+def run_launched(cmd: list, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """Run an ``mlx.launch`` command; past ``timeout`` its ranks are killed
+    with it (they would otherwise spin on, holding the cores)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def free_port_pair() -> int:
@@ -49,7 +64,6 @@ def free_port_pair() -> int:
             continue
 # Expert widths that split into two ranks' 4-bit groups of 64.
 SPLITTABLE = dict(moe_intermediate_size=128)
-TIMEOUT = 240
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +86,8 @@ def launch(tmp_path, *args, timeout=TIMEOUT):
     """Run the rank check on two ranks; each rank's result, by rank."""
     out = tmp_path / "ranks"
     out.mkdir(exist_ok=True)
-    proc = subprocess.run([*launcher(),
-                           sharded.__file__, "--out", str(out), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_launched([*launcher(), sharded.__file__, "--out", str(out), *map(str, args)],
+                        timeout)
     results = []
     for r in range(2):
         f = out / f"rank{r}.json"
@@ -366,9 +379,7 @@ def test_generate_runs_split_and_rank_0_speaks(split_models):
     one = subprocess.run(_generate(plain, "--max-tokens", "12"), capture_output=True,
                          text=True, timeout=TIMEOUT)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([*launcher(),
-                          *_generate(plain, "--max-tokens", "12", "--pipeline")[1:]],
-                         capture_output=True, text=True, timeout=TIMEOUT)
+    two = run_launched([*launcher(), *_generate(plain, "--max-tokens", "12", "--pipeline")[1:]])
     assert two.returncode == 0, two.stderr
     # A pipeline is mlx-lm on one rank: the same text, printed once.
     assert two.stdout == one.stdout
@@ -534,9 +545,8 @@ def test_the_server_serves_a_split_model(split_models):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.communicate(timeout=60)
-    split = subprocess.run([*launcher(),
-                            *_generate(tp, "--max-tokens", "8", "--tensor-parallel")[1:]],
-                           capture_output=True, text=True, timeout=TIMEOUT)
+    split = run_launched([*launcher(),
+                          *_generate(tp, "--max-tokens", "8", "--tensor-parallel")[1:]])
     assert split.returncode == 0, split.stderr
     assert text and split.stdout.strip() == text.strip()
 
