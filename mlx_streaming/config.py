@@ -167,9 +167,9 @@ class StreamConfig:
         None, "cache-aware routing: instead of taking every resident candidate first, add "
         "this to the resident candidates' selection scores and take the best (an ungrouped "
         "softmax router's logits: a resident expert counts as e^bonus times as likely; "
-        "docs/routing.md gives the others' units; default: 0.25 for such a router of < 8 "
+        "docs/routing.md gives the others' units; default: 0.15 for such a router of < 8 "
         "experts per token, else resident first)", type=float,
-        bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="0.25 or resident first",
+        bounds=dict(low=0, high=MAX_GB, optional=True), shown_default="0.15 or resident first",
         same_on_ranks=True)
     routing_max_ppl: Optional[float] = _option(
         None, "a quality budget instead of knobs: cache-aware routing with the routing_keep, "

@@ -187,12 +187,12 @@ NB_MODULE(_ext, m) {
           [](PagedIndex& p, MArray<int32_t, 1> slot_of_expert, MArray<int64_t, 1> expert_of_slot,
              CArray<int64_t, 2> addresses, MArray<double, 1> last_use,
              std::optional<MArray<double, 1>> score, CArray<uint32_t, 1> checksums,
-             MArray<bool, 1> unverified, std::optional<MArray<bool, 2>> shadow,
+             MArray<bool, 1> unchecked, std::optional<MArray<bool, 2>> shadow,
              std::optional<MArray<double, 1>> misses) {
             size_t experts = slot_of_expert.shape(0), slots = expert_of_slot.shape(0);
             bool ok = addresses.shape(0) == slots && addresses.shape(1) == p.segments() &&
                 last_use.shape(0) == experts + 1 &&
-                checksums.shape(0) == experts && unverified.shape(0) == experts &&
+                checksums.shape(0) == experts && unchecked.shape(0) == experts &&
                 (!score || score->shape(0) == experts + 1) &&
                 // The adaptive policy: both shadows, its misses and a score.
                 (!shadow == !misses) && (!shadow || (score && shadow->shape(0) == 2 &&
@@ -204,13 +204,13 @@ NB_MODULE(_ext, m) {
             p.bind({slot_of_expert.data(), expert_of_slot.data(), addresses.data(),
                     last_use.data(), score ? score->data() : nullptr,
                     shadow ? shadow->data() : nullptr, misses ? misses->data() : nullptr,
-                    checksums.data(), unverified.data(), static_cast<int64_t>(experts),
+                    checksums.data(), unchecked.data(), static_cast<int64_t>(experts),
                     static_cast<int64_t>(slots)});
           },
           // noconvert: a converted temporary would be freed when bind returns.
           "slot_of_expert"_a.noconvert(), "expert_of_slot"_a.noconvert(),
           "addresses"_a.noconvert(), "last_use"_a.noconvert(), "score"_a.noconvert().none(),
-          "checksums"_a.noconvert(), "unverified"_a.noconvert(),
+          "checksums"_a.noconvert(), "unchecked"_a.noconvert(),
           "shadow"_a.noconvert().none() = nb::none(), "misses"_a.noconvert().none() = nb::none(),
           "Borrow the pool's tables and the policy's scores (rebind after a resize).")
       .def("unbind", &PagedIndex::unbind,

@@ -231,7 +231,7 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
   for (size_t i = 0; i < m; ++i) {
     offsets_[i] = misses_[i] * stride_;
     std::copy_n(a_.addresses + victims_[i] * segs, segs, dst_.begin() + i * segs);
-    want_[i] = checksums_ == Checksums::Always || (checksums_ == Checksums::FirstRead && a_.unverified[misses_[i]]);
+    want_[i] = checksums_ == Checksums::Always || (checksums_ == Checksums::FirstRead && a_.unchecked[misses_[i]]);
     any_crc = any_crc || want_[i];
   }
   double read_start = now();
@@ -242,7 +242,7 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
   if (blob_changed()) {
     // These bytes may come from the new file: read them again, checked,
     // and check every later first read from it (ExpertStore.load's rule).
-    std::fill(a_.unverified, a_.unverified + a_.experts, true);
+    std::fill(a_.unchecked, a_.unchecked + a_.experts, true);
     std::fill(want_.get(), want_.get() + m, true);
     any_crc = true;
     crcs = reader_->read(file_, offsets_.data(), m, segments_, dst_.data(), want_.get(), stride_);
@@ -258,7 +258,7 @@ EnsureResult PagedIndex::ensure(const int64_t* experts, size_t n) {
       }
     }
     for (int64_t e : misses_) {
-      a_.unverified[e] = false;
+      a_.unchecked[e] = false;
     }
   }
   for (size_t i = 0; i < m; ++i) {

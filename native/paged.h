@@ -35,7 +35,7 @@ struct PagedArrays {
   bool* shadow; // [2, experts + 1], the adaptive policy's LRU and LFU shadow pools; or null
   double* misses; // [2], each shadow's decayed misses; null with shadow
   const uint32_t* checksums; // [experts]
-  bool* unverified; // [experts]
+  bool* unchecked; // [experts]
   int64_t experts;
   int64_t slots;
 };

@@ -182,8 +182,8 @@ def equal_memory_slots(manifest, slots: int, bits: Optional[int],
         raise BenchError(f"{flag}: the model holds no {bits}-bit copies (add them: "
                          f"python -m mlx_streaming.convert --out DIR --miss-bits {bits})")
     full, low = manifest.layers[0], copies.layers[0]
-    copies = copy_slots(low) * low.expert_nbytes
-    return slots - -(-copies // full.expert_nbytes)
+    copy_bytes = copy_slots(low) * low.expert_nbytes
+    return slots - -(-copy_bytes // full.expert_nbytes)
 
 
 def held_out_text(out: Path, tokens: int) -> Path:

@@ -364,7 +364,7 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
 
 def _convert_mtp(model, config, src_path: Path, dst: Path, top_k: int, options: dict,
                  bar) -> Optional[MtpSpec]:
-    """Keep the model's MTP layers (``models.mtp``), which mlx-lm drops: their
+    """Keep the model's MTP layers (``models.mtp_layers``), which mlx-lm drops: their
     routed experts as blobs, the rest in ``mtp.safetensors``. None when the
     config declares none or the source has no such weights."""
     count = mtp_layers.mtp_layers_of(config)

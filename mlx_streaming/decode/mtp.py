@@ -1,4 +1,4 @@
-"""Drafts from the model's own MTP layers (``models.mtp``)."""
+"""Drafts from the model's own MTP layers (``models.mtp_layers``)."""
 
 from typing import List, Optional, Sequence, Tuple
 

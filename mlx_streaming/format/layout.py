@@ -204,7 +204,7 @@ class Manifest:
     layers: Tuple[LayerSpec, ...]
     source: dict = field(default_factory=dict)
     spine: Tuple[SpineFile, ...] = ()
-    # Multi-token-prediction layers (models.mtp): their spine file and expert blobs.
+    # Multi-token-prediction layers (models.mtp_layers): their spine file and expert blobs.
     mtp: Optional["MtpSpec"] = None
     # Version 2: per-layer dense records, in layer order (empty: all in spine).
     dense: Tuple[DenseSpec, ...] = ()

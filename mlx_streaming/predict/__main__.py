@@ -123,7 +123,8 @@ def _routing(config: StreamConfig, top_k: int) -> RoutingForecast:
 
     if config.routing == "exact":
         return RoutingForecast("exact", top_k, None)
-    keep = min(top_k, config.routing_keep or default_keep(top_k, config.routing))
+    # As the runtime's default for a softmax router steered by its logits.
+    keep = min(top_k, config.routing_keep or default_keep(top_k, config.routing, True))
     if config.routing != "cache-aware" and keep >= top_k:
         raise ConfigError(f"--routing-keep {keep} keeps all {top_k} experts the model routes a "
                           f"token to, so --routing {config.routing} changes nothing: use a "

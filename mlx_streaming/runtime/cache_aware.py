@@ -37,10 +37,10 @@ FILLER = 60.0
 # token's expert mass: there a softmax router steered by its logits keeps its
 # top expert and prefers resident ones by a logit bonus (docs/routing.md).
 FEW_EXPERTS = 8
-DEFAULT_LOGIT_BONUS = 0.25
+DEFAULT_LOGIT_BONUS = 0.15
 
 
-def default_keep(top_k: int, mode: str = "cache-aware", logits: bool = True) -> int:
+def default_keep(top_k: int, mode: str, logits: bool) -> int:
     """The router's own top experts always taken: half (skip-misses, and a
     few-expert softmax router's cache-aware routing: the top one)."""
     if mode == "skip-misses" or (mode == "cache-aware" and logits and top_k < FEW_EXPERTS):
@@ -61,7 +61,7 @@ def check_keep(specs, config) -> None:
     if config.routing not in ("top-k-cut", "skip-misses"):
         return
     for spec in specs:
-        keep = config.routing_keep or default_keep(spec.top_k, config.routing)
+        keep = config.routing_keep or default_keep(spec.top_k, config.routing, False)
         if keep < spec.top_k:
             continue
         if spec.top_k == 1:

@@ -98,7 +98,7 @@ def _check_spine_complete(path: Path, model: nn.Module, manifest: Manifest) -> N
 
 def attach_mtp(model: nn.Module, path: Path, manifest: Manifest, model_config: dict,
                 config: StreamConfig) -> Manifest:
-    """Build the MTP layers (``models.mtp``) as ``model.mtp`` with their non-expert
+    """Build the MTP layers (``models.mtp_layers``) as ``model.mtp`` with their non-expert
     weights; returns the manifest with their expert layers, streamed like the rest."""
     if manifest.mtp is None:
         raise ConfigError(

@@ -32,14 +32,16 @@ from .store import NATIVE_POLICIES, ExpertStore, NativeStore, RecordSource
 @dataclass(frozen=True)
 class HotPath:
     """How a model's MoE calls run, chosen once at load and reported by ``stats()``:
-    ``residency`` ("resident", "native in graph", "native synced", "python"), ``why``."""
+    ``kind`` ("resident", "native in graph", "native synced", "python"), ``why``."""
 
-    residency: str
+    kind: str
     why: str
 
 
 def choose_path(runtime) -> HotPath:
-    """The path of every MoE call (per call, only size and stream decide in-graph)."""
+    """The path of every MoE call. On "native in graph", a call still syncs when it
+    holds more ids than slots, runs on another stream, or its layer's reads are
+    slow enough to overlap (``NativePaged.__call__``)."""
     config = runtime.config
     if not runtime.paged:
         return HotPath("resident", "every expert fits in its layer's pool")
@@ -153,7 +155,7 @@ def make_copies(path: Path, spec: LayerSpec, inner: nn.Module, runtime) -> LowBi
 def make_store(spec: LayerSpec, pool: SlotPool, source: RecordSource, policy,
                runtime) -> ExpertStore:
     """One layer's store: the native step on a native path, else the Python reference."""
-    native = runtime.path.residency.startswith("native")
+    native = runtime.path.kind.startswith("native")
     store_class = NativeStore if native else ExpertStore
     return store_class(spec, pool, source, policy, runtime.config.checksums, runtime.events)
 
@@ -163,7 +165,7 @@ def make_paged(store: ExpertStore, runtime, prefetcher=None, router=None,
     """A paged residency over ``store``: in the graph on that path, else host-synced."""
     args = (store, runtime.events, prefetcher, router, runtime.overlap_reads(), copies)
     if isinstance(store, NativeStore):
-        residency = NativePaged(*args, in_graph=runtime.path.residency == "native in graph")
+        residency = NativePaged(*args, in_graph=runtime.path.kind == "native in graph")
     else:
         residency = Paged(*args)
     runtime.residencies.append(residency)

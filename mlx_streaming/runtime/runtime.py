@@ -49,7 +49,7 @@ class Runtime:
         self.closed = False
         self.stores: List[ExpertStore] = []
         self.residencies: List[Paged] = []
-        # routing.CacheAwareRouter of each layer: paged ones when not exact, all for top-k-cut.
+        # cache_aware.CacheAwareRouter of each layer: paged ones when not exact, all for top-k-cut.
         self.routers = []
         # Compares the routers' choices across tensor-parallel ranks, or None.
         self.routing_check = None
@@ -61,8 +61,13 @@ class Runtime:
         self._cache_limit = None  # MLX's buffer cache limit before cap_buffer_cache
         self.stats = Stats([spec.layer for spec in manifest.layers])
         self.speculative = SpecStats()  # drafts through this model
-        self.trace = TraceWriter(config.trace) if config.trace else None
-        self.prefetch = make_prefetch(config, manifest, reader, self.paged)
+        # Prefetch's staging is the reader's: a failure here releases the reader.
+        try:
+            self.prefetch = make_prefetch(config, manifest, reader, self.paged)
+            self.trace = TraceWriter(config.trace) if config.trace else None
+        except BaseException:
+            reader.close()
+            raise
         # Who hears the paged calls: the counters, the trace, prefetch's learners.
         self.events = Events([self.stats] + ([self.trace] if self.trace else [])
                              + ([self.prefetch.control] if self.paged else []))

@@ -210,7 +210,7 @@ def _report(runtime) -> dict:
         moe_layers=sum(not spec.module.startswith("mtp.") for spec in runtime.manifest.layers),
         pool_bytes=runtime.pool_bytes,
         residency="paged" if runtime.paged else "resident",
-        path=dict(residency=runtime.path.residency, why=runtime.path.why),
+        path=dict(kind=runtime.path.kind, why=runtime.path.why),
         prefetch=config.prefetch,
         prefetch_decision=_prefetch_decision(runtime),
         prefetch_bandwidth=_bandwidth_of(runtime),

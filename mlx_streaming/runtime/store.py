@@ -72,7 +72,7 @@ class ExpertStore:
         self.expert_nbytes = spec.expert_nbytes
         self.checksums = checksums
         # Experts whose checksum still has to be checked on their next read.
-        self.unverified = np.full(spec.num_experts, checksums != "off", dtype=bool)
+        self.unchecked = np.full(spec.num_experts, checksums != "off", dtype=bool)
         # A blob rewritten mid-run must give an error, never bytes checked before.
         self.watch = (BlobWatch(source.blob)
                       if source.blob is not None and checksums == "first-read" else None)
@@ -119,7 +119,7 @@ class ExpertStore:
         crcs = self._fill(experts, slots, want_crc, last)
         if self.watch is not None and self.watch.changed():
             # The blob changed: check these bytes, and later first reads, again.
-            self.unverified[:] = True
+            self.unchecked[:] = True
             want_crc = self._want_crc(experts)
             crcs = self._fill(experts, slots, want_crc)
         self._check(experts, want_crc, crcs)
@@ -130,7 +130,7 @@ class ExpertStore:
     def _want_crc(self, experts: np.ndarray) -> np.ndarray:
         if self.checksums == "always":
             return np.ones(len(experts), dtype=bool)
-        return self.unverified[experts]
+        return self.unchecked[experts]
 
     def preload(self) -> None:
         """Read every expert into the slot of the same index (all resident)."""
@@ -194,7 +194,7 @@ class ExpertStore:
             raise CorruptExpertError(
                 self.layer, int(experts[bad][0]), "checksum mismatch"
             )
-        self.unverified[experts] = False
+        self.unchecked[experts] = False
 
     def drain_counters(self) -> None:
         """Forget counts not yet reported (the native store's graph calls)."""
@@ -234,7 +234,7 @@ class NativeStore(ExpertStore):
         pool, policy = self.pool, self.policy
         self.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
                         policy.last_use, getattr(policy, "score", None), self.crcs,
-                        self.unverified, getattr(policy, "shadow", None),
+                        self.unchecked, getattr(policy, "shadow", None),
                         getattr(policy, "misses", None))
 
     def resize(self, slots: int) -> None:

@@ -40,7 +40,7 @@ def _state(model):
             policy.last_use.copy(),
             getattr(policy, "score", np.zeros(1)).copy(),
             policy.clock,
-            store.unverified.copy(),
+            store.unchecked.copy(),
             getattr(policy, "shadow", np.zeros(1)).copy(),
             getattr(policy, "misses", np.zeros(1)).copy(),
         ))
@@ -54,7 +54,7 @@ def _counters(model):
 
 def _assert_same_state(a, b, step, layers=None):
     for layer, (x, y) in enumerate(zip(_state(a)[:layers], _state(b)[:layers])):
-        for name, u, v in zip(("slots", "table", "last_use", "score", "clock", "unverified",
+        for name, u, v in zip(("slots", "table", "last_use", "score", "clock", "unchecked",
                                "shadow", "misses"), x, y):
             assert np.array_equal(u, v), f"step {step}, layer {layer}: {name} differ"
 
@@ -206,11 +206,11 @@ def test_bind_refuses_arrays_it_would_have_to_copy(qwen):
     with pytest.raises(TypeError):
         store.index.bind(pool.slot_of_expert, pool.expert_of_slot, pool.addresses,
                          policy.last_use.astype(np.float32), policy.score, store.crcs,
-                         store.unverified)
+                         store.unchecked)
     with pytest.raises(TypeError):
         store.index.bind(pool.slot_of_expert.astype(np.int64), pool.expert_of_slot,
                          pool.addresses, policy.last_use, policy.score, store.crcs,
-                         store.unverified)
+                         store.unchecked)
 
 
 def test_a_closed_model_is_a_clear_error_on_both_kinds_of_call(qwen):

@@ -435,7 +435,7 @@ def test_calibration_chance_of_use_is_smoothed_per_bin():
     assert calibration.used_share(0, 6, 2) == pytest.approx(1 / 2)  # several tokens: apart
 
 
-def test_every_prediction_read_counts_the_chance_of_each_rank():
+def test_every_prediction_read_counts_the_chance_of_each_position():
     """Where scores are not binned (precision 0, a sigmoid router), the
     chance of the partly covered record is its rank's share used."""
     from mlx_streaming.runtime.prefetch.learn import ReadEveryPrediction
@@ -620,7 +620,7 @@ def _stats_of_decode(model, steps: int) -> dict:
     return mlx_streaming.stats(model)
 
 
-def test_prefetch_learns_over_its_own_channel_not_the_telemetry(qwen):
+def test_prefetch_learners_hear_the_paged_calls_through_one_observer(qwen):
     """What prefetch learns (calls, routes, stalls) reaches its learners
     through ``PrefetchControl``, one observer of the paged calls' events,
     each hook only where the factory wired it; the learners are not

@@ -50,11 +50,11 @@ def make_prefetch(config: StreamConfig, manifest: Manifest, reader, paged: bool)
         on_call.append(trial.on_call)
         on_stall.append(trial.on_stall)
     by_position = ReadEveryPrediction()
-    parts = Prefetch(on=config.prefetch != "off" and paged, trial=trial, bandwidth=None,
-                     calibration=by_position, by_position=by_position, affinity=None,
-                     control=PrefetchControl())
+    on = config.prefetch != "off" and paged
+    parts = Prefetch(on=on, trial=trial, bandwidth=None, calibration=by_position,
+                     by_position=by_position, affinity=None, control=PrefetchControl(),
+                     staging=reader.staging(*staging_shape(manifest, config)) if on else None)
     if parts.on:
-        parts.staging = reader.staging(*staging_shape(manifest, config))
         parts.bandwidth = PrefetchBandwidth(
             first, len(manifest.layers), max(spec.stride for spec in manifest.layers),
             config.prefetch_max_tokens, reader.busy, fixed=config.prefetch_records)
