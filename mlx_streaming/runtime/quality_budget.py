@@ -29,8 +29,14 @@ def candidates(top_k: int, num_experts: int) -> List[str]:
     return plain + [f"cache-aware:1:{windows[0]}:{b:g}" for b in BONUSES]
 
 
+# Part of a choice's file name: choices made before cache-aware routing's defaults
+# changed (a bonus left unset meant resident first) are not read back.
+CHOICE_VERSION = 2
+
+
 def choice_path(cache_dir: Path, identity: int, slots: int, max_ppl: float) -> Path:
-    return Path(cache_dir) / "routing-budget" / f"{identity:08x}-s{slots}-p{max_ppl:g}.json"
+    name = f"{identity:08x}-s{slots}-p{max_ppl:g}-v{CHOICE_VERSION}.json"
+    return Path(cache_dir) / "routing-budget" / name
 
 
 def resolve(path: Path, manifest: Manifest, config, slots: int, identity: int,
@@ -48,7 +54,7 @@ def resolve(path: Path, manifest: Manifest, config, slots: int, identity: int,
         cached.write_text(json.dumps(choice))
         how = f"measured on {CALIBRATION_TOKENS} tokens of held-out text"
     keep, window, bonus = choice["keep"], choice["window"], choice["bonus"]
-    also = "" if bonus is None else f", routing_bonus={bonus:g}"
+    also = ", routing_bonus default" if bonus is None else f", routing_bonus={bonus:g}"
     warnings.warn(
         f"mlx_streaming: routing_max_ppl={config.routing_max_ppl:g}: chose routing_keep={keep}, "
         f"routing_window={window}{also} at {slots} slots per layer (perplexity "
