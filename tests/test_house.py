@@ -165,3 +165,11 @@ def test_every_subpackage_says_what_it_is():
     silent = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py")
               if not ast.get_docstring(ast.parse(p.read_text()))]
     assert not silent, f"no docstring: {silent}"
+
+
+def test_module_names_are_unique():
+    """One name per idea: no two modules of the package share a file name
+    (a package's __init__ and __main__ aside)."""
+    names = [p.name for p in _modules() if p.name not in ("__init__.py", "__main__.py")]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    assert not repeated, repeated

@@ -21,7 +21,7 @@ from mlx_streaming.bench.ranks import free_ports
 from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConfigError, ConversionError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
-from mlx_streaming.testing import sharded, tiny
+from mlx_streaming.testing import rank_check, tiny
 from mlx_streaming.testing.helpers import VOCAB, pool_sizes
 from mlx_streaming.testing.hubserver import HubServer
 
@@ -86,7 +86,7 @@ def launch(tmp_path, *args, timeout=TIMEOUT):
     """Run the rank check on two ranks; each rank's result, by rank."""
     out = tmp_path / "ranks"
     out.mkdir(exist_ok=True)
-    proc = run_launched([*launcher(), sharded.__file__, "--out", str(out), *map(str, args)],
+    proc = run_launched([*launcher(), rank_check.__file__, "--out", str(out), *map(str, args)],
                         timeout)
     results = []
     for r in range(2):
