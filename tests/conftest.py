@@ -117,7 +117,12 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory, tokenizer_dir) -> ModelFactory:
-    return ModelFactory(tmp_path_factory.mktemp("models"), tokenizer_dir)
+    """Tiny models built once per run: under pytest-xdist in the run's own
+    temporary folder, which the workers' folders sit in, shared by them."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    return ModelFactory(base / "models-shared", tokenizer_dir)
 
 
 @pytest.fixture

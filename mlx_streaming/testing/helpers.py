@@ -3,6 +3,7 @@ trace and the exactness check against mlx-lm's resident model, the bytes of
 a record or a pool slot, resharded and version-1 copies, the package's
 commands and server run as a user runs them, and synthetic routing."""
 
+import fcntl
 import json
 import re
 import shutil
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 from typing import Dict, Tuple
 
@@ -62,7 +64,9 @@ def greedy_text(model, tokenizer, max_tokens=16):
 
 
 class ModelFactory:
-    """Tiny models per (family, quantized), built once per session."""
+    """Tiny models per (family, quantized, overrides), built once per test run:
+    ``root`` may be shared by several test processes (pytest-xdist workers),
+    each model built by the first that asks for it, under a file lock."""
 
     def __init__(self, root: Path, tokenizer_dir: Path):
         self.root = Path(root)
@@ -72,16 +76,26 @@ class ModelFactory:
     def get(self, family: str, quantized: bool, **overrides) -> Tuple[Path, Path]:
         key = (family, quantized, tuple(sorted(overrides.items())))
         if key not in self._cache:
-            name = f"{family}-{'q4' if quantized else 'f32'}-{len(self._cache)}"
-            config = tiny.tiny_config(family, VOCAB, **overrides)
-            model = tiny.build_model(config)
-            src = tiny.save_mlx_model(model, config, self.root / name, self.tokenizer_dir,
-                                      quantize=quantized)
-            if overrides.get("num_nextn_predict_layers"):
-                tiny.add_mtp_weights(model, config, src, quantize=quantized)
-            dst = convert(src, self.root / f"{name}-stream", progress=False)
-            self._cache[key] = (src, dst)
+            name = f"{family}-{'q4' if quantized else 'f32'}-{zlib.crc32(repr(key).encode()):08x}"
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / f"{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (self.root / f"{name}.done").exists():
+                    self._build(name, family, quantized, overrides)
+                    (self.root / f"{name}.done").touch()
+            self._cache[key] = (self.root / name, self.root / f"{name}-stream")
         return self._cache[key]
+
+    def _build(self, name: str, family: str, quantized: bool, overrides: dict) -> None:
+        for partial in (self.root / name, self.root / f"{name}-stream"):
+            shutil.rmtree(partial, ignore_errors=True)  # a build that was interrupted
+        config = tiny.tiny_config(family, VOCAB, **overrides)
+        model = tiny.build_model(config)
+        src = tiny.save_mlx_model(model, config, self.root / name, self.tokenizer_dir,
+                                  quantize=quantized)
+        if overrides.get("num_nextn_predict_layers"):
+            tiny.add_mtp_weights(model, config, src, quantize=quantized)
+        convert(src, self.root / f"{name}-stream", progress=False)
 
 
 def pool_sizes(stream_dir: Path):

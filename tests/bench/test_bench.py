@@ -177,7 +177,7 @@ def test_bench_quality_measures_each_setting_against_exact(models, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 20)
     _run(["quality", "--model", str(stream_dir), "--text", str(text), "--tokens", "48",
-          "--settings", "cache-aware:1:8,cache-aware:2:8:0.5", "--pace-mbps", "1000"],
+          "--settings", "cache-aware:1:8:100,cache-aware:2:8:0.5", "--pace-mbps", "1000"],
          tmp_path / "q")
     result = json.loads((tmp_path / "q" / "quality.json").read_text())
     exact, ca, bonus = result["rows"]
