@@ -17,6 +17,7 @@ rate, and the bytes each rank reads per token.
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -139,13 +140,18 @@ def _row(name: str, results: List[dict]) -> dict:
 
 
 def free_ports(n: int) -> List[int]:
-    """``n`` TCP ports on 127.0.0.1 free a moment ago (for local ranks)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` TCP ports on 127.0.0.1 free a moment ago, below the ephemeral
+    range (where the system hands out the ports of outgoing connections)."""
+    ports: List[int] = []
+    while len(ports) < n:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
