@@ -28,14 +28,20 @@ def main(argv=None) -> int:
         args.model = str(Path(args.model).expanduser())
         from tqdm import tqdm
 
-        from .format import checked_layers, damaged_experts, damaged_spine, read_manifest
+        from .format import (
+            checked_dense,
+            checked_layers,
+            damaged_experts,
+            damaged_spine,
+            read_manifest,
+        )
 
-        manifest = read_manifest(args.model, blobs=False)
+        manifest = read_manifest(args.model, blobs=False, dense=False)
         try:
             layers = checked_layers(args.model, args.rank)
         except CorruptExpertError as e:
             raise FormatError(e.brief) from None  # its pointer to `check` is this command
-        spine = damaged_spine(args.model, manifest)
+        spine = damaged_spine(args.model, manifest, args.rank)
         if spine:
             raise FormatError(
                 f"{len(spine)} damaged or missing spine files ({', '.join(spine)}); "
@@ -53,8 +59,9 @@ def main(argv=None) -> int:
                   if widths else "")
         spine_note = (f"{len(manifest.spine)} spine files and " if manifest.spine else
                       "(this manifest predates spine checksums: spine not checked) ")
-        if manifest.dense:
-            spine_note += f"{len(manifest.dense)} dense layer records and "
+        dense = checked_dense(manifest, args.rank)
+        if dense:
+            spine_note += f"{len(dense)} dense layer records and "
         whose = "" if args.rank is None else f" of rank {args.rank}"
         print(f"{args.model}: {spine_note}all {records} expert records{whose}{copies} match "
               "their checksums")

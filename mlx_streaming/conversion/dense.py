@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -104,10 +104,10 @@ def dense_tensors(model, blocks, keep: set) -> Dict[str, Dict[str, mx.array]]:
     return out
 
 
-def convert_dense(model, blocks, keep: set, streamed: set,
-                   dst: Path) -> Tuple[DenseSpec, ...]:
-    """Write one record of each layer's dense tensors to ``spine/``."""
-    start_dense(dst)
+def convert_dense(model, blocks, keep: set, streamed: set, dst: Path,
+                  rank: Optional[Tuple[int, int]] = None) -> Tuple[DenseSpec, ...]:
+    """Write one record of each layer's dense tensors to ``spine/`` (of
+    ``model`` sharded as rank ``(r, n)``, in files of that rank's, where given)."""
     specs = []
     for prefix, tensors in sorted(dense_tensors(model, blocks, keep).items(),
                                   key=lambda kv: int(kv[0].rsplit(".", 1)[1])):
@@ -118,7 +118,8 @@ def convert_dense(model, blocks, keep: set, streamed: set,
         data = {k: (dtype_name(v.dtype), v.shape, np.array(v.reshape(-1).view(mx.uint8),
                                                             copy=False))
                 for k, v in tensors.items()}
-        specs.append(write_dense(dst, prefix, data, dense_quantization(model, prefix, tensors)))
+        specs.append(write_dense(dst, prefix, data, dense_quantization(model, prefix, tensors),
+                                 rank))
         # Free the layer's evaluated tensors before the next one.
         model.update(tree_unflatten([(f"{prefix}.{k}", mx.array([])) for k in tensors]))
     fsync_path(spine_dir(dst))
@@ -147,7 +148,8 @@ def dense_quantization(model, prefix: str, names) -> Dict[str, dict]:
     return out
 
 
-def write_dense(dst: Path, prefix: str, tensors, quantization: Dict[str, dict]) -> DenseSpec:
+def write_dense(dst: Path, prefix: str, tensors, quantization: Dict[str, dict],
+                rank: Optional[Tuple[int, int]] = None) -> DenseSpec:
     """Write the dense record of the layer at ``prefix``; ``tensors`` maps
     each name (relative to ``prefix``) to ``(dtype name, shape, bytes)``,
     ``bytes`` a uint8 array. Returns its manifest entry."""
@@ -158,7 +160,7 @@ def write_dense(dst: Path, prefix: str, tensors, quantization: Dict[str, dict]) 
     for seg in segments:
         record[seg.offset:seg.offset + seg.nbytes] = tensors[seg.name][2]
     layer = int(prefix.rsplit(".", 1)[1])
-    file = f"layer{layer:03d}.blob"
+    file = f"layer{layer:03d}.blob" if rank is None else f"layer{layer:03d}.rank{rank[0]}of{rank[1]}.blob"
     tmp = spine_dir(dst) / (file + ".tmp")
     with open(tmp, "wb") as f:
         f.write(record.data)

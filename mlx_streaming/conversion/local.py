@@ -47,7 +47,7 @@ from ..models.discover import (
     projections,
 )
 from .copies import add_copies, check_low_bits
-from .dense import convert_dense, resident_modules, write_spine
+from .dense import convert_dense, resident_modules, start_dense, write_spine
 from .experts import convert_layer, find_top_k, release_experts
 from .resume import (
     SKIP_FILES,
@@ -348,7 +348,11 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
     # MTP layers do not run split: a tensor-parallel conversion leaves them out.
     mtp_spec = None if ranks else _convert_mtp(model, config, src_path, dst, layers[-1].top_k,
                                                options, bar)
-    dense = convert_dense(model, blocks, keep, streamed, dst)
+    start_dense(dst)
+    # Tensor parallel: each rank's slices of every dense layer, cut by shard() as its experts.
+    dense_ranks = tuple(convert_dense(m, blocks, keep, streamed, dst, (r, len(ranks)))
+                        for r, m in enumerate(ranks))
+    dense = dense_ranks[0] if ranks else convert_dense(model, blocks, keep, streamed, dst)
     streamed.update(f"{d.prefix}.{s.name}" for d in dense for s in d.segments)
     write_spine(model, streamed, dst)
     save_config(dict(config), dst / "config.json")
@@ -357,7 +361,7 @@ def _convert_layers(model, config, blocks, state, src, src_path, dst, fingerprin
     source = {"model": str(src), "fingerprint": fingerprint, "options": options}
     by_rank = tuple(zip(*rank_layers)) if ranks else ()
     write_manifest(dst, Manifest(FORMAT_VERSION, tuple(layers), source, spine_manifest(dst),
-                                 mtp_spec, dense, by_rank))
+                                 mtp_spec, dense, by_rank, dense_ranks))
     state.path.unlink(missing_ok=True)
     return dst
 

@@ -43,6 +43,7 @@ from .files import (  # noqa: F401
     write_manifest,
 )
 from .integrity import (  # noqa: F401
+    checked_dense,
     checked_layers,
     damaged_experts,
     damaged_records,

@@ -14,17 +14,27 @@ from .files import (
     read_dense,
     read_manifest,
 )
-from .layout import SPINE_DIR, LayerSpec, Manifest, record_checksum
+from .layout import SPINE_DIR, DenseSpec, LayerSpec, Manifest, record_checksum
 
 
-def damaged_spine(path, manifest: Manifest) -> List[str]:
-    """Names of the spine files that are missing or fail their checksums."""
+def checked_dense(manifest: Manifest, rank=None) -> Tuple[DenseSpec, ...]:
+    """The dense records ``damaged_spine`` checks: every rank's, or one's."""
+    if not manifest.dense_ranks:
+        return manifest.dense
+    if rank is not None:
+        return manifest.dense_ranks[rank]
+    return tuple(d for specs in manifest.dense_ranks for d in specs)
+
+
+def damaged_spine(path, manifest: Manifest, rank=None) -> List[str]:
+    """Names of the spine files that are missing or fail their checksums
+    (of the dense records, one tensor-parallel rank's where given)."""
     bad = []
     for s in manifest.spine + ((manifest.mtp.spine,) if manifest.mtp else ()):
         f = Path(path) / s.name
         if not f.is_file() or f.stat().st_size != s.nbytes or crc_or_none(f) != s.crc32:
             bad.append(s.name)
-    for d in manifest.dense:
+    for d in checked_dense(manifest, rank):
         try:
             ok = dense_checksum(read_dense(path, d), d) == d.crc32
         except (OSError, FormatError):
@@ -42,7 +52,7 @@ def checked_layers(path, rank=None):
     Raises:
         FormatError: a blob missing or short, or no such rank.
     """
-    manifest = read_manifest(path, blobs=rank is None)
+    manifest = read_manifest(path, blobs=rank is None, dense=False)
     if rank is None:
         for spec in manifest.low_layers():
             check_blob_size(path, spec)

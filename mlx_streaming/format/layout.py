@@ -211,6 +211,8 @@ class Manifest:
     # A tensor-parallel conversion: each rank's expert layers (its slices of
     # every expert, in files of its own); ``layers`` are rank 0's. Empty: none.
     ranks: Tuple[Tuple[LayerSpec, ...], ...] = ()
+    # Its dense records likewise: each rank's slices; ``dense`` are rank 0's.
+    dense_ranks: Tuple[Tuple[DenseSpec, ...], ...] = ()
     # Low-bit copies of the experts, one entry per width. Empty: none.
     low_bits: Tuple[LowBits, ...] = ()
 

@@ -192,10 +192,11 @@ def manifest_from_dict(d) -> Manifest:
                 raise Malformed(f"dense record of layer {spec.layer} holds {full}, a "
                                  "streamed expert tensor")
     ranks = _ranks_from_dict(d["tensor_parallel"], specs) if "tensor_parallel" in d else ()
+    dense_ranks = _dense_ranks_from_dict(d["tensor_parallel"], dense) if ranks else ()
     low_bits = _low_bits_from_list(d["low_bits"], specs, ranks) if "low_bits" in d else ()
     return Manifest(version=d["version"], layers=specs,
                     source=source if isinstance(source, dict) else {}, spine=spine, mtp=mtp,
-                    dense=dense, ranks=ranks, low_bits=low_bits)
+                    dense=dense, ranks=ranks, dense_ranks=dense_ranks, low_bits=low_bits)
 
 
 def _check_low_layer(low: LayerSpec, full: LayerSpec, bits: int, where: str) -> None:
@@ -296,6 +297,30 @@ def _ranks_from_dict(d, main: Tuple[LayerSpec, ...]) -> Tuple[Tuple[LayerSpec, .
     return tuple(ranks)
 
 
+def _dense_ranks_from_dict(d, main: Tuple[DenseSpec, ...]) -> Tuple[Tuple[DenseSpec, ...], ...]:
+    """Each rank's dense records of a tensor-parallel conversion (none before
+    they were split): the same layers as rank 0's (``main``), in files of its own."""
+    if "dense" not in d:
+        return ()
+    lists = get_field(d, "dense", list, "tensor_parallel")
+    if len(lists) != d["ranks"]:
+        raise Malformed(f"tensor_parallel.dense has {len(lists)} ranks, not {d['ranks']}")
+    ranks = tuple(_dense_from_list(entries, f"tensor_parallel.dense[{r}]")
+                  for r, entries in enumerate(lists))
+    if ranks[0] != main:
+        raise Malformed("tensor_parallel.dense[0] are not the manifest's dense records")
+    def names(specs):
+        return [(s.layer, s.prefix, [g.name for g in s.segments]) for s in specs]
+
+    for r, specs in enumerate(ranks):
+        if names(specs) != names(main):
+            raise Malformed(f"tensor_parallel.dense[{r}] are not the manifest's dense layers")
+    files = [s.file for rank in ranks for s in rank]
+    if len(set(files)) != len(files):
+        raise Malformed("two ranks' dense records share a file")
+    return ranks
+
+
 def dense_from_dict(d, where: str = "dense") -> DenseSpec:
     """A ``DenseSpec`` from its manifest entry, every field checked."""
     nbytes, segments, file, layer = _record_fields(d, where, "nbytes")
@@ -317,10 +342,10 @@ def dense_from_dict(d, where: str = "dense") -> DenseSpec:
                      nbytes=nbytes, segments=segments, quantization=quantization, crc32=crc)
 
 
-def _dense_from_list(entries) -> Tuple[DenseSpec, ...]:
+def _dense_from_list(entries, where: str = "dense") -> Tuple[DenseSpec, ...]:
     if not isinstance(entries, list):
-        raise Malformed("dense is not a list")
-    specs = tuple(dense_from_dict(e, f"dense[{i}]") for i, e in enumerate(entries))
+        raise Malformed(f"{where} is not a list")
+    specs = tuple(dense_from_dict(e, f"{where}[{i}]") for i, e in enumerate(entries))
     if [s.layer for s in specs] != sorted(s.layer for s in specs):
         raise Malformed("dense records are not in layer order")
     for what in ("layer", "prefix", "file"):
@@ -328,6 +353,14 @@ def _dense_from_list(entries) -> Tuple[DenseSpec, ...]:
         if len(set(values)) != len(values):
             raise Malformed(f"two dense records share a {what}")
     return specs
+
+
+def _ranks_to_dict(manifest: Manifest) -> dict:
+    d = {"ranks": len(manifest.ranks),
+         "layers": [[layer_to_dict(spec) for spec in rank] for rank in manifest.ranks]}
+    if manifest.dense_ranks:
+        d["dense"] = [[asdict(spec) for spec in rank] for rank in manifest.dense_ranks]
+    return d
 
 
 def _mtp_from_dict(d, main: Tuple[LayerSpec, ...]) -> "MtpSpec":
@@ -365,9 +398,7 @@ def manifest_to_dict(manifest: Manifest) -> dict:
                     "layers": [layer_to_dict(spec) for spec in manifest.mtp.layers]}}
            if manifest.mtp is not None else {}),
         **({"dense": [asdict(d) for d in manifest.dense]} if manifest.version >= 2 else {}),
-        **({"tensor_parallel": {"ranks": len(manifest.ranks),
-                                "layers": [[layer_to_dict(spec) for spec in rank] for rank in manifest.ranks]}}
-           if manifest.ranks else {}),
+        **({"tensor_parallel": _ranks_to_dict(manifest)} if manifest.ranks else {}),
         **({"low_bits": [_low_bits_to_dict(c) for c in manifest.low_bits]}
            if manifest.low_bits else {}),
     }

@@ -195,7 +195,7 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
     if config.trace is not None and Path(config.trace).resolve().is_relative_to(path.resolve()):
         raise ConfigError(f"the trace {config.trace} would be written into the model's own "
                           "directory; write it elsewhere")
-    manifest = read_manifest(path, blobs=False, dense=repo is None or groups is None)
+    manifest = read_manifest(path, blobs=False, dense=groups is None)
     if groups is None and manifest.ranks:
         raise FormatError(
             f"{path} was converted for {manifest.tensor_parallel} tensor-parallel ranks: load "
@@ -216,8 +216,8 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
         hub.check_remote_blobs(repo, manifest)
         if groups is not None:
             hub.download_dense(repo, config, manifest.dense)
-            for spec in manifest.dense:
-                check_dense_size(path, spec)
+    for spec in manifest.dense if groups is not None else ():
+        check_dense_size(path, spec)  # the rank's own records
     if repo is None:
         # The copies of the width in use only: another width may be absent.
         for spec in manifest.expert_layers() + (manifest.low_layers(config.miss_bits)
@@ -227,8 +227,7 @@ def _open(name, revision, config: StreamConfig, tokenizer_config, model_config,
         manifest = attach_mtp(model, path, manifest, model_config, config)
     base = spine_bytes(path)
     if split is not None and split.tensor is not None:
-        manifest, base = sharding.load_spine_sliced(model, path, manifest, split,
-                                                    config.checksums)
+        base = sharding.shard_spine(model, manifest, split)
     if config.routing_max_ppl is not None:
         config = _within_budget(path, manifest, config, model_config, base, repo, split)
     runtime = _build_runtime(path, manifest, config, model_config, repo, base)

@@ -13,8 +13,6 @@ from mlx_lm.generate import generation_stream
 
 from ..errors import ConfigError, FormatError, RankError, first_line
 from ..format import Manifest, manifest_to_dict
-from ..io.python import PythonReader
-from . import spine
 from .stats import stats
 
 
@@ -38,7 +36,9 @@ def check_options(config, pipeline_group, tensor_group) -> None:
         raise ConfigError("MTP drafting does not run on a split model; draft with --draft "
                           "ngram or a draft model")
     if pipeline_group is not None and tensor_group is not None:
-        raise ConfigError("pass either pipeline_group or tensor_group, not both")
+        raise ConfigError("pass either pipeline_group or tensor_group, not both: MLX's ring "
+                          "and JACCL backends cannot split the ranks into both kinds of group, "
+                          "and mlx-lm's pipeline over the same group hangs (docs/distributed.md)")
 
 
 def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
@@ -68,6 +68,9 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
                           "tensor-parallel ranks: run it tensor parallel (--tensor-parallel) on "
                           "as many ranks, or convert it again without --tensor-parallel to run "
                           "it as a pipeline")
+    if tensor_group is not None and manifest.dense and not manifest.dense_ranks:
+        raise FormatError(f"{path} is a tensor-parallel conversion of an earlier mlx_streaming "
+                          "(its dense layers are not split per rank): convert it again")
     size = tensor_group.size() if tensor_group is not None else 1
     if manifest.tensor_parallel != size:
         how = (f"convert it with --tensor-parallel {size}" if size > 1
@@ -186,7 +189,7 @@ def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manif
     layers, dense, low = manifest.layers, manifest.dense, manifest.low_bits
     if sharding.tensor is not None and manifest.ranks:
         rank = sharding.tensor.rank()
-        layers = manifest.ranks[rank]
+        layers, dense = manifest.ranks[rank], manifest.dense_ranks[rank]
         low = tuple(replace(c, layers=c.ranks[rank], ranks=()) for c in low)
     if sharding.pipeline is not None:
         start, end = model.model.start_idx, model.model.end_idx
@@ -198,27 +201,25 @@ def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manif
             raise ConfigError(f"pipeline rank {sharding.pipeline.rank()}'s stage (layers "
                               f"{start} to {end - 1}) holds no MoE layer: use fewer ranks")
     # MTP layers do not run split; their blobs need not be on a rank's disk.
-    return replace(manifest, layers=layers, dense=dense, ranks=(), mtp=None, low_bits=low)
+    return replace(manifest, layers=layers, dense=dense, ranks=(), dense_ranks=(), mtp=None,
+                   low_bits=low)
 
 
-def load_spine_sliced(model: nn.Module, path, manifest: Manifest, sharding: Sharding,
-                      checksums: str):
-    """Tensor parallel: every spine layer read once and sliced by ``shard()``;
-    returns ``(manifest without the dense records, bytes of the rank's spine)``."""
-    reader = PythonReader(1)
-    try:
-        for spec in manifest.dense:
-            spine.load_pinned(model, path, spec, reader, checksums)
-    finally:
-        reader.close()
+def shard_spine(model: nn.Module, manifest: Manifest, sharding: Sharding) -> int:
+    """Tensor parallel: the model's layers cut by ``shard()`` before any dense
+    record is read (a rank's records hold its slices); returns the bytes of
+    what the rank keeps of the resident spine."""
     model.shard(sharding.tensor)
+    # Records and experts arrive later; their lazy inits are never evaluated.
     experts = tuple(f"{spec.module}." for spec in manifest.layers)
-    kept = [(k, v) for k, v in tree_flatten(model.parameters()) if not k.startswith(experts)]
-    # x * 1 is x to the bit, in arrays of their own: no view keeps a record resident.
+    records = {f"{d.prefix}.{s.name}" for d in manifest.dense for s in d.segments}
+    kept = [(k, v) for k, v in tree_flatten(model.parameters())
+            if not k.startswith(experts) and k not in records]
+    # x * 1 is x to the bit, in arrays of their own: no view keeps a whole tensor.
     own = [(k, v * mx.array(1, dtype=v.dtype)) for k, v in kept]
     mx.eval([v for _, v in own])
     model.update(tree_unflatten(own))
-    return replace(manifest, dense=()), sum(v.nbytes for _, v in own)
+    return sum(v.nbytes for _, v in own)
 
 
 def gather(record: dict, group) -> List[dict]:

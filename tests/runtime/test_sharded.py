@@ -105,18 +105,28 @@ def rank_bytes(stream_dir):
 def test_tensor_parallel_streaming_is_mlx_lms(split_models, family, tmp_path):
     src, plain, tp = split_models(family)
     pools = pool_sizes(tp)
+    # One spine layer pinned, the others streamed through a ring of one buffer.
     results = launch(tmp_path, "--source", src, "--model", tp, "--mode", "tensor",
-                     "--slots", ",".join(map(str, pools)))
+                     "--slots", ",".join(map(str, pools)),
+                     "--options", json.dumps({"pinned_layers": 1, "spine_ring": 1}))
     whole = read_manifest(plain).layers[0].expert_nbytes
+    whole_dense = [d.nbytes for d in read_manifest(plain).dense]
     for rank, (result, share) in enumerate(zip(results, rank_bytes(tp))):
         assert "error" not in result, result
+        own = [d.nbytes for d in read_manifest(tp).dense_ranks[rank]]
         for slots in pools:
             pool = result["pools"][str(slots)]
             assert pool["same"], f"rank {rank}, {slots} slots: logits differ from mlx-lm's"
             total = pool["stats"]["total"]
             # One read per missed expert, of this rank's slice alone.
             assert total["bytes_read"] == total["records_read"] * share
-        assert share * 2 == whole
+            # Each pass reads every streamed spine layer: this rank's slice of its record.
+            ring = pool["stats"]["spine"]
+            passes, extra = divmod(ring["reads"], len(own) - 1)
+            assert passes > 0 and extra == 0, ring
+            assert any(round(ring["read_gb"] * 1e9) == passes * (sum(own) - pinned)
+                       for pinned in own), (ring, own)
+        assert share * 2 == whole and all(o < w for o, w in zip(own, whole_dense))
     # A pool of one call's experts reads; a pool of every expert does not.
     assert results[0]["pools"][str(pools[0])]["stats"]["total"]["records_read"] > 0
     assert results[0]["pools"][str(pools[-1])]["stats"]["total"]["records_read"] == 0
@@ -172,6 +182,32 @@ def test_ranks_loading_different_conversions_are_refused(split_models, tmp_path)
     for result in results:
         assert "FormatError" in result["error"] and "rank 1's stream directory differs" in \
             result["error"], result
+
+
+def test_each_ranks_dense_records_are_checked(split_models, tmp_path):
+    _, _, tp = split_models("qwen3_moe")
+
+    def altered(change):
+        copy = tmp_path / f"tp{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tp, copy)
+        manifest = copy / "experts" / "manifest.json"
+        d = json.loads(manifest.read_text())
+        change(d)
+        manifest.write_text(json.dumps(d))
+        return copy
+
+    one = altered(lambda d: d["tensor_parallel"]["dense"].pop())
+    with pytest.raises(FormatError, match="tensor_parallel.dense has 1 ranks, not 2"):
+        read_manifest(one)
+    shared = altered(lambda d: d["tensor_parallel"]["dense"][1][0].update(
+        file=d["tensor_parallel"]["dense"][0][0]["file"]))
+    with pytest.raises(FormatError, match="two ranks' dense records share a file"):
+        read_manifest(shared)
+    # A conversion from before the dense layers were split: each rank would
+    # read the whole layers where shard() expects its slices.
+    older = altered(lambda d: d["tensor_parallel"].pop("dense"))
+    with pytest.raises(FormatError, match="earlier mlx_streaming .* convert it again"):
+        mlx_streaming.sharded_load(older, tensor_group=mx.distributed.init())
 
 
 def test_ranks_loading_with_different_math_are_refused(split_models, tmp_path):
@@ -351,12 +387,20 @@ def test_check_reads_every_ranks_records(split_models, tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert mlx_streaming.format.damaged_records(copy) == [(spec.layer, 3)]
-    # A machine holding one rank's files checks them alone.
-    for f in (copy / "experts").glob("*.rank0of2.blob"):
+    # A machine holding one rank's files checks them alone, its dense records too.
+    manifest = read_manifest(copy)
+    for f in [*(copy / "experts").glob("*.rank0of2.blob"), *(copy / "spine").glob("*.rank0of2.blob")]:
         f.unlink()
+    assert mlx_streaming.format.damaged_spine(copy, manifest, rank=1) == []
+    assert mlx_streaming.format.damaged_spine(copy, manifest) == [
+        f"spine/{d.file}" for d in manifest.dense_ranks[0]]
     one = subprocess.run([sys.executable, "-m", "mlx_streaming.check", str(copy), "--rank", "1"],
                          capture_output=True, text=True)
     assert one.returncode == 1 and "1 damaged expert records: layer " in one.stderr, one.stderr
+    dense = manifest.dense_ranks[1][-1]
+    with open(copy / "spine" / dense.file, "r+b") as f:
+        f.write(b"\xff" * 8)
+    assert mlx_streaming.format.damaged_spine(copy, manifest, rank=1) == [f"spine/{dense.file}"]
     with pytest.raises(FormatError, match="expert blob .* is missing"):
         mlx_streaming.format.damaged_records(copy)
     with pytest.raises(FormatError, match="no tensor-parallel rank 2"):
@@ -606,6 +650,9 @@ def test_a_tensor_parallel_repo_is_mlx_lms_and_each_rank_fetches_its_slices(
         blobs = _cached_blobs(tmp_path / f"cache-{rank}")
         assert blobs and all(RANK_BLOB.search(f"experts/{b}").group(1) == str(rank)
                              for b in blobs), (rank, sorted(blobs))
+        dense = {p.name for p in (tmp_path / f"cache-{rank}").rglob("*.blob")
+                 if p.parent.name == "spine"}
+        assert dense == {d.file for d in read_manifest(tp).dense_ranks[rank]}, (rank, dense)
     # Every expert read was a range of one rank's blob; none of a whole blob.
     expert_gets = [r for r in gets if r.path.startswith("experts/layer")]
     assert expert_gets and all(RANK_BLOB.search(r.path) and r.range is not None
