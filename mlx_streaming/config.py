@@ -417,9 +417,18 @@ def add_option_flag(parser, name: str, *flags: str, note: Optional[str] = None) 
         meta["type"] = make(bounds["low"], bounds.get("high"), **limits)
     if "choices" in meta:
         meta["choices"] = list(meta["choices"])
-    meta["help"] = ((f"{note}: " if note else "") + option_help(name)).replace("%", "%%")
-    parser.add_argument(*(flags or ("--" + name.replace("_", "-"),)), dest=name, default=None,
-                        **meta)
+    meta["help"] = flag_help(name, note)
+    parser.add_argument(*flag_names(name, flags), dest=name, default=None, **meta)
+
+
+def flag_names(name: str, flags=()) -> tuple:
+    """``flags``, or the field's own ``--name``."""
+    return flags or ("--" + name.replace("_", "-"),)
+
+
+def flag_help(name: str, note: Optional[str] = None, more: str = "") -> str:
+    """The field's help for argparse, after ``note`` (what a command applies it to)."""
+    return ((f"{note}: " if note else "") + option_help(name) + more).replace("%", "%%")
 
 
 def fields_by_name() -> dict:

@@ -11,8 +11,9 @@ from ..config import (
     StreamConfig,
     add_option_flag,
     fields_by_name,
+    flag_help,
+    flag_names,
     flag_value,
-    option_help,
     percent,
 )
 from ..errors import ConfigError, StreamingError
@@ -32,10 +33,9 @@ def add_option_list_flag(p, name: str, *flags: str, note: Optional[str] = None) 
     f = fields_by_name()[name]
     choices = f.metadata.get("choices")
     values = f"any of {', '.join(choices)}, " if choices else ""
-    help = (f"{note}: " if note else "") + option_help(name) + (
-        f"; {values}comma-separated to compare (default: {flag_value(f)})")
-    p.add_argument(*(flags or ("--" + name.replace("_", "-"),)), type=option_values(name),
-                   default=[flag_value(f)], help=help.replace("%", "%%"))
+    more = f"; {values}comma-separated to compare (default: {flag_value(f)})"
+    p.add_argument(*flag_names(name, flags), type=option_values(name), default=[flag_value(f)],
+                   help=flag_help(name, note, more))
 
 
 def option_values(name: str):
