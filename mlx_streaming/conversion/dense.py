@@ -30,6 +30,7 @@ from ..models.discover import (
     parent_path,
     router_paths,
 )
+from .tensor_parallel import rank_file
 
 SPINE_SHARD_GB = 1
 
@@ -160,7 +161,7 @@ def write_dense(dst: Path, prefix: str, tensors, quantization: Dict[str, dict],
     for seg in segments:
         record[seg.offset:seg.offset + seg.nbytes] = tensors[seg.name][2]
     layer = int(prefix.rsplit(".", 1)[1])
-    file = f"layer{layer:03d}.blob" if rank is None else f"layer{layer:03d}.rank{rank[0]}of{rank[1]}.blob"
+    file = f"layer{layer:03d}.blob" if rank is None else rank_file(layer, *rank)
     tmp = spine_dir(dst) / (file + ".tmp")
     with open(tmp, "wb") as f:
         f.write(record.data)
