@@ -18,7 +18,7 @@ from ..models.discover import (
     parent_path,
     router_paths,
 )
-from .rank_routing import NoRoutingCheck, residency_of
+from .rank_routing import NoRoutingCheck, residencies
 
 # Added to a masked logit: exp and sigmoid of it are 0 in float32; fits float16.
 PENALTY = 1e4
@@ -305,7 +305,8 @@ def install_routers(model: nn.Module, stores, blocks: dict, config, tensor_group
     """Wrap the router of every paged layer for ``config.routing``; returns the
     wrappers (tensor parallel: steered by what every rank holds)."""
     routers = []
-    for store in stores:
+    for store, residency in zip(stores, residencies([s.pool.table for s in stores],
+                                                     tensor_group)):
         spec = store.spec
         parent = get_module(model, parent_path(spec.module))
         found = _find_gate(model, spec, blocks[spec.module])
@@ -342,7 +343,7 @@ def install_routers(model: nn.Module, stores, blocks: dict, config, tensor_group
         bonus = config.routing_bonus
         if bonus is None:
             bonus = default_bonus(top_k, config.routing, logits)
-        router = CacheAwareRouter(gate, owner, residency_of(store.pool.table, tensor_group),
+        router = CacheAwareRouter(gate, owner, residency,
                                   top_k, keep, min(window, spec.num_experts), groups,
                                   bonus, config.routing,
                                   activation == "sigmoid", spec.layer)

@@ -24,14 +24,29 @@ class PoolResidency:
 
 
 class AgreedResidency:
-    """Tensor parallel: the experts resident on every rank of ``group``."""
+    """Tensor parallel: the experts resident on every rank of ``group``, agreed
+    once a pass for every layer: the first layer's call all-reduces every
+    layer's pool (a later layer's is as its call of the last pass left it;
+    what prefetch loads during a pass counts from the next)."""
 
-    def __init__(self, table: mx.array, group):
-        self.table, self.group = table, group
+    def __init__(self, tables: List[mx.array], group):
+        self.tables, self.group = tables, group
+        self.ends = np.cumsum([t.size for t in tables]).tolist()
+        self.agreed = None
 
-    def __call__(self, x: mx.array) -> mx.array:
-        held = mx.depends((self.table >= 0).astype(mx.int32), x)  # after x's collectives
-        return mx.distributed.all_sum(held, group=self.group) == self.group.size()
+    def layer(self, i: int):
+        """The residency the router of the ``i``-th paged layer steers by."""
+        start, end = ([0] + self.ends)[i], self.ends[i]
+
+        def resident(x: mx.array) -> mx.array:
+            if i == 0 or self.agreed is None:
+                held = mx.concatenate([t >= 0 for t in self.tables]).astype(mx.int32)
+                held = mx.depends(held, x)  # after x's collectives
+                self.agreed = mx.distributed.all_sum(held, group=self.group) == \
+                    self.group.size()
+            return self.agreed[start:end]
+
+        return resident
 
 
 class NoRoutingCheck:
@@ -107,9 +122,12 @@ def misses_of(num_experts: int, tensor_group):
     return OwnMisses() if tensor_group is None else AgreedMisses(tensor_group, num_experts)
 
 
-def residency_of(table: mx.array, tensor_group):
-    """What a router steers by: its pool, or (tensor parallel) every rank's."""
-    return PoolResidency(table) if tensor_group is None else AgreedResidency(table, tensor_group)
+def residencies(tables: List[mx.array], tensor_group) -> list:
+    """What each layer's router steers by: its pool, or (tensor parallel) every rank's."""
+    if tensor_group is None:
+        return [PoolResidency(t) for t in tables]
+    agreed = AgreedResidency(tables, tensor_group)
+    return [agreed.layer(i) for i in range(len(tables))]
 
 
 def routing_check(config, tensor_group):
