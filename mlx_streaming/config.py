@@ -407,7 +407,7 @@ def add_option_flag(parser, name: str, *flags: str, note: Optional[str] = None) 
     them (the benchmarks): its type, bounds, choices and help from the
     field (after ``note``, what the command applies it to), under ``flags``
     (default ``--name``), its dest the field's name, None when not given."""
-    from .flags import count, number
+    from .flags import count, flag_names, number
 
     bounds = fields_by_name()[name].metadata.get("bounds")
     meta = {k: v for k, v in fields_by_name()[name].metadata.items() if k not in _NOT_ARGPARSE}
@@ -419,11 +419,6 @@ def add_option_flag(parser, name: str, *flags: str, note: Optional[str] = None) 
         meta["choices"] = list(meta["choices"])
     meta["help"] = flag_help(name, note)
     parser.add_argument(*flag_names(name, flags), dest=name, default=None, **meta)
-
-
-def flag_names(name: str, flags=()) -> tuple:
-    """``flags``, or the field's own ``--name``."""
-    return flags or ("--" + name.replace("_", "-"),)
 
 
 def flag_help(name: str, note: Optional[str] = None, more: str = "") -> str:

@@ -169,3 +169,8 @@ def temperature(text: str) -> float:
     if 0 < value < MIN_TEMPERATURE:
         _fail(f"0 (greedy) or at least {MIN_TEMPERATURE:g}", text)
     return value
+
+
+def flag_names(name: str, flags=()) -> tuple:
+    """``flags``, or the option ``name``'s own ``--name``."""
+    return flags or ("--" + name.replace("_", "-"),)

@@ -12,12 +12,11 @@ from ..config import (
     add_option_flag,
     fields_by_name,
     flag_help,
-    flag_names,
     flag_value,
     percent,
 )
 from ..errors import ConfigError, StreamingError
-from ..flags import number
+from ..flags import flag_names, number
 from ..runtime.trace import read_trace
 
 

@@ -11,7 +11,8 @@ disk's rate and the decode tok/s, as a ratio to exact's in the same round,
 is the speed a read-bound machine gets.
 
 Settings (``--settings``): ``exact``; ``cache-aware`` (load()'s defaults),
-``cache-aware:KEEP:WINDOW`` (resident candidates first) or
+``cache-aware:KEEP:WINDOW`` (load()'s default bonus: resident first, or
+0.15 on a softmax router of fewer than 8 experts per token) or
 ``cache-aware:KEEP:WINDOW:BONUS`` (routing_bonus); the baselines
 ``top-k-cut:KEEP`` and ``skip-misses``; low-bit miss reads ``miss-bits:BITS``
 or ``miss-bits:BITS:WEIGHT`` (miss_bits_weight), alone or after a routing
