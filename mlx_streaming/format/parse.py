@@ -347,11 +347,11 @@ def _dense_from_list(entries, where: str = "dense") -> Tuple[DenseSpec, ...]:
         raise Malformed(f"{where} is not a list")
     specs = tuple(dense_from_dict(e, f"{where}[{i}]") for i, e in enumerate(entries))
     if [s.layer for s in specs] != sorted(s.layer for s in specs):
-        raise Malformed("dense records are not in layer order")
+        raise Malformed(f"{where}: records are not in layer order")
     for what in ("layer", "prefix", "file"):
         values = [getattr(s, what) for s in specs]
         if len(set(values)) != len(values):
-            raise Malformed(f"two dense records share a {what}")
+            raise Malformed(f"{where}: two records share a {what}")
     return specs
 
 

@@ -68,9 +68,11 @@ def choose(model: nn.Module, pipeline_group, tensor_group, model_type: str,
                           "tensor-parallel ranks: run it tensor parallel (--tensor-parallel) on "
                           "as many ranks, or convert it again without --tensor-parallel to run "
                           "it as a pipeline")
-    if tensor_group is not None and manifest.dense and not manifest.dense_ranks:
+    if tensor_group is not None and manifest.ranks and manifest.dense and \
+            not manifest.dense_ranks:
         raise FormatError(f"{path} is a tensor-parallel conversion of an earlier mlx_streaming "
-                          "(its dense layers are not split per rank): convert it again")
+                          "(its dense layers are not split per rank): convert it again, with "
+                          "--force")
     size = tensor_group.size() if tensor_group is not None else 1
     if manifest.tensor_parallel != size:
         how = (f"convert it with --tensor-parallel {size}" if size > 1
@@ -189,7 +191,8 @@ def rank_view(manifest: Manifest, model: nn.Module, sharding: Sharding) -> Manif
     layers, dense, low = manifest.layers, manifest.dense, manifest.low_bits
     if sharding.tensor is not None and manifest.ranks:
         rank = sharding.tensor.rank()
-        layers, dense = manifest.ranks[rank], manifest.dense_ranks[rank]
+        layers = manifest.ranks[rank]
+        dense = manifest.dense_ranks[rank] if manifest.dense_ranks else manifest.dense
         low = tuple(replace(c, layers=c.ranks[rank], ranks=()) for c in low)
     if sharding.pipeline is not None:
         start, end = model.model.start_idx, model.model.end_idx

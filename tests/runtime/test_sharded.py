@@ -22,7 +22,7 @@ from mlx_streaming.conversion.local import convert
 from mlx_streaming.errors import ConfigError, ConversionError, FormatError
 from mlx_streaming.format import read_manifest, record_checksum
 from mlx_streaming.testing import rank_check, tiny
-from mlx_streaming.testing.helpers import VOCAB, pool_sizes
+from mlx_streaming.testing.helpers import VOCAB, assert_same_logits, logits_trace, pool_sizes
 from mlx_streaming.testing.hubserver import HubServer
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
@@ -206,8 +206,17 @@ def test_each_ranks_dense_records_are_checked(split_models, tmp_path):
     # A conversion from before the dense layers were split: each rank would
     # read the whole layers where shard() expects its slices.
     older = altered(lambda d: d["tensor_parallel"].pop("dense"))
-    with pytest.raises(FormatError, match="earlier mlx_streaming .* convert it again"):
+    with pytest.raises(FormatError, match="earlier mlx_streaming .* convert it again, with --force"):
         mlx_streaming.sharded_load(older, tensor_group=mx.distributed.init())
+
+
+def test_a_plain_conversion_on_one_tensor_rank_is_load(split_models):
+    _, plain, _ = split_models("qwen3_moe")
+    with mlx_streaming.sharded_load(plain, tensor_group=mx.distributed.init(), pinned_layers=1,
+                                    spine_ring=1) as (model, _):
+        split = logits_trace(model)
+    with mlx_streaming.load(plain) as (model, _):
+        assert_same_logits(logits_trace(model), split)
 
 
 def test_ranks_loading_with_different_math_are_refused(split_models, tmp_path):
